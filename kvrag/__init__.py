@@ -1,0 +1,37 @@
+"""kvrag: fast retrieval-augmented generation by reusing the KV cache of retrieved chunks."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from kvrag.config import EngineConfig
+from kvrag.engine import ChunkInfo, Engine, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
+from kvrag.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    KvragError,
+    ModelNotFoundError,
+    StoreError,
+    UnsupportedModelError,
+)
+
+try:
+    __version__ = version("kvrag")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Generation",
+    "GenerationStats",
+    "GenerationStream",
+    "ChunkInfo",
+    "ScoreResult",
+    "WarmResult",
+    "KvragError",
+    "InvalidRequestError",
+    "ContextLengthError",
+    "UnsupportedModelError",
+    "ModelNotFoundError",
+    "StoreError",
+    "__version__",
+]

@@ -1,0 +1,22 @@
+"""The ``kvrag`` command line: ``kvrag bench ...``."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvrag bench [options]   (see `kvrag bench --help`)")
+        return 0
+    if argv[0] == "bench":
+        from kvrag.bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
+    print(f"kvrag: unknown command {argv[0]!r}; try `kvrag bench --help`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""The one configuration object of kvrag.
+
+Everything a user can tune lives here, with its documented default. ``Engine.from_pretrained``
+accepts any field as a keyword argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["EngineConfig", "MODES", "default_cache_dir"]
+
+#: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
+#: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
+#: ``blend``: CacheBlend fusion of cached chunk KV with HKVD recompute. ``reuse``: cached chunk KV
+#: used as is (recompute ratio 0).
+MODES = ("full", "prefix", "blend", "reuse")
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_DEVIATIONS = ("k", "v", "kv")
+
+
+def default_cache_dir() -> Path:
+    """Per-user cache directory: ``$KVRAG_CACHE_DIR``, else the platform's user cache dir."""
+    env = os.environ.get("KVRAG_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvrag"))
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        model: ``None`` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model
+            directory, or a local ``.gguf`` file (Llama family: Llama, Mistral, Qwen2, SmolLM).
+        dtype: compute dtype of weights and KV (``float32``, ``bfloat16``, ``float16``).
+        device: torch device; kvrag runs on CPU, CUDA tensors use the Triton kernels.
+        cache_dir: where converted weights and the disk tier live; default per-user cache dir.
+        max_context: context window in tokens; default the model's ``max_position_embeddings``.
+        num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        mode: default prefill mode, one of :data:`MODES`.
+        recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
+        check_layer: the layer on which HKVD selection starts (every token's KV is recomputed there
+            and compared with the cached KV). Layer 0's KV does not depend on context, so 1.
+        filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached
+            tokens kept after layer ``check_layer + i``, as a multiple of the recompute ratio; the
+            schedule ends at the ratio itself. ``(2.0, 1.5)`` keeps 2r after the check layer, 1.5r
+            after the next one and r from then on.
+        deviation: what the per-token KV deviation compares: ``k``, ``v`` or ``kv`` (sum of both).
+        prefix_block_tokens: block size of the exact prefix cache (tokens).
+        prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
+        memory_budget_bytes: byte budget of the in-memory KV tier.
+        chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
+        write_back: after a request, precompute and store the KV of chunks it missed.
+        max_new_tokens: default generation length.
+        temperature: default sampling temperature (0 = greedy).
+        top_p: nucleus sampling threshold used when temperature > 0.
+        seed: default sampling seed (``None`` = nondeterministic).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache_dir: str | None = None
+    max_context: int | None = None
+    num_threads: int | None = None
+    mode: str = "blend"
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    filter_schedule: tuple[float, ...] = (2.0, 1.5)
+    deviation: str = "kv"
+    prefix_block_tokens: int = 16
+    prefix_cache: bool = True
+    memory_budget_bytes: int = 2 * 1024**3
+    chunk_min_tokens: int = 1
+    write_back: bool = True
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_ratio(self.recompute_ratio)
+        if self.deviation not in _DEVIATIONS:
+            raise InvalidRequestError(f"deviation must be one of {_DEVIATIONS}, got {self.deviation!r}")
+        if self.check_layer < 1:
+            raise InvalidRequestError("check_layer must be >= 1 (layer 0's KV does not depend on context)")
+        self.filter_schedule = tuple(float(x) for x in self.filter_schedule)
+        if any(x < 1.0 for x in self.filter_schedule) or list(self.filter_schedule) != sorted(
+            self.filter_schedule, reverse=True
+        ):
+            raise InvalidRequestError("filter_schedule must be non-increasing multiples >= 1.0")
+        if self.prefix_block_tokens < 1:
+            raise InvalidRequestError("prefix_block_tokens must be >= 1")
+        if self.memory_budget_bytes < 0:
+            raise InvalidRequestError("memory_budget_bytes must be >= 0")
+        if self.max_context is not None and self.max_context < 2:
+            raise InvalidRequestError("max_context must be >= 2")
+        if self.max_new_tokens < 0:
+            raise InvalidRequestError("max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p must be in (0, 1]")
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown EngineConfig field(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+def check_ratio(ratio: float) -> float:
+    """Validate a recompute ratio (a number in [0, 1])."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise InvalidRequestError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")
+    if not 0.0 <= float(ratio) <= 1.0:
+        raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio}")
+    return float(ratio)

@@ -1,0 +1,6 @@
+"""The embedded PyTorch engine: model adapter, layer runner, fusion, store, planner."""
+
+from kvrag.engine.engine import Engine
+from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
+
+__all__ = ["Engine", "Generation", "GenerationStats", "GenerationStream", "ChunkInfo", "ScoreResult", "WarmResult"]

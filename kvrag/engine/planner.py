@@ -1,0 +1,192 @@
+"""From a request's segments to a prefill plan: tokens, cache lookups, what to compute.
+
+Each segment is tokenised on its own (a chunk's tokens are the same wherever it appears). Chunks
+are looked up by key (model fingerprint + token ids, verified on hit); the longest exact prefix is
+looked up in the prefix cache. The plan says which positions hold cached KV, which of those are
+candidates for HKVD recompute, and which must be computed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrag.engine.model import ModelAdapter
+from kvrag.engine.prefix import PrefixCache
+from kvrag.engine.runner import KVBuffer
+from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, chunk_key
+from kvrag.kernels import rope_rotate
+
+__all__ = ["Segment", "ChunkUse", "Plan", "Planner", "SpanSource"]
+
+
+@dataclass(slots=True)
+class Segment:
+    """A piece of the prompt: ``text`` (always computed) or ``chunk`` (a cacheable document)."""
+
+    kind: str
+    text: str
+    ids: list[int] = field(default_factory=list)
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+
+@dataclass(slots=True)
+class ChunkUse:
+    """What happened to one chunk of a request."""
+
+    index: int  # segment index
+    start: int
+    length: int
+    key: StoreKey
+    hit: bool
+    source: str  # "store", "prefix" (covered by an exact prefix), "computed"
+
+
+@dataclass(slots=True)
+class Plan:
+    """A prefill plan for one request."""
+
+    mode: str
+    ratio: float
+    segments: list[Segment]
+    ids: torch.Tensor  # [N]
+    prefix_len: int = 0  # [0, prefix_len) reused exactly from the prefix cache
+    prefix_records: list[tuple[int, KVRecord]] = field(default_factory=list)
+    chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of hits
+    chunks: list[ChunkUse] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def boundaries(self) -> list[int]:
+        return [s.end for s in self.segments]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prefix_len + sum(r.num_tokens for _, r in self.chunk_records)
+
+    def candidates(self) -> torch.Tensor:
+        """[N] bool: positions holding cached chunk KV."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for start, rec in self.chunk_records:
+            mask[start : start + rec.num_tokens] = True
+        return mask
+
+    def span_ids(self) -> torch.Tensor:
+        ids = torch.full((self.num_tokens,), -1, dtype=torch.long)
+        for i, (start, rec) in enumerate(self.chunk_records):
+            ids[start : start + rec.num_tokens] = i
+        return ids
+
+    def exact_end(self) -> int:
+        """Positions [0, exact_end) get exact KV (first cached chunk starts the approximation)."""
+        return min((s for s, _ in self.chunk_records), default=self.num_tokens)
+
+    def first_chunk_start(self) -> int:
+        return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
+
+
+class SpanSource:
+    """Cached KV of a plan (prefix blocks and chunk hits), placed layer by layer at its positions."""
+
+    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], cos: torch.Tensor, sin: torch.Tensor):
+        self.adapter = adapter
+        self.spans = spans
+        self.cos, self.sin = cos, sin  # [N, D] for every position of the prompt
+
+    def fill(self, layer: int, buf: KVBuffer) -> None:
+        dtype = self.adapter.dtype
+        for start, rec in self.spans:
+            end = start + rec.num_tokens
+            k = rec.k[layer].to(dtype)
+            buf.k[layer, :, start:end] = rope_rotate(k, self.cos[start:end], self.sin[start:end])
+            buf.v[layer, :, start:end] = rec.v[layer].to(dtype)
+
+
+class Planner:
+    """Tokenises segments and looks up cached KV for them."""
+
+    def __init__(self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, sink_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.store = store
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+        self.prefix_cache = PrefixCache(store, namespace, fingerprint, block)
+        self.sink_ids = sink_ids
+        self.sink_label = "sink:" + ",".join(map(str, sink_ids))
+        self._tok_cache: OrderedDict[str, list[int]] = OrderedDict()
+        bos = getattr(tokenizer, "bos_token_id", None)
+        with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+        plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+        self.bos_id = bos if bos is not None and len(with_special) > len(plain) and with_special[0] == bos else None
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a text on its own (no special tokens added), memoised."""
+        ids = self._tok_cache.get(text)
+        if ids is None:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            self._tok_cache[text] = ids
+            if len(self._tok_cache) > 4096:
+                self._tok_cache.popitem(last=False)
+        else:
+            self._tok_cache.move_to_end(text)
+        return ids
+
+    def chunk_key(self, ids: list[int]) -> StoreKey:
+        return chunk_key(self.namespace, self.fingerprint, ids, context=self.sink_label)
+
+    def segment(self, parts: list[tuple[str, str]]) -> tuple[list[Segment], torch.Tensor]:
+        """Tokenise (kind, text) parts into positioned segments; empty parts are dropped."""
+        segments: list[Segment] = []
+        pos = 0
+        if self.bos_id is not None:
+            first = next((t for _, t in parts if t), "")
+            if not first.startswith(self.tokenizer.bos_token or "\0"):
+                segments.append(Segment("text", self.tokenizer.bos_token, [self.bos_id], 0))
+                pos = 1
+        for kind, text in parts:
+            if not text:
+                continue
+            ids = self.tokenize(text)
+            if not ids:
+                continue
+            segments.append(Segment(kind, text, ids, pos))
+            pos += len(ids)
+        all_ids = [t for s in segments for t in s.ids]
+        return segments, torch.tensor(all_ids, dtype=torch.long)
+
+    def plan(self, segments: list[Segment], ids: torch.Tensor, mode: str, ratio: float, use_prefix: bool) -> Plan:
+        plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids)
+        id_list = ids.tolist()
+        if mode == "full" or (mode == "blend" and ratio >= 1.0):
+            for i, s in enumerate(segments):
+                if s.kind == "chunk":
+                    plan.chunks.append(ChunkUse(i, s.start, len(s.ids), self.chunk_key(s.ids), False, "computed"))
+            return plan
+        limit = len(id_list) - 1  # the last token is always computed: its logits start decoding
+        if use_prefix:
+            plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(id_list, plan.boundaries, limit)
+        for i, s in enumerate(segments):
+            if s.kind != "chunk":
+                continue
+            key = self.chunk_key(s.ids)
+            if s.end <= plan.prefix_len:
+                plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, True, "prefix"))
+                continue
+            rec = None
+            if mode in ("blend", "reuse") and s.start >= plan.prefix_len:
+                rec = self.store.get(key, s.ids)
+                if rec is not None and s.end > limit:  # keep the last token computed
+                    rec = None
+            if rec is not None:
+                plan.chunk_records.append((s.start, rec))
+            plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, rec is not None, "store" if rec else "computed"))
+        return plan

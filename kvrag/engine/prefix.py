@@ -1,0 +1,105 @@
+"""Exact prefix reuse: KV of prompt prefixes kept as a hash chain of token blocks.
+
+A prompt's tokens are cut into blocks of ``block`` tokens from position 0. Block ``i``'s key chains
+the previous key with the block's tokens, so a key stands for the whole prefix up to that block
+(like vLLM's prefix caching; the chain is a radix tree over blocks). A partial last block is kept
+too, at segment boundaries, so a system prompt whose length is not a multiple of the block size is
+still reused whole. Records hold keys without RoPE, like chunk records, and are placed back at the
+same positions, so the reused KV is exactly what was computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, token_bytes
+
+__all__ = ["PrefixCache"]
+
+
+class PrefixCache:
+    """Lookup and insertion of exact prefix blocks in a :class:`KVStore`."""
+
+    def __init__(self, store: KVStore, namespace: str, fingerprint: str, block: int) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.block = block
+        self._root = hashlib.sha256(f"kvrag-prefix\0{namespace}\0{fingerprint}".encode()).hexdigest()
+
+    def _child(self, parent: str, tokens: list[int]) -> str:
+        h = hashlib.sha256(bytes.fromhex(parent))
+        h.update(len(tokens).to_bytes(4, "little"))
+        h.update(token_bytes(tokens))
+        return h.hexdigest()
+
+    def lookup(self, ids: list[int], boundaries: list[int], limit: int) -> tuple[int, list[tuple[int, KVRecord]]]:
+        """Longest cached exact prefix of ``ids``, at most ``limit`` tokens.
+
+        Returns:
+            (length, [(start, record), ...]) with records covering [0, length) in order.
+        """
+        found: list[tuple[int, KVRecord]] = []
+        parent, pos = self._root, 0
+        while pos + self.block <= limit:
+            tokens = ids[pos : pos + self.block]
+            digest = self._child(parent, tokens)
+            rec = self.store.get(StoreKey(self.namespace, digest), tokens)
+            if rec is None or rec.meta.get("parent") != parent:
+                break
+            found.append((pos, rec))
+            parent, pos = digest, pos + self.block
+        # a partial block ending at a segment boundary
+        for b in sorted((b for b in boundaries if pos < b < pos + self.block and b <= limit), reverse=True):
+            tokens = ids[pos:b]
+            digest = self._child(parent, tokens)
+            rec = self.store.get(StoreKey(self.namespace, digest), tokens)
+            if rec is not None and rec.meta.get("parent") == parent:
+                found.append((pos, rec))
+                pos = b
+                break
+        return pos, found
+
+    def insert(
+        self,
+        ids: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        end: int,
+        boundaries: list[int],
+    ) -> int:
+        """Store blocks of the exact prefix [0, end) that are not stored yet.
+
+        ``k``/``v`` [L, Hkv, end - start, D] hold the pre-RoPE KV of positions [start, end); blocks
+        before ``start`` are assumed stored (they were reused). Returns the number of new records.
+        """
+        parent, pos, written = self._root, 0, 0
+        while pos + self.block <= end:
+            tokens = ids[pos : pos + self.block]
+            digest = self._child(parent, tokens)
+            if pos >= start:
+                written += self._put(digest, parent, tokens, k, v, pos - start)
+            parent, pos = digest, pos + self.block
+        tail = [b for b in boundaries if pos < b <= end and b - pos < self.block]
+        if tail and pos >= start:
+            b = max(tail)
+            tokens = ids[pos:b]
+            written += self._put(self._child(parent, tokens), parent, tokens, k, v, pos - start)
+        return written
+
+    def _put(self, digest: str, parent: str, tokens: list[int], k, v, offset: int) -> int:
+        key = StoreKey(self.namespace, digest)
+        if self.store.contains(key):
+            return 0
+        n = len(tokens)
+        rec = KVRecord(
+            token_ids=torch.tensor(tokens),
+            k=k[:, :, offset : offset + n].clone(),
+            v=v[:, :, offset : offset + n].clone(),
+            kind="prefix",
+            context="exact",
+            meta={"parent": parent},
+        )
+        return int(self.store.put(key, rec))

@@ -1,0 +1,153 @@
+"""Layer-wise execution over any subset of a sequence's tokens.
+
+One function, :func:`forward`, serves every path: full prefill (all rows), exact prefix reuse
+(rows after the cached prefix), CacheBlend fusion (cached chunk KV loaded per layer, rows pruned
+by a selector), full reuse (only uncached rows), decoding (one row) and scoring (a few rows).
+
+The KV of a sequence lives in a preallocated :class:`KVBuffer`; keys there carry RoPE for their
+position. Cached KV enters through a :class:`KVSource`, one layer at a time, just before that
+layer runs (so a slower tier can prefetch layer l+1 while layer l computes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvrag.engine.model import ModelAdapter
+from kvrag.kernels import attention
+
+__all__ = ["KVBuffer", "KVSource", "Selector", "KVCapture", "Trace", "forward"]
+
+
+class KVBuffer:
+    """K/V of one sequence, preallocated: ``k``/``v`` [L, Hkv, capacity, D]; keys carry RoPE."""
+
+    def __init__(self, adapter: ModelAdapter, capacity: int) -> None:
+        shape = (adapter.n_layers, adapter.n_kv_heads, capacity, adapter.head_dim)
+        self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.capacity = capacity
+        self.length = 0  # positions [0, length) hold valid KV
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def grow(self, capacity: int) -> None:
+        """Enlarge the buffer (keeps the first ``length`` positions)."""
+        if capacity <= self.capacity:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+
+class KVSource(Protocol):
+    """Supplies cached KV, layer by layer."""
+
+    def fill(self, layer: int, buf: KVBuffer) -> None:
+        """Write this layer's cached K (rotated to its positions) and V into ``buf``."""
+
+
+class Selector(Protocol):
+    """Decides, on some layers, which computed rows go on being computed."""
+
+    def select(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
+        """Given this layer's fresh k (with RoPE) and v [Hkv, R, D] of rows at ``pos`` [R] (the
+        buffer still holds the cached KV there), return the indices of rows to keep, or None."""
+
+
+class KVCapture:
+    """Keeps the fresh pre-RoPE K and V of positions [start, end) as they are computed."""
+
+    def __init__(self, adapter: ModelAdapter, start: int, end: int) -> None:
+        shape = (adapter.n_layers, adapter.n_kv_heads, end - start, adapter.head_dim)
+        self.start, self.end = start, end
+        self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+
+    def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        sel = (pos >= self.start) & (pos < self.end)
+        if bool(sel.all()) and _is_contiguous(pos):
+            a, b = int(pos[0]) - self.start, int(pos[-1]) + 1 - self.start
+            self.k[layer, :, a:b] = k
+            self.v[layer, :, a:b] = v
+        elif bool(sel.any()):
+            idx = pos[sel] - self.start
+            self.k[layer][:, idx] = k[:, sel]
+            self.v[layer][:, idx] = v[:, sel]
+
+
+@dataclass(slots=True)
+class Trace:
+    """What a forward pass computed: rows per layer."""
+
+    rows_per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def token_layers(self) -> int:
+        return sum(self.rows_per_layer)
+
+
+def _is_contiguous(pos: torch.Tensor) -> bool:
+    return pos.numel() > 0 and int(pos[-1]) - int(pos[0]) + 1 == pos.numel()
+
+
+def _write(dst: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, contiguous: bool) -> None:
+    """dst [Hkv, S, D][:, pos] = src [Hkv, R, D]."""
+    if contiguous:
+        dst[:, int(pos[0]) : int(pos[-1]) + 1] = src
+    else:
+        dst[:, pos] = src
+
+
+@torch.inference_mode()
+def forward(
+    adapter: ModelAdapter,
+    buf: KVBuffer,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    seq_len: int,
+    *,
+    source: KVSource | None = None,
+    selector: Selector | None = None,
+    capture: KVCapture | None = None,
+    trace: Trace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run all layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
+
+    Positions [0, seq_len) not among the rows must have their KV in ``buf`` already or be filled
+    by ``source``. Rows attend causally to every position before them.
+
+    Returns:
+        (hidden [R', E], pos [R']) of the rows still computed after the last layer.
+    """
+    h = adapter.embed(ids)
+    cos, sin = adapter.rope(pos)
+    contiguous = _is_contiguous(pos)
+    for layer in range(adapter.n_layers):
+        if source is not None:
+            source.fill(layer, buf)
+        q, k, v = adapter.qkv(layer, h)
+        if capture is not None:
+            capture.take(layer, pos, k, v)
+        k = adapter.apply_rope(k, cos, sin)
+        keep = selector.select(layer, pos, k, v, buf) if selector is not None else None
+        _write(buf.k[layer], pos, k, contiguous)
+        _write(buf.v[layer], pos, v, contiguous)
+        if keep is not None and keep.numel() != pos.numel():
+            q, h, pos, cos, sin = q[:, keep], h[keep], pos[keep], cos[keep], sin[keep]
+            contiguous = _is_contiguous(pos)
+        if trace is not None:
+            trace.rows_per_layer.append(int(pos.numel()))
+        q = adapter.apply_rope(q, cos, sin)
+        out = attention(q, pos, buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len], adapter.scale)
+        h = adapter.finish_layer(layer, h, out)
+    buf.length = max(buf.length, seq_len)
+    return h, pos

@@ -1,0 +1,130 @@
+"""Results returned by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["ChunkInfo", "GenerationStats", "Generation", "GenerationStream", "WarmResult", "ScoreResult"]
+
+
+@dataclass(slots=True)
+class ChunkInfo:
+    """One chunk of a request: where it sits, and where its KV came from."""
+
+    start: int
+    tokens: int
+    hit: bool
+    source: str  # "store" (cached chunk KV), "prefix" (inside a reused exact prefix), "computed"
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """What a request did.
+
+    Attributes:
+        mode: prefill mode used.
+        recompute_ratio: HKVD ratio used (blend).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
+        prefix_tokens: prompt tokens reused from the exact prefix cache.
+        recomputed_tokens: cached chunk tokens whose KV was recomputed through the last layer.
+        computed_tokens: prompt tokens computed through the last layer (uncached text, question,
+            recomputed chunk tokens).
+        compute_fraction: token-layers computed / token-layers of a full prefill.
+        chunk_hits / chunk_misses: chunks whose KV was / was not reused.
+        chunks: per chunk, in prompt order.
+        completion_tokens: tokens generated.
+        prefill_s: seconds from the request to the first token (same as ``Generation.ttft_s``).
+        decode_s: seconds spent after the first token.
+    """
+
+    mode: str
+    recompute_ratio: float
+    prompt_tokens: int
+    cached_tokens: int = 0
+    prefix_tokens: int = 0
+    recomputed_tokens: int = 0
+    computed_tokens: int = 0
+    compute_fraction: float = 1.0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    chunks: list[ChunkInfo] = field(default_factory=list)
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Generation:
+    """A finished generation.
+
+    Attributes:
+        text: the generated text (cut before a stop string).
+        token_ids: generated token ids (without the end-of-sequence token).
+        finish_reason: ``stop`` (end of sequence or a stop string) or ``length``.
+        ttft_s: time to first token, seconds.
+        total_s: time of the whole request, seconds.
+        stats: what the request did.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    ttft_s: float
+    total_s: float
+    stats: GenerationStats
+
+
+class GenerationStream:
+    """Iterator over generated text pieces; ``generation`` holds the result once exhausted."""
+
+    def __init__(self, gen) -> None:
+        self._gen = gen
+        self.generation: Generation | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._gen)
+        except StopIteration as stop:
+            self.generation = stop.value
+            raise
+
+    def close(self) -> None:
+        """Stop generating (frees the request's KV)."""
+        self._gen.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(slots=True)
+class WarmResult:
+    """What ``Engine.warm`` did: chunks newly computed, chunks already cached, tokens covered."""
+
+    computed: int
+    cached: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    """Log-likelihood of a continuation after a prompt."""
+
+    logprob: float  # sum over the continuation's tokens (natural log)
+    tokens: int
+    token_logprobs: list[float]
+    stats: GenerationStats
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob / max(1, self.tokens)

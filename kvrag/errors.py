@@ -1,0 +1,51 @@
+"""Errors raised by kvrag. Every one derives from :class:`KvragError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvragError",
+    "InvalidRequestError",
+    "ContextLengthError",
+    "UnsupportedModelError",
+    "ModelNotFoundError",
+    "StoreError",
+]
+
+
+class KvragError(Exception):
+    """Base class of every error kvrag raises on purpose."""
+
+
+class InvalidRequestError(KvragError, ValueError):
+    """A request argument is wrong (bad mode, ratio out of range, non-text chunk, empty prompt)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit the model's context window.
+
+    Attributes:
+        prompt_tokens: tokens the prompt needs.
+        limit: the context window, in tokens.
+    """
+
+    def __init__(self, prompt_tokens: int, limit: int, detail: str = "") -> None:
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+        msg = (
+            f"prompt has {prompt_tokens} tokens but the context window is {limit} tokens"
+            + (f" ({detail})" if detail else "")
+            + "; retrieve fewer or shorter documents"
+        )
+        super().__init__(msg)
+
+
+class UnsupportedModelError(KvragError, ValueError):
+    """The model's architecture or a feature of it is not implemented exactly by the engine."""
+
+
+class ModelNotFoundError(KvragError, FileNotFoundError):
+    """The model name is neither the bundled model nor a local directory or ``.gguf`` file."""
+
+
+class StoreError(KvragError):
+    """The KV store cannot be used at all (bad directory, closed store)."""

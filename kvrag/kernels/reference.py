@@ -1,0 +1,107 @@
+"""PyTorch references of kvrag's kernels: the CPU path and the test oracle of the Triton kernels.
+
+Conventions: heads first, ``x [heads, T, D]``; positions are int64 tensors; RoPE pairs dimension
+``i`` with ``i + D/2`` (the split-halves pairing of Llama, Mistral and Qwen2 in transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rope_rotate_ref", "attention_ref", "kv_deviation_ref", "topk_ref", "QUERY_BLOCK"]
+
+#: Selected queries are attended in position-ordered blocks of this many rows, each block against
+#: the key prefix it can see (keys up to its last position) instead of the whole sequence.
+QUERY_BLOCK = 64
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [heads, T, D] by the angles whose cos/sin [T, D] are given.
+
+    Applied to keys stored without RoPE, this places them at the positions of ``cos``/``sin``;
+    applied with the cos/sin of ``new - old`` it re-rotates keys stored at ``old``.
+    """
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_ref(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    block: int = QUERY_BLOCK,
+) -> torch.Tensor:
+    """Causal attention of query rows at given positions over a full KV sequence.
+
+    Args:
+        q: [H, Tq, D] queries (RoPE applied), rows sorted by position.
+        q_pos: [Tq] int64 positions of the rows, strictly increasing.
+        k: [Hkv, S, D] keys of positions 0..S-1 (RoPE applied); H a multiple of Hkv.
+        v: [Hkv, S, D] values.
+        scale: softmax scale.
+        block: query rows per block.
+
+    Returns:
+        [H, Tq, D]; row i attends to keys 0..q_pos[i].
+    """
+    tq, s = q.shape[1], k.shape[1]
+    if tq == 0:
+        return q.new_empty(q.shape)
+    gqa = q.shape[0] != k.shape[0]
+    first, last = int(q_pos[0]), int(q_pos[-1])
+    if last - first + 1 == tq and last == s - 1:  # a contiguous tail: plain causal attention
+        if tq == s:
+            return F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
+            )[0]
+        if tq == 1:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa)[0]
+    out = torch.empty_like(q)
+    keys = torch.arange(s, device=q.device)
+    for start in range(0, tq, block):
+        pos = q_pos[start : start + block]
+        end = int(pos[-1]) + 1
+        mask = keys[None, :end] <= pos[:, None]  # [b, end]
+        out[:, start : start + block] = F.scaled_dot_product_attention(
+            q[None, :, start : start + block], k[None, :, :end], v[None, :, :end],
+            attn_mask=mask, scale=scale, enable_gqa=gqa,
+        )[0]
+    return out
+
+
+def kv_deviation_ref(
+    k_new: torch.Tensor, k_old: torch.Tensor, v_new: torch.Tensor, v_old: torch.Tensor, what: str = "kv"
+) -> torch.Tensor:
+    """Per-token squared L2 deviation between fresh and cached KV.
+
+    Args:
+        k_new, k_old, v_new, v_old: [Hkv, T, D].
+        what: ``k``, ``v`` or ``kv`` (the sum of both).
+
+    Returns:
+        [T] float32.
+    """
+    dev = None
+    if what in ("k", "kv"):
+        dev = (k_new.float() - k_old.float()).pow(2).sum(dim=(0, 2))
+    if what in ("v", "kv"):
+        dv = (v_new.float() - v_old.float()).pow(2).sum(dim=(0, 2))
+        dev = dv if dev is None else dev + dv
+    if dev is None:
+        raise ValueError(f"unknown deviation {what!r}")
+    return dev
+
+
+def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores, in increasing index order (ties: lower index first)."""
+    k = max(0, min(int(k), scores.shape[0]))
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    return torch.sort(torch.topk(scores, k, sorted=False).indices).values

@@ -1,0 +1,63 @@
+"""Small models and data the tests build themselves."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+WORDS = (
+    "river mountain castle library engine harbor museum garden bridge market village forest "
+    "island desert valley tower palace temple school station college theatre stadium canal "
+    "the of and in to was is by for with on at from as an a which that his her their it "
+    "born founded built named located known famous first largest oldest river capital city "
+    "king queen author painter composer scientist engineer general mayor bishop poet "
+    "France Spain Italy Egypt Peru Japan Kenya Chile Norway Brazil London Paris Rome Cairo Lima "
+    "1820 1901 1954 1776 1492 2001 seven twelve hundred north south east west"
+).split()
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer trained in a few milliseconds, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(200)]
+    tok.train_from_iterator(corpus, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return hf
+
+
+def make_tiny_llama(vocab_size: int, *, layers: int = 6, seed: int = 0, **overrides):
+    """A random Llama small enough for fast tests; weights scaled so attention is not uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.15,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def make_docs(n: int, words: int = 60, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) + "\n" for _ in range(n)]

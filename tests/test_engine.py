@@ -1,0 +1,256 @@
+"""Engine core on a tiny random Llama: exactness, fusion, reuse, decoding, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvrag import ContextLengthError, Engine, InvalidRequestError
+from kvrag.engine.fusion import prefill
+from kvrag.engine.runner import KVBuffer, forward
+from tests.helpers import make_docs
+
+PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
+SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def prompt_ids(engine: Engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
+    parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+    return engine.planner.segment(parts)[1]
+
+
+def last_logits(engine, chunks, mode, ratio=None, **kw):
+    req = engine._request(chunks, PREFIX, SUFFIX, 0, 0.0, 1.0, None, None, mode, ratio)
+    _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
+    return engine.adapter.logits(res.last_hidden)[0]
+
+
+def test_full_prefill_matches_transformers(tiny_engine, docs):
+    ids = prompt_ids(tiny_engine, docs)
+    ours = last_logits(tiny_engine, docs, "full")
+    with torch.inference_mode():
+        theirs = tiny_engine.hf_model(ids[None]).logits[0, -1].float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_all_positions_match_transformers(tiny_engine, docs):
+    ids = prompt_ids(tiny_engine, docs)
+    n = int(ids.shape[0])
+    buf = KVBuffer(tiny_engine.adapter, n)
+    h, _ = forward(tiny_engine.adapter, buf, ids, torch.arange(n), n)
+    with torch.inference_mode():
+        out = tiny_engine.hf_model(ids[None], use_cache=True)
+    torch.testing.assert_close(tiny_engine.adapter.logits(h), out.logits[0].float(), rtol=1e-4, atol=1e-4)
+    # the KV buffer equals transformers' cache (keys with RoPE applied)
+    cache = out.past_key_values
+    for layer in range(tiny_engine.adapter.n_layers):
+        torch.testing.assert_close(buf.k[layer, :, :n], cache.layers[layer].keys[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(buf.v[layer, :, :n], cache.layers[layer].values[0], rtol=1e-4, atol=1e-5)
+
+
+def test_ratio_one_is_exactly_full(tiny_engine, docs):
+    tiny_engine.warm(docs)
+    full = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=12)
+    blend1 = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
+    assert blend1.token_ids == full.token_ids
+    assert torch.equal(last_logits(tiny_engine, docs, "blend", 1.0), last_logits(tiny_engine, docs, "full"))
+    assert blend1.stats.cached_tokens == 0 and blend1.stats.compute_fraction == 1.0
+
+
+def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(tiny_engine, docs):
+    """Layer-0 keys do not depend on context: the stored keys rotated to a chunk's new place
+    must equal the keys a full prefill computes at that place."""
+    tiny_engine.warm(docs)
+    ids = prompt_ids(tiny_engine, docs)
+    n = int(ids.shape[0])
+    plan = tiny_engine.planner.plan(*tiny_engine.planner.segment(
+        [("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]), "reuse", 0.0, False)
+    res = prefill(tiny_engine.adapter, plan, n)
+    buf = KVBuffer(tiny_engine.adapter, n)
+    forward(tiny_engine.adapter, buf, ids, torch.arange(n), n)
+    assert len(plan.chunk_records) == len(docs)
+    for start, rec in plan.chunk_records:
+        end = start + rec.num_tokens
+        assert start > 0  # not where they were computed
+        torch.testing.assert_close(res.buf.k[0, :, start:end], buf.k[0, :, start:end], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(res.buf.v[0, :, start:end], buf.v[0, :, start:end], rtol=1e-5, atol=1e-5)
+
+
+def test_deviation_from_full_shrinks_as_ratio_grows(tiny_engine):
+    errors = {r: 0.0 for r in (0.0, 0.2, 0.5, 1.0)}
+    for seed in range(3):
+        chunks = make_docs(4, seed=seed + 10)
+        tiny_engine.warm(chunks)
+        ref = torch.log_softmax(last_logits(tiny_engine, chunks, "full"), -1)
+        for r in errors:
+            got = torch.log_softmax(last_logits(tiny_engine, chunks, "blend", r), -1)
+            errors[r] += float((ref.exp() * (ref - got)).sum())  # KL(full || blend)
+    assert errors[1.0] == 0.0
+    assert errors[0.0] > errors[0.2] > errors[0.5] > errors[1.0]
+
+
+def test_warm_then_hits(tiny_engine, docs):
+    cold = tiny_engine.generate(docs, PREFIX, SUFFIX)
+    assert cold.stats.chunk_hits == 0 and cold.stats.chunk_misses == len(docs)
+    w = tiny_engine.warm(docs)
+    tiny_engine.flush()
+    assert w.computed + w.cached == len(docs)
+    again = tiny_engine.warm(docs)
+    assert again.computed == 0 and again.cached == len(docs)
+    hot = tiny_engine.generate(list(reversed(docs)), PREFIX, SUFFIX)
+    assert hot.stats.chunk_hits == len(docs) and hot.stats.chunk_misses == 0
+    assert hot.stats.cached_tokens >= sum(tiny_engine.count_tokens(d) for d in docs)
+    assert 0 < hot.stats.recomputed_tokens < hot.stats.cached_tokens
+    assert hot.stats.compute_fraction < 0.7
+
+
+def test_write_back_makes_misses_hits(tiny_engine, docs):
+    tiny_engine.generate(docs[:2], PREFIX, SUFFIX)
+    tiny_engine.flush()
+    g = tiny_engine.generate(docs[:2], PREFIX, SUFFIX)
+    assert g.stats.chunk_hits == 2
+
+
+def test_reuse_mode_computes_only_uncached_tokens(tiny_engine, docs):
+    tiny_engine.warm(docs)
+    g = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="reuse")
+    assert g.stats.recomputed_tokens == 0
+    assert g.stats.computed_tokens == g.stats.prompt_tokens - g.stats.cached_tokens
+
+
+def test_no_chunks_is_plain_generation(tiny_engine):
+    prompt = "the king was born in"
+    g = tiny_engine.generate(prefix=prompt, max_new_tokens=10)
+    ids = tiny_engine.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        ref = tiny_engine.hf_model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert g.token_ids == ref[0, ids.shape[1]:].tolist()[: len(g.token_ids)]
+    assert g.stats.chunk_hits == g.stats.chunk_misses == 0
+
+
+def test_exact_prefix_reuse_is_exact(tiny_engine, docs):
+    first = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
+    tiny_engine.flush()
+    second = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
+    full = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=10)
+    assert first.stats.prefix_tokens == 0
+    assert second.stats.prefix_tokens >= second.stats.prompt_tokens - tiny_engine.config.prefix_block_tokens
+    assert second.token_ids == full.token_ids == first.token_ids
+    torch.testing.assert_close(last_logits(tiny_engine, docs, "prefix"), last_logits(tiny_engine, docs, "full"),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_system_prompt_is_reused_across_requests(tiny_engine):
+    a, b = make_docs(2, seed=1), make_docs(2, seed=2)
+    tiny_engine.generate(a, PREFIX, SUFFIX)
+    tiny_engine.flush()
+    g = tiny_engine.generate(b, PREFIX, SUFFIX)
+    assert g.stats.prefix_tokens == tiny_engine.count_tokens(PREFIX)  # partial last block included
+
+
+def test_stream_pieces_make_the_text(tiny_engine, docs):
+    s = tiny_engine.stream(docs, PREFIX, SUFFIX, max_new_tokens=12)
+    pieces = list(s)
+    assert "".join(pieces) == s.generation.text
+    assert s.generation.stats.completion_tokens == len(s.generation.token_ids) <= 12
+
+
+def test_stop_strings_and_max_tokens(tiny_engine, docs):
+    g = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=20)
+    assert g.finish_reason == "length" and len(g.token_ids) == 20
+    word = g.text.strip().split()[1] if len(g.text.split()) > 1 else g.text[1:3]
+    cut = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=20, stop=[word])
+    assert cut.finish_reason == "stop"
+    assert word not in cut.text and g.text.startswith(cut.text)
+    none = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=0)
+    assert none.text == "" and none.token_ids == []
+
+
+def test_sampling_is_seeded(tiny_engine, docs):
+    a = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", temperature=1.0, seed=7, max_new_tokens=10)
+    b = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", temperature=1.0, seed=7, max_new_tokens=10)
+    assert a.token_ids == b.token_ids
+    c = tiny_engine.generate(docs, PREFIX, SUFFIX, temperature=1.0, top_p=0.5, seed=3, max_new_tokens=10)
+    assert len(c.token_ids) == 10
+
+
+def test_score_matches_generation_logits(tiny_engine, docs):
+    g = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=6)
+    s = tiny_engine.score(g.text, docs, PREFIX, SUFFIX, mode="full")
+    assert s.tokens == len(tiny_engine.tokenizer(g.text, add_special_tokens=False)["input_ids"])
+    assert s.logprob < 0 and len(s.token_logprobs) == s.tokens
+
+
+def test_concurrent_callers_get_the_same_answers(tiny_engine):
+    requests = [make_docs(3, seed=s) for s in range(4)]
+    expected = [tiny_engine.generate(r, PREFIX, SUFFIX, mode="full").token_ids for r in requests]
+    results: dict[int, list[int]] = {}
+    errors = []
+
+    def run(i):
+        try:
+            results[i] = tiny_engine.generate(requests[i], PREFIX, SUFFIX, mode="full").token_ids
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [results[i] for i in range(4)] == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mode="fast"), "unknown mode"),
+        (dict(recompute_ratio=1.5), r"\[0, 1\]"),
+        (dict(recompute_ratio=-0.1), r"\[0, 1\]"),
+        (dict(chunks=["ok", 3]), "chunk 1 is int"),
+        (dict(chunks="just one string"), "list of strings"),
+        (dict(prefix=None, suffix=b"bytes"), "suffix must be a string"),
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(stop=[1]), "stop"),
+    ],
+)
+def test_bad_requests_are_refused_clearly(tiny_engine, kwargs, match):
+    args = dict(chunks=["a document"], prefix=PREFIX, suffix=SUFFIX)
+    args.update(kwargs)
+    with pytest.raises(InvalidRequestError, match=match):
+        tiny_engine.generate(**args)
+
+
+def test_empty_prompt_is_refused(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny_engine.generate()
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny_engine.generate(chunks=["", ""])
+
+
+def test_prompt_beyond_the_context_window(tiny_engine):
+    long_doc = " ".join(["river"] * 1500)
+    with pytest.raises(ContextLengthError) as err:
+        tiny_engine.generate([long_doc], PREFIX, SUFFIX)
+    assert err.value.limit == tiny_engine.context_window == 1024
+    assert "1024" in str(err.value)
+    # the engine still works afterwards
+    assert tiny_engine.generate(["short"], PREFIX, SUFFIX).stats.prompt_tokens > 0
+
+
+def test_generation_stops_at_the_context_window(tiny_model, tiny_tokenizer):
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_context=64)
+    g = engine.generate(prefix="river " * 55, max_new_tokens=50)
+    assert g.finish_reason == "length"
+    assert g.stats.prompt_tokens + len(g.token_ids) <= 64
+
+
+def test_closed_engine_refuses(tiny_model, tiny_tokenizer):
+    engine = Engine.from_model(tiny_model, tiny_tokenizer)
+    engine.close()
+    with pytest.raises(InvalidRequestError, match="closed"):
+        engine.generate(prefix="hello")
