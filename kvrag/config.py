@@ -23,6 +23,7 @@ MODES = ("full", "prefix", "blend", "reuse")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVIATIONS = ("k", "v", "kv")
+_POLICIES = ("lru", "pgdsf")
 
 
 def default_cache_dir() -> Path:
@@ -59,6 +60,11 @@ class EngineConfig:
         prefix_block_tokens: block size of the exact prefix cache (tokens).
         prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
         memory_budget_bytes: byte budget of the in-memory KV tier.
+        disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``).
+        disk_budget_bytes: byte budget of the disk tier.
+        disk_dtype: dtype of KV at rest on disk (``float16`` or ``bfloat16``; ``float32`` keeps it exact).
+        eviction_policy: ``lru`` or ``pgdsf`` (RAGCache's cost-aware policy).
+        namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         write_back: after a request, precompute and store the KV of chunks it missed.
         max_new_tokens: default generation length.
@@ -81,6 +87,11 @@ class EngineConfig:
     prefix_block_tokens: int = 16
     prefix_cache: bool = True
     memory_budget_bytes: int = 2 * 1024**3
+    disk_tier: bool = False
+    disk_budget_bytes: int = 20 * 1024**3
+    disk_dtype: str = "float16"
+    eviction_policy: str = "lru"
+    namespace: str = "default"
     chunk_min_tokens: int = 1
     write_back: bool = True
     max_new_tokens: int = 64
@@ -108,6 +119,14 @@ class EngineConfig:
             raise InvalidRequestError("prefix_block_tokens must be >= 1")
         if self.memory_budget_bytes < 0:
             raise InvalidRequestError("memory_budget_bytes must be >= 0")
+        if self.disk_budget_bytes < 0:
+            raise InvalidRequestError("disk_budget_bytes must be >= 0")
+        if self.disk_dtype not in _DTYPES:
+            raise InvalidRequestError(f"disk_dtype must be one of {_DTYPES}, got {self.disk_dtype!r}")
+        if self.eviction_policy not in _POLICIES:
+            raise InvalidRequestError(f"eviction_policy must be one of {_POLICIES}, got {self.eviction_policy!r}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise InvalidRequestError("namespace must be a non-empty string")
         if self.max_context is not None and self.max_context < 2:
             raise InvalidRequestError("max_context must be >= 2")
         if self.max_new_tokens < 0:

@@ -254,3 +254,19 @@ def test_closed_engine_refuses(tiny_model, tiny_tokenizer):
     engine.close()
     with pytest.raises(InvalidRequestError, match="closed"):
         engine.generate(prefix="hello")
+
+
+def test_prompt_string_is_split_at_registered_documents(tiny_engine, docs):
+    tiny_engine.register(docs)
+    tiny_engine.warm(docs)
+    prompt = PREFIX + "".join(f"[{i}] {d}\n" for i, d in enumerate(reversed(docs))) + SUFFIX
+    parts = tiny_engine.split_prompt(prompt)
+    assert [t for k, t in parts if k == "chunk"] == list(reversed(docs))
+    assert "".join(t for _, t in parts) == prompt
+    g = tiny_engine.generate(prompt=prompt)
+    assert g.stats.chunk_hits == len(docs)
+    # the same prompt in full mode is the same segment tokenization, computed whole
+    full = tiny_engine.generate(prompt=prompt, mode="full")
+    assert full.stats.prompt_tokens == g.stats.prompt_tokens
+    with pytest.raises(InvalidRequestError, match="either prompt"):
+        tiny_engine.generate(docs, prompt=prompt)

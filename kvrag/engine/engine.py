@@ -17,9 +17,10 @@ from kvrag.engine import loading
 from kvrag.engine.fusion import PrefillResult, extend, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner, Segment
+from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.sampling import TextStream, sample
-from kvrag.engine.store.base import DEFAULT_NAMESPACE, KVRecord, KVStore
+from kvrag.engine.store.base import KVRecord, KVStore
 from kvrag.engine.store.memory import MemoryStore
 from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import ContextLengthError, InvalidRequestError
@@ -132,9 +133,10 @@ class Engine:
         sink = bos if bos is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
         self.planner = Planner(
-            tokenizer, self.store, self.fingerprint, DEFAULT_NAMESPACE, config.prefix_block_tokens, self.sink_ids
+            tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens, self.sink_ids
         )
         self.eos_ids = self._eos_ids()
+        self.registry = ChunkRegistry()
         self._lock = threading.RLock()
         self._writer = _Writer()
         self._pending: set = set()
@@ -189,6 +191,24 @@ class Engine:
         """Tokens of a text on its own."""
         return len(self.planner.tokenize(_check_text("text", text)))
 
+    def register(self, texts: Sequence[str]) -> list[str]:
+        """Record document texts so that prompts given as one string are split at them.
+
+        Returns the texts' content ids. Texts shorter than 32 characters are not worth caching
+        and are not registered.
+        """
+        return self.registry.register(_check_chunks(texts))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages (``[{"role", "content"}]``) with the model's own chat template."""
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def split_prompt(self, prompt: str) -> list[tuple[str, str]]:
+        """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
+        return self.registry.split(_check_text("prompt", prompt))
+
     def warm(self, chunks: Sequence[str]) -> WarmResult:
         """Precompute and store the KV of chunks (each alone, behind the attention sink)."""
         self._check_open()
@@ -217,6 +237,7 @@ class Engine:
         prefix: str = "",
         suffix: str = "",
         *,
+        prompt: str | None = None,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -231,6 +252,8 @@ class Engine:
             chunks: document texts, in prompt order; their KV is reused when cached.
             prefix: text before the chunks (system prompt, instructions, chat template head).
             suffix: text after the chunks (the question, the chat template's assistant header).
+            prompt: instead of prefix/chunks/suffix, the whole prompt as one string; registered
+                document texts found in it (see :meth:`register`) are treated as chunks.
             max_new_tokens: generation length limit (default from the config).
             temperature: 0 for greedy decoding; > 0 samples (with ``top_p``).
             stop: stop string(s); the text is cut before the first one.
@@ -239,7 +262,7 @@ class Engine:
             recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
         """
         stream = self.stream(
-            chunks, prefix, suffix, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            chunks, prefix, suffix, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             stop=stop, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
         )
         for _ in stream:
@@ -253,6 +276,7 @@ class Engine:
         prefix: str = "",
         suffix: str = "",
         *,
+        prompt: str | None = None,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -266,7 +290,9 @@ class Engine:
         The request is validated before this returns; ``.generation`` holds the result once the
         stream is exhausted.
         """
-        req = self._request(chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio)
+        req = self._request(
+            chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, prompt
+        )
         return GenerationStream(self._run(req))
 
     def score(
@@ -276,12 +302,13 @@ class Engine:
         prefix: str = "",
         suffix: str = "",
         *,
+        prompt: str | None = None,
         mode: str | None = None,
         recompute_ratio: float | None = None,
     ) -> ScoreResult:
         """Log-likelihood of ``continuation`` right after the prompt, under the chosen prefill mode."""
         cont = _check_text("continuation", continuation)
-        req = self._request(chunks, prefix, suffix, 0, 0.0, 1.0, None, None, mode, recompute_ratio)
+        req = self._request(chunks, prefix, suffix, 0, 0.0, 1.0, None, None, mode, recompute_ratio, prompt)
         cont_ids = self.planner.tokenize(cont)
         if not cont_ids:
             raise InvalidRequestError("continuation is empty")
@@ -324,11 +351,19 @@ class Engine:
         if self._closed:
             raise InvalidRequestError("this engine is closed")
 
-    def _request(self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio) -> _Request:
+    def _request(
+        self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio, prompt=None
+    ) -> _Request:
         self._check_open()
         cfg = self.config
         chunks = _check_chunks(chunks)
         prefix, suffix = _check_text("prefix", prefix), _check_text("suffix", suffix)
+        if prompt is not None:
+            if chunks or prefix or suffix:
+                raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
+            parts = self.split_prompt(prompt)
+        else:
+            parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
         mode = cfg.mode if mode is None else mode
         if mode not in MODES:
             raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -352,7 +387,6 @@ class Engine:
             stops = list(stop)
             if not all(isinstance(s, str) for s in stops):
                 raise InvalidRequestError("stop must be a string or a list of strings")
-        parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
         with self._lock:  # the tokenizer memo is shared
             segments, ids = self.planner.segment(parts)
         n = int(ids.shape[0])
