@@ -60,10 +60,22 @@ class EngineConfig:
         prefix_block_tokens: block size of the exact prefix cache (tokens).
         prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
         memory_budget_bytes: byte budget of the in-memory KV tier.
-        disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``).
-        disk_budget_bytes: byte budget of the disk tier.
-        disk_dtype: dtype of KV at rest on disk (``float16`` or ``bfloat16``; ``float32`` keeps it exact).
-        eviction_policy: ``lru`` or ``pgdsf`` (RAGCache's cost-aware policy).
+        disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``, the
+            per-user cache directory when ``cache_dir`` is unset), shared by every process that
+            uses that directory. Off by default: an embedded library does not fill the user's
+            home with gigabytes unasked, and tests and notebooks leave nothing behind; turn it on
+            for KV that survives restarts and outgrows memory.
+        disk_budget_bytes: byte budget of the disk tier (entry files plus their index).
+        disk_dtype: dtype of KV at rest with a disk tier, in memory and on disk alike, so that a
+            chunk reads back the same from either (``float16`` halves the bytes of ``float32``;
+            ``float32`` keeps the KV exact). Without a disk tier, memory keeps the compute dtype.
+        prefetch: stream disk hits layer by layer while the prefill computes (else read them whole first).
+        loading_controller: in ``blend``, raise a request's recompute ratio while the extra
+            recompute still hides under loading KV from a slower tier (CacheBlend §5.1); never
+            lowers it. The ratio then depends on measured load speed, so turn it off for answers
+            that must not depend on timing. The ratio used is in ``GenerationStats.recompute_ratio``.
+        eviction_policy: which memory entry goes first when over budget: ``lru`` or ``pgdsf``
+            (RAGCache's Greedy-Dual-Size-Frequency, with costs from the engine's own prefill times).
         namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         write_back: after a request, precompute and store the KV of chunks it missed.
@@ -90,6 +102,8 @@ class EngineConfig:
     disk_tier: bool = False
     disk_budget_bytes: int = 20 * 1024**3
     disk_dtype: str = "float16"
+    prefetch: bool = True
+    loading_controller: bool = True
     eviction_policy: str = "lru"
     namespace: str = "default"
     chunk_min_tokens: int = 1

@@ -20,14 +20,18 @@ from kvrag.engine.planner import Plan, Planner, Segment
 from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.sampling import TextStream, sample
-from kvrag.engine.store.base import KVRecord, KVStore
-from kvrag.engine.store.memory import MemoryStore
+from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore
+from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
+from kvrag.engine.store.profile import CostProfile
+from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
+
+_MAX_REPLANS = 4  # a request re-planned this often after damaged entries runs as a full prefill
 
 
 @dataclass(slots=True)
@@ -126,7 +130,9 @@ class Engine:
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
         self.adapter = ModelAdapter(hf_model)
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, config.dtype)
-        self.store: KVStore = store if store is not None else MemoryStore(config.memory_budget_bytes)
+        self.store: KVStore = store if store is not None else build_store(config)
+        self.profile = CostProfile()  # this engine's own prefill times (PGDSF costs, loading controller)
+        self.loading = LoadingController(getattr(self.store, "meter", None) or ThroughputMeter())
         window = self.adapter.max_positions
         self.context_window = min(window, config.max_context) if config.max_context else window
         bos = tokenizer.bos_token_id
@@ -400,22 +406,51 @@ class Engine:
     def _prefill(self, req: _Request, capacity: int) -> tuple[Plan, PrefillResult]:
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
-        plan = self.planner.plan(req.segments, req.ids, req.mode, req.ratio, use_prefix)
-        capture_end = 0
-        if use_prefix and not (req.mode == "blend" and req.ratio >= 1.0):
-            # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
-            # before the first chunk (system prompt, instructions), which every request repeats.
-            capture_end = plan.exact_end() if req.mode == "prefix" else min(plan.exact_end(), plan.first_chunk_start())
-        res = prefill(
-            self.adapter, plan, capacity,
-            check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
-            capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
-        )
-        return plan, res
+        for attempt in range(_MAX_REPLANS + 1):
+            mode = req.mode if attempt < _MAX_REPLANS else "full"
+            plan = self.planner.plan(req.segments, req.ids, mode, req.ratio, use_prefix and mode != "full")
+            self._control_loading(plan)
+            capture_end = 0
+            if use_prefix and mode != "full" and not (plan.mode == "blend" and plan.ratio >= 1.0):
+                # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
+                # before the first chunk (system prompt, instructions), which every request repeats.
+                capture_end = plan.exact_end() if mode == "prefix" else min(plan.exact_end(), plan.first_chunk_start())
+            t0 = time.perf_counter()
+            try:
+                res = prefill(
+                    self.adapter, plan, capacity,
+                    check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
+                    capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
+                )
+            except DamagedEntryError:  # found while streaming; the store dropped it: plan again
+                log.debug("kvrag: a cached entry was damaged; re-planning the request", exc_info=True)
+                continue
+            self._observe(plan, res, time.perf_counter() - t0)
+            return plan, res
+        raise AssertionError("unreachable: a full prefill reads no cached entry")
+
+    def _control_loading(self, plan: Plan) -> None:
+        """CacheBlend's loading controller: raise the ratio while recompute hides under loading."""
+        if not self.config.loading_controller or plan.mode != "blend" or plan.ratio >= 1.0:
+            return
+        pending = sum(r.pending_bytes() for _, r in plan.chunk_records if hasattr(r, "pending_bytes"))
+        if pending:
+            t_full = self.profile.full_prefill(plan.num_tokens, self.adapter.n_layers)
+            plan.ratio = self.loading.ratio(plan.ratio, pending, t_full, self.adapter.n_layers)
+
+    def _observe(self, plan: Plan, res: PrefillResult, seconds: float) -> None:
+        """Feed the cost profile, and tell the store what its misses cost (PGDSF)."""
+        cached = plan.cached_tokens
+        self.profile.record(cached, plan.num_tokens - cached, seconds, res.trace.token_layers)
+        if plan.mode in ("blend", "reuse"):
+            missed = [c.key for c in plan.chunks if c.source == "computed"]
+            per_token = self.profile.seconds_per_token(cached, plan.num_tokens - cached)
+            if missed and per_token:
+                self.store.record_cost(missed, per_token)
 
     def _stats(self, plan: Plan, res: PrefillResult, prefill_s: float) -> GenerationStats:
         n = plan.num_tokens
-        infos = [ChunkInfo(c.start, c.length, c.hit, c.source) for c in plan.chunks]
+        infos = [ChunkInfo(c.start, c.length, c.hit, c.source, c.tier) for c in plan.chunks]
         full_work = n * self.adapter.n_layers
         return GenerationStats(
             mode=plan.mode,

@@ -46,6 +46,7 @@ class ChunkUse:
     key: StoreKey
     hit: bool
     source: str  # "store", "prefix" (covered by an exact prefix), "computed"
+    tier: str = ""  # for "store": the tier the KV came from ("memory", "disk")
 
 
 @dataclass(slots=True)
@@ -106,9 +107,9 @@ class SpanSource:
         dtype = self.adapter.dtype
         for start, rec in self.spans:
             end = start + rec.num_tokens
-            k = rec.k[layer].to(dtype)
-            buf.k[layer, :, start:end] = rope_rotate(k, self.cos[start:end], self.sin[start:end])
-            buf.v[layer, :, start:end] = rec.v[layer].to(dtype)
+            k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
+            buf.k[layer, :, start:end] = rope_rotate(k.to(dtype), self.cos[start:end], self.sin[start:end])
+            buf.v[layer, :, start:end] = v.to(dtype)
 
 
 class Planner:
@@ -188,5 +189,7 @@ class Planner:
                     rec = None
             if rec is not None:
                 plan.chunk_records.append((s.start, rec))
-            plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, rec is not None, "store" if rec else "computed"))
+            use = ChunkUse(i, s.start, len(s.ids), key, rec is not None, "store" if rec else "computed")
+            use.tier = rec.tier if rec is not None else ""
+            plan.chunks.append(use)
         return plan

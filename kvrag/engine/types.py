@@ -15,6 +15,7 @@ class ChunkInfo:
     tokens: int
     hit: bool
     source: str  # "store" (cached chunk KV), "prefix" (inside a reused exact prefix), "computed"
+    tier: str = ""  # for "store": where the KV came from, "memory" or "disk"
 
 
 @dataclass(slots=True)

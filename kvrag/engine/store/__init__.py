@@ -1,6 +1,24 @@
-"""KV stores: the interface, keys and records, and the tiers."""
+"""KV stores: the interface, keys and records, the tiers, eviction policies and prefetch."""
 
-from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, chunk_key
+from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey, chunk_key
+from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
+from kvrag.engine.store.policy import EvictionPolicy, FrequencyReusePolicy, LRUPolicy, PGDSFPolicy, make_policy
+from kvrag.engine.store.tiered import TieredStore, build_store
 
-__all__ = ["KVRecord", "KVStore", "StoreKey", "chunk_key", "MemoryStore"]
+__all__ = [
+    "KVRecord",
+    "KVStore",
+    "StoreKey",
+    "DamagedEntryError",
+    "chunk_key",
+    "MemoryStore",
+    "DiskStore",
+    "TieredStore",
+    "build_store",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PGDSFPolicy",
+    "FrequencyReusePolicy",
+    "make_policy",
+]

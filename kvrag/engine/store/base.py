@@ -13,9 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StoreKey", "KVRecord", "KVStore", "chunk_key", "token_bytes"]
+from kvrag.errors import KvragError
+
+__all__ = ["StoreKey", "KVRecord", "KVStore", "DamagedEntryError", "chunk_key", "token_bytes"]
 
 DEFAULT_NAMESPACE = "default"
+
+
+class DamagedEntryError(KvragError):
+    """A stored entry failed verification while it was read (checksum, size, format).
+
+    Stores turn damage found at lookup into a miss; this is raised only when damage shows up
+    later, while a record streams in layer by layer. The engine then plans the request again
+    (the damaged entry is gone by then), so callers of the engine never see it.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,7 @@ class KVRecord:
             token) or a label/digest of another prefix (room for Cache-Craft variants).
         meta: small JSON-able facts (e.g. the parent digest of a prefix block).
         stats: named per-layer tensors (e.g. Cache-Craft's inter/intra attention statistics).
+        tier: where this copy was read from (``memory`` or ``disk``); not stored.
     """
 
     token_ids: torch.Tensor
@@ -67,6 +79,7 @@ class KVRecord:
     context: str = "sink"
     meta: dict = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    tier: str = "memory"
 
     def __post_init__(self) -> None:
         self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
@@ -88,6 +101,10 @@ class KVRecord:
         n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         n += self.token_ids.numel() * 8
         return n + sum(t.numel() * t.element_size() for t in self.stats.values())
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [Hkv, T, D] of one layer (a streamed record waits for that layer only)."""
+        return self.k[layer], self.v[layer]
 
     def matches(self, token_ids) -> bool:
         """True if this record holds exactly these tokens."""
@@ -126,6 +143,12 @@ class KVStore(ABC):
 
     def stats(self) -> dict:
         return {}
+
+    def record_cost(self, keys, seconds_per_token: float) -> None:
+        """Report what computing these missed entries cost per non-cached token (PGDSF's cost)."""
+
+    def record_reuse(self, key: StoreKey, cfo: float) -> None:
+        """Report a reuse with Cache-Craft fix budget ``cfo`` (frequency-reuse score f_r += 1/CFO)."""
 
     def clear(self) -> None:
         """Drop every entry."""

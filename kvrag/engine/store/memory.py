@@ -1,21 +1,28 @@
-"""In-memory KV tier: tensors in a dict, bounded by a byte budget, LRU eviction."""
+"""In-memory KV tier: tensors in a dict, bounded by a byte budget, a pluggable eviction policy."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
+from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, make_policy
 
 __all__ = ["MemoryStore"]
 
 
 class MemoryStore(KVStore):
-    """Records kept as tensors; least recently used records go first when over budget."""
+    """Records kept as tensors; the policy (LRU by default) names who goes when over budget.
 
-    def __init__(self, budget_bytes: int) -> None:
+    Args:
+        budget_bytes: the most bytes of records kept (a record larger than this is refused).
+        policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``, ``frequency-reuse``).
+    """
+
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | str | None = None) -> None:
         self.budget_bytes = int(budget_bytes)
-        self._items: OrderedDict[StoreKey, KVRecord] = OrderedDict()
+        self.policy = make_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
+        self._items: dict[StoreKey, KVRecord] = {}
+        self._sizes: dict[StoreKey, int] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0}
@@ -27,46 +34,70 @@ class MemoryStore(KVStore):
     def get(self, key: StoreKey, token_ids=None) -> KVRecord | None:
         with self._lock:
             rec = self._items.get(key)
-            if rec is None or (token_ids is not None and not rec.matches(token_ids)):
-                self._stats["misses"] += 1
-                return None
-            self._items.move_to_end(key)
-            self._stats["hits"] += 1
-            return rec
+            hit = rec is not None and (token_ids is None or rec.matches(token_ids))
+            self.policy.access(key, hit)
+            self._stats["hits" if hit else "misses"] += 1
+            return rec if hit else None
 
     def put(self, key: StoreKey, record: KVRecord) -> bool:
+        return self.put_evicting(key, record) is not None
+
+    def put_evicting(self, key: StoreKey, record: KVRecord) -> list[tuple[StoreKey, KVRecord]] | None:
+        """Like :meth:`put`; returns the evicted entries (``None`` if the record was refused)."""
         size = record.nbytes
+        evicted: list[tuple[StoreKey, KVRecord]] = []
         with self._lock:
             if size > self.budget_bytes:
                 self._stats["rejected"] += 1
-                return False
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
+                return None
+            self._drop(key)
             while self._items and self._bytes + size > self.budget_bytes:
-                _, victim = self._items.popitem(last=False)
-                self._bytes -= victim.nbytes
+                victim = self.policy.victim()
+                if victim is None or victim not in self._items:  # policy out of step: fall back to any
+                    victim = next(iter(self._items))
+                evicted.append((victim, self._items[victim]))
+                self.policy.evicted(victim)  # before _drop: PGDSF raises its clock to the victim's priority
+                self._drop(victim)
                 self._stats["evictions"] += 1
             self._items[key] = record
+            self._sizes[key] = size
             self._bytes += size
+            self.policy.insert(key, size)
             self._stats["puts"] += 1
-            return True
+        return evicted
+
+    def _drop(self, key: StoreKey) -> bool:
+        rec = self._items.pop(key, None)
+        if rec is None:
+            return False
+        self._bytes -= self._sizes.pop(key)
+        self.policy.remove(key)
+        return True
 
     def remove(self, key: StoreKey) -> bool:
         with self._lock:
-            rec = self._items.pop(key, None)
-            if rec is not None:
-                self._bytes -= rec.nbytes
-            return rec is not None
+            return self._drop(key)
+
+    def record_cost(self, keys, seconds_per_token: float) -> None:
+        with self._lock:
+            for key in keys:
+                self.policy.record_cost(key, seconds_per_token)
+
+    def record_reuse(self, key: StoreKey, cfo: float) -> None:
+        with self._lock:
+            self.policy.record_reuse(key, cfo)
 
     def clear(self) -> None:
         with self._lock:
-            self._items.clear()
-            self._bytes = 0
+            for key in list(self._items):
+                self._drop(key)
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(self._stats, entries=len(self._items), bytes=self._bytes, budget_bytes=self.budget_bytes)
+            return dict(
+                self._stats, entries=len(self._items), bytes=self._bytes, budget_bytes=self.budget_bytes,
+                policy=self.policy.describe(),
+            )
 
     def __len__(self) -> int:
         return len(self._items)

@@ -1,0 +1,296 @@
+"""Disk KV tier: a diskcache directory of raw-bytes entries, bounded by bytes, shared by processes.
+
+diskcache keeps an SQLite index (safe under threads and processes) and one file per entry. Its
+default disk layer pickles values and unpickles what it reads; :class:`SafeDisk` replaces it so
+that keys are plain strings, values are bytes written to files, and anything else found in the
+index (a pickled key or value, a value kept inline) is refused, never loaded. The bytes are
+:mod:`kvrag.engine.store.serial`'s format, verified on read.
+
+Crash safety comes from diskcache's order of work: an entry's file is written completely before
+the index row that points at it is committed, so a process killed mid-write leaves at most an
+orphan file that no key reaches. Anything else that reads back wrong (a torn or damaged file) fails
+its checksum and is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sqlite3
+import stat
+import threading
+from pathlib import Path
+
+import diskcache
+import torch
+
+from kvrag.engine.store import serial
+from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey
+from kvrag.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SafeDisk", "DiskStore", "DiskEntry", "UnsafeEntryError"]
+
+
+class UnsafeEntryError(DamagedEntryError):
+    """The index holds something kvrag never writes (a pickled key or value): refused, not loaded."""
+
+
+class SafeDisk(diskcache.Disk):
+    """diskcache's disk layer for raw bytes only: never pickles, never unpickles."""
+
+    def __init__(self, directory, min_file_size=0, pickle_protocol=0):
+        super().__init__(directory, min_file_size=0, pickle_protocol=pickle_protocol)
+
+    def put(self, key):
+        if type(key) is not str:
+            raise TypeError(f"kvrag disk keys are strings, got {type(key).__name__}")
+        return key, True
+
+    def get(self, key, raw):
+        if not raw or type(key) is not str:
+            raise UnsafeEntryError("refusing a non-raw key in the index (would need unpickling)")
+        return key
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if type(value) is not bytes:
+            raise TypeError(f"kvrag disk values are bytes, got {type(value).__name__}")
+        filename, full_path = self.filename(key, value)
+        try:
+            self._write(full_path, iter((value,)), "xb")
+        except BaseException:
+            # a full disk leaves a partial file behind: remove it, nothing points at it
+            with contextlib.suppress(OSError):
+                os.remove(full_path)
+            raise
+        return len(value), diskcache.core.MODE_BINARY, filename, None
+
+    def fetch(self, mode, filename, value, read):
+        if mode != diskcache.core.MODE_BINARY or not _is_entry_name(filename):
+            raise UnsafeEntryError(f"refusing an index entry of mode {mode} (kvrag writes only raw files)")
+        # no symlinks, nothing but a regular file (a planted FIFO would block the reader)
+        fd = os.open(os.path.join(self._directory, filename), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafeEntryError("refusing an entry that is not a regular file")
+        return os.fdopen(fd, "rb")
+
+    def remove(self, file_path):
+        if _is_entry_name(file_path):  # never follow a planted path out of the directory
+            super().remove(file_path)
+
+
+_ENTRY_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
+
+
+def _is_entry_name(name) -> bool:
+    """diskcache's file names: ``xx/yy/<28 hex>.val`` under the directory."""
+    return type(name) is str and _ENTRY_NAME.fullmatch(name.replace(os.sep, "/")) is not None
+
+
+class DiskEntry:
+    """An open, header-verified entry: read layers or the whole record. Close when done."""
+
+    def __init__(self, key: StoreKey, fh, header: serial.Header, token_ids: torch.Tensor) -> None:
+        self.key, self._fh, self.header, self.token_ids = key, fh, header, token_ids
+        self.fd = fh.fileno()
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.size
+
+    def read_layer_into(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        serial.read_layer_into(self.fd, self.header, layer, k, v)
+
+    def read_stats(self) -> dict[str, torch.Tensor]:
+        return serial.read_stats(self.fd, self.header)
+
+    def read_record(self) -> KVRecord:
+        return serial.read_record(self.fd, self.header, self.token_ids)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class DiskStore(KVStore):
+    """A byte-bounded diskcache directory of KV entries (least recently used go first).
+
+    Args:
+        directory: the cache directory (created if needed; may be shared by processes).
+        budget_bytes: most bytes on disk (entry files plus the index).
+        dtype: dtype of K and V at rest (``float16``, ``bfloat16`` or ``float32``).
+        timeout: seconds to wait for the index lock before giving up (a miss or a skipped write).
+    """
+
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, dtype: str = "float16", timeout: float = 10.0):
+        self.directory = Path(directory)
+        self.budget_bytes = int(budget_bytes)
+        self.dtype = serial.DTYPES[dtype]
+        try:
+            self._cache = diskcache.Cache(
+                str(self.directory), timeout=timeout, disk=SafeDisk, size_limit=self.budget_bytes,
+                eviction_policy="least-recently-used", cull_limit=0, statistics=False,
+            )
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"cannot open the disk KV tier at {self.directory}: {e}") from e
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "damaged": 0, "write_errors": 0,
+                       "skipped": 0, "written_bytes": 0}
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _name(key: StoreKey) -> str:
+        return f"{key.namespace}/{key.digest}"
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    def _warn_once(self, kind: str, msg: str) -> None:
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            log.warning("kvrag: %s (further such warnings are suppressed)", msg)
+
+    def discard(self, key: StoreKey, reason: str) -> None:
+        """Drop a damaged entry: count it, warn once, and remove it so that it is recomputed."""
+        self._count("damaged")
+        self._warn_once("damaged", f"disk KV entry {key} is unusable and is treated as a miss: {reason}")
+        try:
+            self._cache.delete(self._name(key), retry=True)
+        except Exception:  # noqa: BLE001 - a failed cleanup only leaves a miss behind
+            pass
+
+    # -- the interface ------------------------------------------------------------------------------
+
+    def contains(self, key: StoreKey) -> bool:
+        try:
+            return self._name(key) in self._cache
+        except (sqlite3.Error, diskcache.Timeout):
+            return False
+
+    def open(self, key: StoreKey, token_ids=None) -> DiskEntry | None:
+        """The entry's verified header and an open file, or ``None`` (miss, or damaged: dropped)."""
+        try:
+            fh = self._cache.get(self._name(key), read=True)
+        except (sqlite3.Error, diskcache.Timeout, OSError) as e:
+            self._count("misses")
+            self._warn_once("io", f"disk KV tier lookup failed ({e}); treated as a miss")
+            return None
+        except DamagedEntryError as e:  # refused by SafeDisk (pickled key or value in the index)
+            self.discard(key, str(e))
+            self._count("misses")
+            return None
+        if fh is None:
+            if self.contains(key):  # a row whose file vanished: drop the row, or it misses forever
+                self.discard(key, "its file is missing")
+            self._count("misses")
+            return None
+        try:
+            fd = fh.fileno()
+            header = serial.read_header(fd, os.fstat(fd).st_size)
+            if header.namespace != key.namespace or header.digest != key.digest:
+                raise DamagedEntryError("entry belongs to another key")
+            ids = serial.read_tokens(fd, header)
+        except (DamagedEntryError, OSError) as e:
+            fh.close()
+            self.discard(key, str(e))
+            self._count("misses")
+            return None
+        if token_ids is not None:
+            want = torch.as_tensor(token_ids, dtype=torch.long)
+            if want.shape != ids.shape or not torch.equal(want, ids):
+                fh.close()  # a hash collision or another variant: a miss, not damage
+                self._count("misses")
+                return None
+        self._count("hits")
+        return DiskEntry(key, fh, header, ids)
+
+    def get(self, key: StoreKey, token_ids=None) -> KVRecord | None:
+        entry = self.open(key, token_ids)
+        if entry is None:
+            return None
+        try:
+            return entry.read_record()
+        except (DamagedEntryError, OSError) as e:
+            self.discard(key, str(e))
+            return None
+        finally:
+            entry.close()
+
+    def put(self, key: StoreKey, record: KVRecord) -> bool:
+        data = serial.encode(key, record, self.dtype)
+        if len(data) > self.budget_bytes:
+            self._count("skipped")
+            return False
+        name = self._name(key)
+        try:
+            self._make_room(len(data))
+            self._cache.set(name, data, retry=True)
+            self._make_room(0)  # another process may have written meanwhile
+        except (OSError, sqlite3.Error, diskcache.Timeout) as e:
+            # a full disk (ENOSPC, EFBIG, SQLITE_FULL) or a lock held too long: skip and go on
+            self._count("write_errors")
+            self._warn_once("write", f"could not write to the disk KV tier at {self.directory} ({e}); "
+                            "the entry stays in memory only")
+            return False
+        self._count("puts")
+        self._count("written_bytes", len(data))
+        return True
+
+    def _make_room(self, size: int) -> None:
+        """Evict least recently used entries until ``size`` more bytes fit the budget.
+
+        By row id, not by key, so that rows kvrag never wrote (a planted pickled key) go too.
+        diskcache's own culling removes ten rows at a time; this removes exactly what is needed.
+        """
+        cache = self._cache
+        if cache.volume() + size <= self.budget_bytes:
+            return
+        files = []
+        with cache.transact(retry=True):
+            while cache.volume() + size > self.budget_bytes:
+                rows = cache._sql("SELECT rowid, filename FROM Cache ORDER BY access_time LIMIT 1").fetchall()
+                if not rows:
+                    break
+                cache._sql("DELETE FROM Cache WHERE rowid = ?", (rows[0][0],))
+                files.append(rows[0][1])
+        for name in files:  # after the commit, as diskcache does
+            if name:
+                cache._disk.remove(name)
+        self._count("evictions", len(files))
+
+    def remove(self, key: StoreKey) -> bool:
+        try:
+            return bool(self._cache.delete(self._name(key), retry=True))
+        except (sqlite3.Error, diskcache.Timeout, OSError):
+            return False
+
+    def clear(self) -> None:
+        self._cache.clear(retry=True)
+
+    def volume(self) -> int:
+        """Bytes on disk: entry files plus the index."""
+        return int(self._cache.volume())
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._stats)
+        try:
+            out.update(entries=len(self._cache), bytes=self.volume())
+        except (sqlite3.Error, diskcache.Timeout):
+            pass
+        out.update(budget_bytes=self.budget_bytes, directory=str(self.directory))
+        return out
+
+    def close(self) -> None:
+        self._cache.close()
+
+    def __len__(self) -> int:
+        return len(self._cache)

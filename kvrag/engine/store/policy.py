@@ -1,0 +1,226 @@
+"""Eviction policies of a byte-bounded tier: which resident entry goes first.
+
+A policy sees every access (hit or miss), insertion, removal and eviction of a tier and names the
+next victim. It keeps no tensors, so it is cheap to test on its own.
+
+- :class:`LRUPolicy`: least recently used first.
+- :class:`PGDSFPolicy`: RAGCache's prefix-aware Greedy-Dual-Size-Frequency (§5.1).
+  ``priority = clock + frequency x cost/size``, where cost/size is the average, over the requests
+  that needed the entry and did not have it, of the prefill time per non-cached token
+  (``T(alpha, beta) / beta`` from the engine's own profile). The clock rises to the priority of
+  each victim, so entries not used for a while age out. Frequencies count accesses in a window
+  (the last ``window`` distinct keys, resident or not), so a popular chunk that was evicted comes
+  back with its history.
+- :class:`FrequencyReusePolicy`: Cache-Craft's frequency-reuse score (§3.4.1), ``f_r += 1/CFO`` per
+  reuse; the lowest score goes first. It waits for the Cache-Craft planner to report CFOs through
+  :meth:`KVStore.record_reuse`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "FrequencyReusePolicy", "make_policy", "POLICIES"]
+
+
+class EvictionPolicy(ABC):
+    """Bookkeeping of one tier's entries for eviction. Not thread-safe: the tier holds its lock."""
+
+    name = "policy"
+
+    @abstractmethod
+    def insert(self, key, size: int) -> None:
+        """A new (or replaced) resident entry."""
+
+    @abstractmethod
+    def access(self, key, hit: bool) -> None:
+        """A lookup of ``key``; ``hit`` if it was resident."""
+
+    @abstractmethod
+    def remove(self, key) -> None:
+        """A resident entry left for another reason than eviction (removed, damaged)."""
+
+    @abstractmethod
+    def victim(self):
+        """The resident key to evict next (``None`` if there is none). Does not remove it."""
+
+    def evicted(self, key) -> None:
+        """``key`` (the last victim) was evicted."""
+        self.remove(key)
+
+    def record_cost(self, key, seconds_per_token: float) -> None:
+        """Computing ``key`` in a request cost this much per non-cached token."""
+
+    def record_reuse(self, key, cfo: float) -> None:
+        """``key`` was reused with Cache-Craft fix budget ``cfo``."""
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict = OrderedDict()
+
+    def insert(self, key, size: int) -> None:
+        self._order[key] = size
+        self._order.move_to_end(key)
+
+    def access(self, key, hit: bool) -> None:
+        if hit and key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self):
+        return next(iter(self._order), None)
+
+
+@dataclass(slots=True)
+class _Meta:
+    frequency: int = 0
+    total_cost: float = 0.0
+    costed: int = 0  # requests that computed the entry (m in RAGCache's formula 3)
+
+    def avg_cost(self, default: float) -> float:
+        return self.total_cost / self.costed if self.costed else default
+
+
+class PGDSFPolicy(EvictionPolicy):
+    """RAGCache's PGDSF: ``priority = clock + frequency x avg(cost_i / newsize_i)``; lowest goes first.
+
+    Args:
+        window: distinct keys whose frequency and cost are remembered (resident or not).
+    """
+
+    name = "pgdsf"
+
+    def __init__(self, window: int = 65536) -> None:
+        self.clock = 0.0
+        self.window = window
+        self._meta: OrderedDict = OrderedDict()  # key -> _Meta, most recently touched last
+        self._prio: dict = {}  # resident key -> current priority
+        self._heap: list = []  # (priority, seq, key); stale items skipped lazily
+        self._seq = itertools.count()
+        self._cost_sum = 0.0
+        self._cost_n = 0
+
+    def _touch(self, key) -> _Meta:
+        meta = self._meta.get(key)
+        if meta is None:
+            meta = self._meta[key] = _Meta()
+            while len(self._meta) > self.window:  # forget the oldest non-resident history
+                old = next((k for k in self._meta if k not in self._prio), None)
+                if old is None:
+                    break
+                del self._meta[old]
+        else:
+            self._meta.move_to_end(key)
+        return meta
+
+    def _default_cost(self) -> float:
+        """Cost of an entry never seen computed: the mean of what was seen (1.0 before any)."""
+        return self._cost_sum / self._cost_n if self._cost_n else 1.0
+
+    def priority(self, key) -> float:
+        meta = self._meta.get(key) or _Meta()
+        return self.clock + max(1, meta.frequency) * meta.avg_cost(self._default_cost())
+
+    def _reprioritise(self, key) -> None:
+        p = self.priority(key)
+        self._prio[key] = p
+        heapq.heappush(self._heap, (p, next(self._seq), key))
+        if len(self._heap) > 4 * len(self._prio) + 64:  # drop stale items now and then
+            self._heap = [(p, s, k) for p, s, k in self._heap if self._prio.get(k) == p]
+            heapq.heapify(self._heap)
+
+    def insert(self, key, size: int) -> None:
+        self._touch(key)
+        self._reprioritise(key)
+
+    def access(self, key, hit: bool) -> None:
+        self._touch(key).frequency += 1
+        if hit and key in self._prio:
+            self._reprioritise(key)
+
+    def record_cost(self, key, seconds_per_token: float) -> None:
+        if not seconds_per_token > 0:
+            return
+        meta = self._touch(key)
+        meta.total_cost += seconds_per_token
+        meta.costed += 1
+        self._cost_sum += seconds_per_token
+        self._cost_n += 1
+        if key in self._prio:
+            self._reprioritise(key)
+
+    def remove(self, key) -> None:
+        self._prio.pop(key, None)
+
+    def victim(self):
+        while self._heap:
+            p, _, key = self._heap[0]
+            if self._prio.get(key) == p:
+                return key
+            heapq.heappop(self._heap)
+        return None
+
+    def evicted(self, key) -> None:
+        p = self._prio.pop(key, None)
+        if p is not None:
+            self.clock = max(self.clock, p)  # RAGCache formula 2
+
+    def describe(self) -> dict:
+        return {"name": self.name, "clock": self.clock, "tracked": len(self._meta), "default_cost": self._default_cost()}
+
+
+class FrequencyReusePolicy(EvictionPolicy):
+    """Cache-Craft's frequency-reuse score: ``f_r += 1 / CFO`` on each reuse; lowest first, then oldest."""
+
+    name = "frequency-reuse"
+
+    def __init__(self, min_cfo: float = 1e-3) -> None:
+        self.min_cfo = min_cfo
+        self._score: OrderedDict = OrderedDict()
+
+    def insert(self, key, size: int) -> None:
+        self._score.setdefault(key, 0.0)
+        self._score.move_to_end(key)
+
+    def access(self, key, hit: bool) -> None:
+        if hit and key in self._score:
+            self._score.move_to_end(key)
+
+    def record_reuse(self, key, cfo: float) -> None:
+        if key in self._score:
+            self._score[key] += 1.0 / max(float(cfo), self.min_cfo)
+
+    def remove(self, key) -> None:
+        self._score.pop(key, None)
+
+    def victim(self):
+        # oldest first among equal scores: dict order is recency order
+        return min(self._score, key=self._score.__getitem__, default=None)
+
+    def score(self, key) -> float:
+        return self._score.get(key, 0.0)
+
+
+POLICIES = {"lru": LRUPolicy, "pgdsf": PGDSFPolicy, "frequency-reuse": FrequencyReusePolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A new policy by name (``lru``, ``pgdsf`` or ``frequency-reuse``)."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; use one of {', '.join(POLICIES)}") from None

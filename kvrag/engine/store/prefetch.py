@@ -1,0 +1,293 @@
+"""Layer-wise prefetch of KV from a slower tier, and the loading controller.
+
+A disk hit becomes a :class:`StreamedRecord`: its header and token ids are verified at lookup, its
+layers arrive in the background (a :class:`Prefetcher` thread reads layer-major across every
+record in flight: layer 0 of each, then layer 1, ...) while the fused prefill computes. The
+prefill asks for layer ``l`` just before it runs layer ``l``; if that layer is not in yet, the
+prefill thread reads it itself rather than wait, so a busy or slow loader never stalls compute
+longer than the read. Each layer is checked against its checksum as it arrives; a damaged layer
+fails the record (:class:`DamagedEntryError`) and the engine plans the request again.
+
+Cache-Craft (§3.4.2) bounds the read-ahead to ``Lp = (L-1)(1 - T_prefill/T_load) + 1`` layers
+because its buffer is scarce GPU memory. Here the buffer is host memory that the record is
+promoted into anyway, so the loader reads ahead without bound; :func:`preload_depth` still
+reports Lp (a device tier with a bounded buffer would use it). CacheBlend's loading controller
+(§5.1) is :class:`LoadingController`: with the tier's measured throughput it raises the recompute
+ratio up to where recompute hides under loading, never below the configured ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvrag.engine.store import serial
+from kvrag.engine.store.base import DamagedEntryError, KVRecord
+from kvrag.engine.store.disk import DiskEntry
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StreamedRecord", "Prefetcher", "ThroughputMeter", "LoadingController", "preload_depth"]
+
+_PENDING, _LOADING, _READY = 0, 1, 2
+
+
+class ThroughputMeter:
+    """Bytes and seconds of reads from a tier; throughput as their ratio (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.seconds = 0.0
+        self.records = 0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.seconds += seconds
+
+    def throughput(self) -> float | None:
+        """Bytes per second, or ``None`` before the first read."""
+        with self._lock:
+            return self.bytes / self.seconds if self.seconds > 0 and self.bytes > 0 else None
+
+    def stats(self) -> dict:
+        tp = self.throughput()
+        with self._lock:
+            return {"bytes": self.bytes, "seconds": self.seconds, "records": self.records,
+                    "throughput_bytes_per_s": tp}
+
+
+class StreamedRecord:
+    """A record whose layers are still arriving. Duck-types :class:`KVRecord`.
+
+    ``layer(l)`` returns once layer ``l`` is in (reading it on the caller's thread if nobody has
+    started it); ``k``/``v`` wait for every layer. Both raise :class:`DamagedEntryError` if any
+    layer failed verification.
+    """
+
+    tier = "disk"
+
+    def __init__(self, entry: DiskEntry, meter: ThroughputMeter, on_done: Callable[[StreamedRecord, bool], None]):
+        h = entry.header
+        self.key = entry.key
+        self.token_ids = entry.token_ids
+        self.kind, self.context, self.meta = h.kind, h.context, h.meta
+        self.stats = entry.read_stats()  # small; needed before any layer
+        self._entry = entry
+        self._k = torch.empty(h.shape, dtype=serial.DTYPES[h.dtype])
+        self._v = torch.empty(h.shape, dtype=serial.DTYPES[h.dtype])
+        self._state = [_PENDING] * h.shape[0]
+        self._ready = 0
+        self._error: DamagedEntryError | None = None
+        self._cond = threading.Condition()
+        self._meter, self._on_done = meter, on_done
+
+    # -- the KVRecord surface -----------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._state)
+
+    @property
+    def nbytes(self) -> int:
+        n = 2 * self._k.numel() * self._k.element_size() + self.token_ids.numel() * 8
+        return n + sum(t.numel() * t.element_size() for t in self.stats.values())
+
+    @property
+    def done(self) -> bool:
+        return self._ready == len(self._state) or self._error is not None
+
+    def matches(self, token_ids) -> bool:
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        return ids.shape == self.token_ids.shape and bool(torch.equal(ids, self.token_ids))
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ensure(layer)
+        return self._k[layer], self._v[layer]
+
+    @property
+    def k(self) -> torch.Tensor:
+        self.wait()
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        self.wait()
+        return self._v
+
+    def wait(self) -> None:
+        """Block until every layer is in (reading the missing ones here)."""
+        for layer in range(len(self._state)):
+            self._ensure(layer)
+
+    def pending_bytes(self) -> int:
+        """Bytes of layers not read yet."""
+        with self._cond:
+            left = sum(1 for s in self._state if s != _READY)
+        return left * self._entry.header.layer_nbytes
+
+    def to_record(self) -> KVRecord:
+        """A plain in-memory record sharing the loaded tensors (after every layer is in)."""
+        self.wait()
+        return KVRecord(self.token_ids, self._k, self._v, kind=self.kind, context=self.context,
+                        meta=self.meta, stats=self.stats)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def _ensure(self, layer: int) -> None:
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                state = self._state[layer]
+                if state == _READY:
+                    return
+                if state == _PENDING:
+                    self._state[layer] = _LOADING
+                    break
+                self._cond.wait()
+        self._load(layer)
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+
+    def claim_next(self) -> int | None:
+        """For the loader: claim the first layer nobody is reading yet."""
+        with self._cond:
+            if self._error is not None:
+                return None
+            for i, s in enumerate(self._state):
+                if s == _PENDING:
+                    self._state[i] = _LOADING
+                    return i
+        return None
+
+    def next_layer(self) -> int:
+        """Index of the first layer not claimed (the loader's layer-major order key)."""
+        with self._cond:
+            return next((i for i, s in enumerate(self._state) if s == _PENDING), len(self._state))
+
+    def _load(self, layer: int) -> None:
+        t0 = time.perf_counter()
+        error = None
+        try:
+            self._entry.read_layer_into(layer, self._k[layer], self._v[layer])
+        except DamagedEntryError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - an I/O error (file gone, disk failing) is damage here
+            error = DamagedEntryError(f"reading layer {layer} failed: {e}")
+        self._meter.add(self._entry.header.layer_nbytes, time.perf_counter() - t0)
+        finished = False
+        with self._cond:
+            if error is not None:
+                if self._error is None:
+                    self._error = error
+                    finished = True
+            else:
+                self._state[layer] = _READY
+                self._ready += 1
+                finished = self._ready == len(self._state) and self._error is None
+            self._cond.notify_all()
+        if finished:
+            self._entry.close()
+            try:
+                self._on_done(self, self._error is None)
+            except Exception:  # noqa: BLE001 - a failed promotion costs a future hit, nothing more
+                log.warning("kvrag: promoting %s to memory failed", self.key, exc_info=True)
+
+
+class Prefetcher:
+    """One background thread that reads the layers of streamed records, layer-major."""
+
+    def __init__(self) -> None:
+        self._active: list[StreamedRecord] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, rec: StreamedRecord) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._active.append(rec)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="kvrag-prefetch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    self._active = [r for r in self._active if not r.done]
+                    pending = [r for r in self._active if r.next_layer() < r.num_layers]
+                    if pending:
+                        break
+                    # records whose last layers are being read by their consumers finish on their own
+                    self._cond.wait(0.05 if self._active else None)
+                # layer-major across records: whoever is furthest behind goes first
+                rec = min(pending, key=StreamedRecord.next_layer)
+            layer = rec.claim_next()
+            if layer is not None:
+                rec._load(layer)  # failures are recorded on the record itself
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for rec in list(self._active):  # finish what is in flight on this thread
+            try:
+                rec.wait()
+            except DamagedEntryError:
+                pass
+
+
+def preload_depth(n_layers: int, t_prefill: float, t_load: float) -> int:
+    """Cache-Craft's preload depth ``Lp = max(1, (L-1)(1 - T_prefill/T_load) + 1)`` (eq. 16)."""
+    if t_load <= 0:
+        return 1
+    return max(1, min(n_layers, round((n_layers - 1) * (1 - t_prefill / t_load) + 1)))
+
+
+class LoadingController:
+    """CacheBlend's loading controller (§5.1): pick the recompute ratio that hides under loading.
+
+    ``T_recompute(r) = r x T_prefill`` and ``T_load = bytes / throughput`` (throughput measured on
+    this machine's reads); the ratio is ``max(configured, T_load / T_prefill)``, at most 1.
+    """
+
+    def __init__(self, meter: ThroughputMeter) -> None:
+        self.meter = meter
+        self.last: dict = {}
+
+    def ratio(self, configured: float, load_bytes: int, t_prefill: float | None, n_layers: int) -> float:
+        """The recompute ratio for a request that still has ``load_bytes`` to read.
+
+        Args:
+            configured: the request's ratio (the floor).
+            load_bytes: bytes of cached KV still to be read from slower tiers.
+            t_prefill: estimated seconds of a full prefill of the prompt (``None`` if unknown).
+            n_layers: the model's layers (for the preload depth reported).
+        """
+        tp = self.meter.throughput()
+        if load_bytes <= 0 or tp is None or not t_prefill:
+            self.last = {"ratio": configured, "t_load": 0.0, "t_prefill": t_prefill}
+            return configured
+        t_load = load_bytes / tp
+        r = min(1.0, max(configured, t_load / t_prefill))
+        self.last = {"ratio": r, "t_load": t_load, "t_prefill": t_prefill,
+                     "preload_depth": preload_depth(n_layers, r * t_prefill, t_load)}
+        return r

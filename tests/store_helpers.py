@@ -1,0 +1,131 @@
+"""Records, keys and subprocess jobs for the store tests (run as ``python -m tests.store_helpers``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def record(i: int, tokens: int = 40, layers: int = 4, heads: int = 2, dim: int = 8, stats: bool = False) -> KVRecord:
+    """A deterministic record number ``i`` (fp16-exact values, so any at-rest dtype keeps them)."""
+    g = torch.Generator().manual_seed(i)
+    shape = (layers, heads, tokens, dim)
+    k = torch.randn(shape, generator=g).half().float()
+    v = torch.randn(shape, generator=g).half().float()
+    extra = {"inter": torch.randn(layers, tokens, generator=g)} if stats else {}
+    return KVRecord(token_ids(i, tokens), k, v, meta={"i": i}, stats=extra)
+
+
+def token_ids(i: int, tokens: int = 40) -> torch.Tensor:
+    return torch.arange(tokens) * 7 + i * 1000
+
+
+def key(i: int, namespace: str = "test", tokens: int = 40) -> StoreKey:
+    return chunk_key(namespace, "fingerprint", token_ids(i, tokens))
+
+
+def same(rec, ref: KVRecord) -> bool:
+    return bool(
+        torch.equal(rec.k.float(), ref.k.float()) and torch.equal(rec.v.float(), ref.v.float())
+        and torch.equal(rec.token_ids, ref.token_ids)
+    )
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+# -- jobs run in child processes ------------------------------------------------------------------
+
+
+def _writer(directory: str, start: int, count: int, tokens: int) -> None:
+    """Write records start.. forever-ish (the parent kills us), printing each index once stored."""
+    from kvrag.engine.store.disk import DiskStore
+
+    store = DiskStore(directory, 1 << 34)
+    for i in range(start, start + count):
+        store.put(key(i, tokens=tokens), record(i, tokens=tokens))
+        print(i, flush=True)
+
+
+def _mixed(directory: str, seed: int, n: int) -> None:
+    """Put and get a shared key range; report reads that came back wrong (must be none)."""
+    import random
+
+    from kvrag.engine.store.disk import DiskStore
+
+    rng = random.Random(seed)
+    store = DiskStore(directory, 200_000)  # small: evictions race with reads in other processes
+    wrong = hits = 0
+    for _ in range(n):
+        i = rng.randrange(24)
+        if rng.random() < 0.5:
+            store.put(key(i), record(i))
+        else:
+            rec = store.get(key(i), token_ids(i))
+            if rec is not None:
+                hits += 1
+                wrong += not same(rec, record(i))
+    print(json.dumps({"wrong": wrong, "hits": hits, "volume": store.volume(), "stats": store.stats()}))
+
+
+def _full_disk(directory: str, limit: int) -> None:
+    """Cap this process's file size (a full disk, as write(2) sees it) and keep serving."""
+    import logging
+    import resource
+    import signal
+
+    from kvrag.engine.store.disk import DiskStore
+    from kvrag.engine.store.memory import MemoryStore
+    from kvrag.engine.store.tiered import TieredStore
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    store = TieredStore(MemoryStore(1 << 30), DiskStore(directory, 1 << 30))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(2) instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    kept = [store.put(key(i, tokens=400), record(i, tokens=400)) for i in range(30)]
+    served = sum(same(store.get(key(i, tokens=400), token_ids(i, 400)), record(i, tokens=400)) for i in range(30))
+    disk = store.disk.stats()
+    print(json.dumps({"kept": sum(kept), "served": served, "disk_puts": disk["puts"],
+                      "write_errors": disk["write_errors"]}))
+
+
+def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool) -> None:
+    """Answer the questions in ``docs_path`` with an engine over a disk tier; report answers and tiers."""
+    from kvrag import Engine
+
+    job = json.load(open(docs_path))
+    engine = Engine.from_pretrained(
+        model_dir, cache_dir=cache_dir, disk_tier=True, max_new_tokens=8, loading_controller=False, num_threads=1
+    )
+    if warm:
+        engine.warm(job["docs"])
+    out = []
+    for req in job["requests"]:
+        g = engine.generate([job["docs"][i] for i in req], job["prefix"], job["suffix"])
+        out.append({"tokens": g.token_ids, "tiers": [c.tier for c in g.stats.chunks],
+                    "hits": g.stats.chunk_hits})
+    engine.close()
+    json.dump(out, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    job, args = sys.argv[1], sys.argv[2:]
+    if job == "writer":
+        _writer(args[0], int(args[1]), int(args[2]), int(args[3]))
+    elif job == "mixed":
+        _mixed(args[0], int(args[1]), int(args[2]))
+    elif job == "full_disk":
+        _full_disk(args[0], int(args[1]))
+    elif job == "engine":
+        _engine(args[0], args[1], args[2], args[3], args[4] == "warm")
+    else:
+        raise SystemExit(f"unknown job {job}")

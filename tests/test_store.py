@@ -1,0 +1,289 @@
+"""The chunk store without a model: format, safe disk layer, tiers, policies, prefetch, controller."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import diskcache
+import pytest
+import torch
+
+from kvrag.engine.store import DamagedEntryError, DiskStore, MemoryStore, TieredStore, build_store
+from kvrag.engine.store import serial
+from kvrag.engine.store.policy import FrequencyReusePolicy, LRUPolicy, PGDSFPolicy
+from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter, preload_depth
+from kvrag.engine.store.profile import CostProfile
+from tests.store_helpers import key, record, same, token_ids
+
+
+class Payload:
+    """Unpickling this creates ``path``: proof that something was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def tiered(tmp_path, memory=1 << 20, disk=1 << 22, policy="lru", **kw) -> TieredStore:
+    return TieredStore(MemoryStore(memory, policy), DiskStore(tmp_path / "kv", disk), **kw)
+
+
+def entry_path(store: DiskStore, k) -> str:
+    with store._cache.transact():
+        ((name,),) = store._cache._sql("SELECT filename FROM Cache WHERE key = ?", (f"{k.namespace}/{k.digest}",))
+    return os.path.join(store.directory, name)
+
+
+# -- format ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_format_round_trip_whole_and_by_layer(tmp_path, dtype):
+    rec = record(1, stats=True)
+    data = serial.encode(key(1), rec, dtype)
+    path = tmp_path / "e"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h = serial.read_header(fd, len(data))
+        assert h.shape == tuple(rec.k.shape) and h.kind == "chunk" and h.meta == {"i": 1}
+        ids = serial.read_tokens(fd, h)
+        whole = serial.read_record(fd, h, ids)
+        assert whole.k.dtype == dtype and whole.tier == "disk" and torch.equal(whole.token_ids, rec.token_ids)
+        assert torch.equal(whole.k, rec.k.to(dtype)) and torch.equal(whole.v, rec.v.to(dtype))
+        torch.testing.assert_close(whole.stats["inter"], rec.stats["inter"])
+        k, v = torch.empty_like(whole.k[2]), torch.empty_like(whole.v[2])
+        serial.read_layer_into(fd, h, 2, k, v)
+        assert torch.equal(k, whole.k[2]) and torch.equal(v, whole.v[2])
+    finally:
+        os.close(fd)
+
+
+def test_format_detects_every_kind_of_damage(tmp_path):
+    data = serial.encode(key(2), record(2), torch.float16)
+    h_end = 64  # inside the header
+
+    def check(blob, where):
+        path = tmp_path / "e"
+        path.write_bytes(blob)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            h = serial.read_header(fd, len(blob))
+            serial.read_record(fd, h, serial.read_tokens(fd, h))
+        finally:
+            os.close(fd)
+        raise AssertionError(f"damage {where} not detected")
+
+    flip = lambda b, i: b[:i] + bytes([b[i] ^ 0x10]) + b[i + 1 :]  # noqa: E731
+    cases = {"header": flip(data, h_end), "layer": flip(data, len(data) - 100), "magic": flip(data, 0),
+             "truncated": data[:-5], "extended": data + b"\0", "pickle": pickle.dumps({"a": 1})}
+    for where, blob in cases.items():
+        with pytest.raises(DamagedEntryError):
+            check(blob, where)
+
+
+# -- the disk layer never unpickles --------------------------------------------------------------
+
+
+def test_disk_refuses_pickled_values_and_keys(tmp_path):
+    store = DiskStore(tmp_path / "kv", 1 << 22)
+    store.put(key(1), record(1))
+    marker = str(tmp_path / "payload-ran")
+    # another program writes pickles into the same directory with diskcache's default disk layer
+    plain = diskcache.Cache(str(tmp_path / "kv"))
+    plain.set(f"{key(2).namespace}/{key(2).digest}", Payload(marker))  # a pickled value under a real key
+    plain.set(Payload(marker + "-key"), b"x")  # a pickled key
+    plain.close()
+    # a file's content replaced by a pickle
+    with open(entry_path(store, key(1)), "wb") as f:
+        f.write(pickle.dumps(Payload(marker + "-file")))
+    assert store.get(key(2), token_ids(2)) is None
+    assert store.get(key(1), token_ids(1)) is None
+    store.put(key(3), record(3))
+    store._make_room(1 << 22)  # evicts everything, the planted rows too (by row id, never unpickled)
+    assert not any(os.path.exists(m) for m in (marker, marker + "-key", marker + "-file"))
+    assert store.stats()["damaged"] == 2 and len(store) == 0
+    store.close()
+
+
+def test_disk_stays_within_budget_and_evicts_least_recently_used(tmp_path):
+    size = len(serial.encode(key(0), record(0), torch.float16))
+    store = DiskStore(tmp_path / "kv", 64 * 1024 + 4 * size)  # the index itself takes a few pages
+    for i in range(12):
+        store.put(key(i), record(i))
+        if i == 6:
+            assert store.get(key(0), token_ids(0)) is not None  # recently used: kept
+        assert store.volume() <= store.budget_bytes
+    assert store.contains(key(0)) and store.contains(key(11)) and not store.contains(key(5))
+    assert store.stats()["evictions"] > 0
+    assert not store.put(key(99, tokens=4000), record(99, tokens=4000))  # larger than the budget
+    store.close()
+
+
+# -- tiers --------------------------------------------------------------------------------------
+
+
+def test_tiers_promote_on_hit_and_swap_out_only_once(tmp_path):
+    size = record(0).k.numel() * 2 * 2 + 40 * 8  # fp16 K and V plus token ids
+    store = tiered(tmp_path, memory=3 * size)
+    for i in range(6):
+        assert store.put(key(i), record(i))
+    assert len(store.memory) == 3 and store.disk.stats()["puts"] == 6
+    for i in (3, 4, 5, 0, 1, 2):  # 0..2 were evicted from memory: served from disk, promoted
+        rec = store.get(key(i), token_ids(i))
+        assert rec.tier == ("memory" if i >= 3 else "disk") and same(rec, record(i))
+    store._prefetcher.close()  # finish promotions
+    st = store.stats()
+    assert st["promotions"] == 3 and st["memory"]["bytes"] <= 3 * size
+    assert store.put(key(0), record(0))  # already on disk: not written again
+    assert store.disk.stats()["puts"] == 6 and st["disk"]["hits"] == 3
+    store.close()
+
+
+def test_namespaces_never_see_each_other(tmp_path):
+    a = tiered(tmp_path)
+    a.put(key(1, "alice"), record(1))
+    b = tiered(tmp_path)  # same directory, another process-like store
+    assert b.get(key(1, "bob"), token_ids(1)) is None and not b.contains(key(1, "bob"))
+    assert same(b.get(key(1, "alice"), token_ids(1)), record(1))
+    a.close(), b.close()
+
+
+def test_tokens_verify_every_hit(tmp_path):
+    store = tiered(tmp_path)
+    store.put(key(1), record(1))
+    other = token_ids(1) + 1
+    assert store.get(key(1), other) is None
+    store.memory.clear()
+    assert store.get(key(1), other) is None and store.disk.stats()["damaged"] == 0
+    store.close()
+
+
+def test_streamed_record_fails_on_a_damaged_layer_and_is_dropped(tmp_path):
+    store = tiered(tmp_path)
+    store.put(key(1), record(1))
+    store.memory.clear()
+    path = entry_path(store.disk, key(1))
+    blob = bytearray(open(path, "rb").read())
+    blob[-3] ^= 0x01  # last layer
+    open(path, "wb").write(bytes(blob))
+    rec = store.get(key(1), token_ids(1))  # header and tokens are fine: a streamed hit
+    assert rec is not None and rec.tier == "disk"
+    with pytest.raises(DamagedEntryError):
+        for layer in range(rec.num_layers):
+            rec.layer(layer)
+    store._prefetcher.close()
+    assert not store.contains(key(1)) and store.stats()["disk"]["damaged"] == 1
+    store.close()
+
+
+def test_threads_share_a_store(tmp_path):
+    store = tiered(tmp_path, memory=6 * 1500)
+    errors = []
+
+    def work(seed):
+        try:
+            for n in range(40):
+                i = (seed * 7 + n) % 10
+                if n % 3 == 0:
+                    store.put(key(i), record(i))
+                else:
+                    rec = store.get(key(i), token_ids(i))
+                    if rec is not None and not same(rec, record(i)):
+                        errors.append(i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == []
+    store.close()
+
+
+def test_build_store_from_config(tmp_path):
+    from kvrag import EngineConfig
+
+    assert isinstance(build_store(EngineConfig()), MemoryStore)
+    st = build_store(EngineConfig(disk_tier=True, cache_dir=str(tmp_path), eviction_policy="pgdsf"))
+    assert isinstance(st, TieredStore) and st.disk.directory == tmp_path / "kv" and st.policy.name == "pgdsf"
+    st.close()
+
+
+# -- policies and costs ------------------------------------------------------------------------
+
+
+def test_lru_and_frequency_reuse_order():
+    lru = LRUPolicy()
+    for k in "abc":
+        lru.insert(k, 1)
+    lru.access("a", True)
+    assert lru.victim() == "b"
+    fr = FrequencyReusePolicy()
+    for k in "abc":
+        fr.insert(k, 1)
+    fr.record_reuse("a", 0.5)  # f_r = 2
+    fr.record_reuse("b", 0.1)  # f_r = 10
+    assert fr.victim() == "c" and fr.score("b") == pytest.approx(10)
+    fr.remove("c")
+    assert fr.victim() == "a"
+
+
+def test_pgdsf_priority_clock_and_cost():
+    p = PGDSFPolicy()
+    for k in "abc":
+        p.access(k, False)
+        p.insert(k, 1)
+    p.record_cost("a", 2.0)  # expensive to recompute
+    p.record_cost("b", 1.0)
+    p.record_cost("c", 1.0)
+    p.access("c", True)  # c: frequency 2, cost 1 -> 2; a: 1 x 2 = 2; b: 1
+    assert p.victim() == "b"
+    p.evicted("b")
+    assert p.clock == pytest.approx(1.0)  # the clock rises to the victim's priority
+    p.access("d", False)
+    p.insert("d", 1)  # a newcomer starts at clock + its frequency x mean cost
+    assert p.priority("d") == pytest.approx(1.0 + 1 * (4.0 / 3))
+    # history survives eviction: b comes back with its frequency
+    p.access("b", False)
+    assert p._meta["b"].frequency == 2
+
+
+def test_pgdsf_keeps_hot_entries_that_lru_drops():
+    """A scan of one-off keys flushes LRU; PGDSF keeps the frequently used ones."""
+    hits = {}
+    for name in ("lru", "pgdsf"):
+        m = MemoryStore(4 * record(0).nbytes, name)
+        hot = [key(i) for i in range(3)]
+        for n in range(60):
+            k = hot[n % 3] if n % 2 == 0 else key(100 + n)
+            i = int(k.digest, 16) % 7  # any record: sizes are equal
+            if m.get(k) is None:
+                m.put(k, record(i))
+        hits[name] = m.stats()["hits"]
+    assert hits["pgdsf"] > hits["lru"]
+
+
+def test_cost_profile_interpolates_bilinearly():
+    prof = CostProfile(edges=(0, 100, 200))
+    for a, b, t in [(0, 100, 1.0), (0, 200, 2.0), (100, 100, 1.5), (100, 200, 3.0)]:
+        prof.record(a, b, t)
+    assert prof.estimate(50, 150) == pytest.approx((1.0 + 2.0 + 1.5 + 3.0) / 4)
+    assert prof.seconds_per_token(0, 200) == pytest.approx(0.01)
+    assert CostProfile().estimate(0, 10) is None
+
+
+def test_loading_controller_raises_ratio_only_to_hide_recompute_under_loading():
+    meter = ThroughputMeter()
+    ctl = LoadingController(meter)
+    assert ctl.ratio(0.15, 1000, 1.0, 30) == 0.15  # no throughput measured yet
+    meter.add(1_000_000, 1.0)  # 1 MB/s
+    assert ctl.ratio(0.15, 100_000, 1.0, 30) == 0.15  # loading 0.1 s hides under 0.15 s of recompute
+    assert ctl.ratio(0.15, 400_000, 1.0, 30) == pytest.approx(0.4)  # loading 0.4 s: recompute 40%
+    assert ctl.ratio(0.15, 5_000_000, 1.0, 30) == 1.0
+    assert preload_depth(5, 1.0, 2.0) == 3  # Cache-Craft fig. 19: T_prefill:T_load = 1:2, L = 5
+    assert preload_depth(30, 2.0, 1.0) == 1

@@ -1,0 +1,255 @@
+"""The tiered store under the engine (tiny random Llama): tiers in stats, disk hits answer like
+memory hits, 200 damaged entries, a full disk, kill -9 mid-write, processes sharing a directory,
+and a restart across processes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvrag import Engine
+from kvrag.engine.store import serial
+from kvrag.engine.store.disk import SafeDisk
+from tests.helpers import make_docs
+from tests.store_helpers import ROOT, key, record, same, subprocess_env, token_ids
+from tests.test_store import Payload, entry_path
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny-model ops are too small to split across threads; on a busy CPU, syncing them costs more."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
+SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def engine(model, tok, cache_dir, **kw) -> Engine:
+    """An engine over a disk tier. The loading controller is off: with it, the ratio (and so the
+    answer) depends on how fast the disk was, and these tests compare answers across stores."""
+    kw.setdefault("loading_controller", False)
+    return Engine.from_model(model, tok, cache_dir=str(cache_dir), disk_tier=True, max_new_tokens=4, **kw)
+
+
+def answers(eng: Engine, docs, requests) -> list[tuple[list[int], list[bool]]]:
+    out = []
+    for req in requests:
+        g = eng.generate([docs[i] for i in req], PREFIX, SUFFIX)
+        eng.flush()  # prefix blocks written before the next request: runs are deterministic
+        out.append((g.token_ids, [c.hit for c in g.stats.chunks]))
+    return out
+
+
+def test_disk_hits_answer_like_memory_hits_and_report_their_tier(tiny_model, tiny_tokenizer, tmp_path):
+    docs = make_docs(4, seed=3)
+    for prefetch in (True, False):
+        eng = engine(tiny_model, tiny_tokenizer, tmp_path / str(prefetch), prefetch=prefetch)
+        eng.warm(docs)
+        mem = eng.generate(docs, PREFIX, SUFFIX)
+        assert [c.tier for c in mem.stats.chunks] == ["memory"] * 4
+        eng.store.memory.clear()
+        disk = eng.generate(docs, PREFIX, SUFFIX)
+        assert [c.tier for c in disk.stats.chunks] == ["disk"] * 4
+        assert disk.token_ids == mem.token_ids
+        st = eng.store.stats()
+        assert st["disk"]["hits"] >= 4 and st["load"]["bytes"] > 0
+        eng.close()
+
+
+def _damage(path: str, how: str, rng: random.Random, marker: str) -> None:
+    blob = open(path, "rb").read()
+    if how == "flip":  # flip a few bits in the header, the token ids or a layer (not the padding)
+        fd = os.open(path, os.O_RDONLY)
+        h = serial.read_header(fd, len(blob))
+        os.close(fd)
+        hlen = serial._PRELUDE.unpack_from(blob)[1]
+        spans = [(0, serial._PRELUDE.size + hlen), (h.body_offset, len(blob))]
+        a, b = rng.choice(spans)
+        data = bytearray(blob)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(a, b)
+            data[i] ^= 1 << rng.randrange(8)
+        open(path, "wb").write(bytes(data))
+    elif how == "truncate":
+        open(path, "wb").write(blob[: rng.randrange(len(blob))])
+    elif how == "delete":
+        os.remove(path)
+    else:  # "pickle-file": the file's content replaced by a pickle
+        open(path, "wb").write(pickle.dumps(Payload(marker)))
+
+
+def test_200_damaged_entries_are_misses_never_crashes_never_wrong(tiny_model, tiny_tokenizer, tmp_path, caplog):
+    import diskcache
+
+    rng = random.Random(0)
+    docs = make_docs(240, words=25, seed=11)
+    order = list(range(240))
+    rng.shuffle(order)
+    requests = [order[i : i + 12] for i in range(0, 240, 12)]
+    eng = engine(tiny_model, tiny_tokenizer, tmp_path / "damaged")
+    eng.warm(docs)
+    keys = [eng.planner.chunk_key(eng.planner.tokenize(d)) for d in docs]
+    eng.close()
+    for copy in ("clean", "clean2"):
+        shutil.copytree(tmp_path / "damaged", tmp_path / copy)
+
+    # damage 200 entries of the 240, 40 of each kind
+    marker = str(tmp_path / "payload-ran")
+    store = engine(tiny_model, tiny_tokenizer, tmp_path / "damaged").store
+    kinds = ["flip", "truncate", "delete", "pickle-file", "pickle-row"]
+    damaged = rng.sample(range(240), 200)
+    for n, i in enumerate(damaged):
+        how = kinds[n % 5]
+        if how == "pickle-row":  # the index row replaced by diskcache's default (pickling) disk layer
+            plain = diskcache.Cache(str(store.disk.directory))
+            plain.set(f"{keys[i].namespace}/{keys[i].digest}", Payload(marker))
+            plain.close()
+        else:
+            _damage(entry_path(store.disk, keys[i]), how, rng, marker)
+    store.close()
+
+    # the same requests on the damaged store, and on a clean store where those entries are simply missing
+    caplog.set_level(logging.WARNING, logger="kvrag")
+    hurt = engine(tiny_model, tiny_tokenizer, tmp_path / "damaged", write_back=False)
+    got = answers(hurt, docs, requests)
+    ref_eng = engine(tiny_model, tiny_tokenizer, tmp_path / "clean", write_back=False)
+    for i in damaged:
+        ref_eng.store.disk.remove(keys[i])
+    ref = answers(ref_eng, docs, requests)
+    ref_eng.close()
+    assert got == ref  # same tokens and the same hits and misses, request by request
+    assert sum(not h for _, hits in got for h in hits) == 200
+    st = hurt.store.stats()
+    assert st["disk"]["damaged"] == 200
+    assert sum("unusable" in r.getMessage() for r in caplog.records) == 1  # warned once
+    assert not os.path.exists(marker)  # the planted payload never ran
+
+    # go on: warming recomputes what was lost, and answers are then the clean store's
+    hurt.warm(docs)
+    healed = answers(hurt, docs, requests)
+    hurt.close()
+    clean = engine(tiny_model, tiny_tokenizer, tmp_path / "clean2")
+    assert healed == answers(clean, docs, requests)
+    clean.close()
+
+
+def test_full_disk_skips_writes_and_keeps_serving(tiny_model, tiny_tokenizer, tmp_path, monkeypatch, caplog):
+    docs = make_docs(3, seed=5)
+    ref = engine(tiny_model, tiny_tokenizer, tmp_path / "ok")
+    ref.warm(docs)
+    want = ref.generate(docs, PREFIX, SUFFIX).token_ids
+    ref.close()
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SafeDisk, "_write", full)
+    caplog.set_level(logging.WARNING, logger="kvrag")
+    eng = engine(tiny_model, tiny_tokenizer, tmp_path / "full")
+    eng.warm(docs)
+    g = eng.generate(docs, PREFIX, SUFFIX)
+    assert g.token_ids == want and g.stats.chunk_hits == 3
+    assert eng.store.stats()["disk"]["write_errors"] >= 3  # chunks and prefix blocks
+    assert sum("could not write" in r.getMessage() for r in caplog.records) == 1
+    eng.close()
+
+
+def test_full_disk_in_a_process_with_a_file_size_limit(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.store_helpers", "full_disk", str(tmp_path / "kv"), str(90_000)],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res == {"kept": 30, "served": 30, "disk_puts": 0, "write_errors": 30}
+    assert out.stderr.count("could not write") == 1
+
+
+def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
+    from kvrag.engine.store.disk import DiskStore
+
+    directory = str(tmp_path / "kv")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.store_helpers", "writer", directory, "0", "400", "3000"],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True,
+    )
+    stored = {int(proc.stdout.readline()) for _ in range(4)}
+    time.sleep(0.02)  # somewhere in the middle of a 1.5 MB write
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stored.update(int(x) for x in proc.stdout.read().split())
+    store = DiskStore(directory, 1 << 34)
+    seen = 0
+    for i in range(max(stored) + 5):  # everything the writer may have touched, and a little more
+        rec = store.get(key(i, tokens=3000), token_ids(i, 3000))
+        if i in stored:
+            assert rec is not None  # acknowledged writes survive
+        if rec is not None:
+            seen += 1
+            assert same(rec, record(i, tokens=3000))
+    assert seen >= len(stored) and store.stats()["damaged"] == 0
+    assert store.put(key(10_000), record(10_000)) and same(store.get(key(10_000)), record(10_000))
+    store.close()
+
+
+def test_processes_share_one_directory(tmp_path):
+    """Two child processes and this one put and get overlapping keys in one small directory."""
+    from kvrag.engine.store.disk import DiskStore
+    from tests.store_helpers import _mixed
+
+    directory = str(tmp_path / "kv")
+    DiskStore(directory, 200_000).close()  # create it before the race
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.store_helpers", "mixed", directory, str(seed), "300"],
+                         cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+        for seed in range(2)
+    ]
+    time.sleep(1.0)  # let them start (importing torch) before this process joins in
+    _mixed(directory, 99, 300)
+    results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert [r["wrong"] for r in results] == [0, 0] and sum(r["hits"] for r in results) > 0
+    store = DiskStore(directory, 200_000)
+    assert store.volume() <= 200_000
+    store.close()
+
+
+def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tokenizer, tmp_path):
+    """Process A (this one) warms 20 chunks into a disk tier; process B starts empty and gets all 20
+    from disk, answering as A did."""
+    model_dir = tmp_path / "model"
+    tiny_model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    docs = make_docs(20, words=40, seed=7)
+    job = {"docs": docs, "prefix": PREFIX, "suffix": SUFFIX, "requests": [list(range(i, i + 4)) for i in range(0, 20, 4)]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    from tests.store_helpers import _engine
+
+    _engine(str(model_dir), str(tmp_path / "cache"), str(tmp_path / "job.json"), str(tmp_path / "a.json"), warm=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.store_helpers", "engine", str(model_dir), str(tmp_path / "cache"),
+         str(tmp_path / "job.json"), str(tmp_path / "b.json"), "cold"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    a = json.loads((tmp_path / "a.json").read_text())
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert all(r["tiers"] == ["memory"] * 4 for r in a)
+    assert all(r["tiers"] == ["disk"] * 4 and r["hits"] == 4 for r in b)  # all 20 chunks hit, from disk
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
