@@ -253,3 +253,19 @@ def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tok
     assert all(r["tiers"] == ["memory"] * 4 for r in a)
     assert all(r["tiers"] == ["disk"] * 4 and r["hits"] == 4 for r in b)  # all 20 chunks hit, from disk
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+
+
+def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(tiny_model, tiny_tokenizer, tmp_path):
+    docs = make_docs(4, seed=9)
+    eng = engine(tiny_model, tiny_tokenizer, tmp_path, loading_controller=True)
+    eng.warm(docs)
+    eng.generate(docs, PREFIX, SUFFIX, mode="full")  # the profile learns what a full prefill costs
+    eng.store.memory.clear()
+    eng.store.meter.add(10**12, 1.0)  # a very fast tier: loading hides under any recompute
+    fast = eng.generate(docs, PREFIX, SUFFIX, recompute_ratio=0.15)
+    assert fast.stats.recompute_ratio == 0.15 and [c.tier for c in fast.stats.chunks] == ["disk"] * 4
+    eng.store.memory.clear()
+    eng.store.meter.add(1, 10**6)  # now a very slow one: recompute everything while waiting
+    slow = eng.generate(docs, PREFIX, SUFFIX, recompute_ratio=0.15)
+    assert slow.stats.recompute_ratio > 0.15 and eng.loading.last["t_load"] > 0
+    eng.close()

@@ -141,6 +141,7 @@ class Engine:
         self.planner = Planner(
             tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens, self.sink_ids
         )
+        self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
         self.eos_ids = self._eos_ids()
         self.registry = ChunkRegistry()
         self._lock = threading.RLock()

@@ -122,6 +122,7 @@ class Planner:
         self.namespace = namespace
         self.prefix_cache = PrefixCache(store, namespace, fingerprint, block)
         self.sink_ids = sink_ids
+        self.kv_shape: tuple[int, int, int] | None = None  # (layers, KV heads, head dim) of the model
         self.sink_label = "sink:" + ",".join(map(str, sink_ids))
         self._tok_cache: OrderedDict[str, list[int]] = OrderedDict()
         bos = getattr(tokenizer, "bos_token_id", None)
@@ -140,6 +141,10 @@ class Planner:
         else:
             self._tok_cache.move_to_end(text)
         return ids
+
+    def _fits(self, rec) -> bool:
+        """A record whose KV has another model's shape is unusable (only a forged entry has one)."""
+        return self.kv_shape is None or rec.kv_shape == self.kv_shape
 
     def chunk_key(self, ids: list[int]) -> StoreKey:
         return chunk_key(self.namespace, self.fingerprint, ids, context=self.sink_label)
@@ -175,6 +180,10 @@ class Planner:
         limit = len(id_list) - 1  # the last token is always computed: its logits start decoding
         if use_prefix:
             plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(id_list, plan.boundaries, limit)
+            bad = next((i for i, (_, r) in enumerate(plan.prefix_records) if not self._fits(r)), None)
+            if bad is not None:
+                plan.prefix_len = plan.prefix_records[bad][0]
+                plan.prefix_records = plan.prefix_records[:bad]
         for i, s in enumerate(segments):
             if s.kind != "chunk":
                 continue
@@ -185,7 +194,7 @@ class Planner:
             rec = None
             if mode in ("blend", "reuse") and s.start >= plan.prefix_len:
                 rec = self.store.get(key, s.ids)
-                if rec is not None and s.end > limit:  # keep the last token computed
+                if rec is not None and (s.end > limit or not self._fits(rec)):  # keep the last token computed
                     rec = None
             if rec is not None:
                 plan.chunk_records.append((s.start, rec))

@@ -97,6 +97,11 @@ class KVRecord:
         return int(self.k.shape[0])
 
     @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim): what a model must have to use this KV."""
+        return int(self.k.shape[0]), int(self.k.shape[1]), int(self.k.shape[3])
+
+    @property
     def nbytes(self) -> int:
         n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         n += self.token_ids.numel() * 8

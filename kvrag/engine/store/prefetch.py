@@ -83,6 +83,8 @@ class StreamedRecord:
         self._v = torch.empty(h.shape, dtype=serial.DTYPES[h.dtype])
         self._state = [_PENDING] * h.shape[0]
         self._ready = 0
+        self._reading = 0  # layers being read right now (the file stays open until they finish)
+        self._closed = False
         self._error: DamagedEntryError | None = None
         self._cond = threading.Condition()
         self._meter, self._on_done = meter, on_done
@@ -101,6 +103,12 @@ class StreamedRecord:
     def nbytes(self) -> int:
         n = 2 * self._k.numel() * self._k.element_size() + self.token_ids.numel() * 8
         return n + sum(t.numel() * t.element_size() for t in self.stats.values())
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim), known from the header before any layer is read."""
+        L, h, _, d = self._k.shape
+        return int(L), int(h), int(d)
 
     @property
     def done(self) -> bool:
@@ -153,6 +161,7 @@ class StreamedRecord:
                     return
                 if state == _PENDING:
                     self._state[layer] = _LOADING
+                    self._reading += 1
                     break
                 self._cond.wait()
         self._load(layer)
@@ -168,6 +177,7 @@ class StreamedRecord:
             for i, s in enumerate(self._state):
                 if s == _PENDING:
                     self._state[i] = _LOADING
+                    self._reading += 1
                     return i
         return None
 
@@ -186,19 +196,23 @@ class StreamedRecord:
         except Exception as e:  # noqa: BLE001 - an I/O error (file gone, disk failing) is damage here
             error = DamagedEntryError(f"reading layer {layer} failed: {e}")
         self._meter.add(self._entry.header.layer_nbytes, time.perf_counter() - t0)
-        finished = False
+        report = False
         with self._cond:
+            self._reading -= 1
             if error is not None:
-                if self._error is None:
+                report = self._error is None  # the first failure is reported, once
+                if report:
                     self._error = error
-                    finished = True
             else:
                 self._state[layer] = _READY
                 self._ready += 1
-                finished = self._ready == len(self._state) and self._error is None
+                report = self._ready == len(self._state) and self._error is None
+            close = self.done and self._reading == 0 and not self._closed
+            self._closed = self._closed or close
             self._cond.notify_all()
-        if finished:
+        if close:
             self._entry.close()
+        if report:
             try:
                 self._on_done(self, self._error is None)
             except Exception:  # noqa: BLE001 - a failed promotion costs a future hit, nothing more

@@ -95,6 +95,24 @@ class CostProfile:
         t = self.estimate(cached, computed)
         return None if t is None or computed <= 0 else t / computed
 
+    def to_dict(self) -> dict:
+        """A JSON-able copy (to reuse a measured profile elsewhere, e.g. in a simulation)."""
+        with self._lock:
+            return {"edges": list(self.edges), "sum": self._sum, "w": self._w, "seconds": self._seconds,
+                    "tokens": self._tokens, "work_seconds": self._work_seconds, "work": self._work,
+                    "observations": self.observations}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostProfile:
+        prof = cls(tuple(int(e) for e in d["edges"]))
+        n = len(prof.edges)
+        prof._sum = [[float(x) for x in row[:n]] for row in d["sum"][:n]]
+        prof._w = [[float(x) for x in row[:n]] for row in d["w"][:n]]
+        prof._seconds, prof._tokens = float(d["seconds"]), int(d["tokens"])
+        prof._work_seconds, prof._work = float(d["work_seconds"]), int(d["work"])
+        prof.observations = int(d["observations"])
+        return prof
+
     def stats(self) -> dict:
         with self._lock:
             return {"observations": self.observations,
