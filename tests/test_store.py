@@ -310,3 +310,28 @@ def test_steady_state_simulation_stays_within_budgets(tmp_path):
         out[policy] = summarize(res)
         assert len(out[policy]) == 5 and all(0 <= w["hit_rate"] <= 1 and w["speedup"] >= 1 for w in out[policy])
     assert out["pgdsf"][-1]["memory_hit_rate"] >= out["lru"][-1]["memory_hit_rate"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "pgdsf"])
+def test_chunks_hot_in_memory_keep_their_disk_copy(tmp_path, policy):
+    """A hot chunk served from memory for a long time is not lost when the disk fills up and the
+    memory finally drops it."""
+    one = len(serial.encode(key(0), record(0), torch.float16))
+    mem_one = record(0).k.numel() * 4 + 40 * 8
+    store = tiered(tmp_path, memory=2 * mem_one, disk=96 * 1024 + 3 * one, policy=policy)
+    store.put(key(0), record(0))
+    for i in range(1, 12):  # key 0 is used all along; one-off keys stream through both tiers
+        assert store.get(key(0), token_ids(0)) is not None
+        store.record_cost([key(i)], 1.0)
+        store.put(key(i), record(i))
+    i = 20
+    while store.memory.contains(key(0)) and i < 100:  # key 0 cools down until memory evicts it
+        store.record_cost([key(i)], 1.0)
+        store.put(key(i), record(i))
+        i += 1
+    assert not store.memory.contains(key(0))
+    store.memory.clear()
+    assert same(store.get(key(0), token_ids(0)), record(0))  # on disk
+    assert store.disk.volume() <= store.disk.budget_bytes
+    assert store.stats()["swap_outs"] >= 1  # the disk had dropped it: written again when memory did
+    store.close()

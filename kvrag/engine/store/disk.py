@@ -21,6 +21,7 @@ import re
 import sqlite3
 import stat
 import threading
+import time
 from pathlib import Path
 
 import diskcache
@@ -116,23 +117,34 @@ class DiskEntry:
 
 
 class DiskStore(KVStore):
-    """A byte-bounded diskcache directory of KV entries (least recently used go first).
+    """A byte-bounded diskcache directory of KV entries; the lowest rank goes first.
+
+    An entry's rank lives in the index (``access_time``), so every process sharing the directory
+    evicts by the same order. ``lru``: the time of the last use. ``pgdsf``: RAGCache's priority,
+    ``clock + frequency x cost`` (the frequency in ``access_count``, the cost per token in ``tag``,
+    the clock in the settings table, raised to each victim's rank). A use is a disk hit, or the
+    memory tier dropping its copy (the swap-out: data stays, the rank moves), so chunks kept hot in
+    memory keep their disk copy too. Processes sharing a directory should use the same policy.
 
     Args:
         directory: the cache directory (created if needed; may be shared by processes).
         budget_bytes: most bytes on disk (entry files plus the index).
         dtype: dtype of K and V at rest (``float16``, ``bfloat16`` or ``float32``).
+        policy: ``lru`` or ``pgdsf``.
         timeout: seconds to wait for the index lock before giving up (a miss or a skipped write).
     """
 
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int, dtype: str = "float16", timeout: float = 10.0):
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, dtype: str = "float16", policy: str = "lru",
+                 timeout: float = 10.0):
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
         self.dtype = serial.DTYPES[dtype]
+        self.policy = "pgdsf" if policy == "pgdsf" else "lru"
+        self._cost_sum, self._cost_n = 0.0, 0
         try:
             self._cache = diskcache.Cache(
                 str(self.directory), timeout=timeout, disk=SafeDisk, size_limit=self.budget_bytes,
-                eviction_policy="least-recently-used", cull_limit=0, statistics=False,
+                eviction_policy="none", cull_limit=0, statistics=False,
             )
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"cannot open the disk KV tier at {self.directory}: {e}") from e
@@ -210,6 +222,7 @@ class DiskStore(KVStore):
                 self._count("misses")
                 return None
         self._count("hits")
+        self._rank(key, hit=True)
         return DiskEntry(key, fh, header, ids)
 
     def get(self, key: StoreKey, token_ids=None) -> KVRecord | None:
@@ -224,7 +237,8 @@ class DiskStore(KVStore):
         finally:
             entry.close()
 
-    def put(self, key: StoreKey, record: KVRecord) -> bool:
+    def put(self, key: StoreKey, record: KVRecord, *, frequency: int = 1, cost: float | None = None) -> bool:
+        """Write a record (``frequency`` and ``cost`` per token seed its PGDSF rank)."""
         data = serial.encode(key, record, self.dtype)
         if len(data) > self.budget_bytes:
             self._count("skipped")
@@ -242,6 +256,7 @@ class DiskStore(KVStore):
             return False
         self._count("puts")
         self._count("written_bytes", len(data))
+        self._rank(key, frequency=frequency, cost=cost)
         return True
 
     def _make_room(self, size: int) -> None:
@@ -255,16 +270,64 @@ class DiskStore(KVStore):
             return
         files = []
         with cache.transact(retry=True):
+            clock = self._clock()
             while cache.volume() + size > self.budget_bytes:
-                rows = cache._sql("SELECT rowid, filename FROM Cache ORDER BY access_time LIMIT 1").fetchall()
+                rows = cache._sql("SELECT rowid, filename, access_time FROM Cache ORDER BY access_time LIMIT 1").fetchall()
                 if not rows:
                     break
                 cache._sql("DELETE FROM Cache WHERE rowid = ?", (rows[0][0],))
                 files.append(rows[0][1])
+                if self.policy == "pgdsf" and isinstance(rows[0][2], (int, float)):
+                    clock = max(clock, float(rows[0][2]))  # RAGCache formula 2
+            if self.policy == "pgdsf":
+                cache._sql("INSERT OR REPLACE INTO Settings (key, value) VALUES ('kvrag_clock', ?)", (clock,))
         for name in files:  # after the commit, as diskcache does
             if name:
                 cache._disk.remove(name)
         self._count("evictions", len(files))
+
+    def _clock(self) -> float:
+        rows = self._cache._sql("SELECT value FROM Settings WHERE key = 'kvrag_clock'").fetchall()
+        return float(rows[0][0]) if rows and isinstance(rows[0][0], (int, float)) else 0.0
+
+    def _rank(self, key: StoreKey, *, hit: bool = False, frequency: int = 1, cost: float | None = None) -> bool:
+        """Move an entry's rank: a disk hit (``hit``), a write or a memory tier's swap-out.
+        False if the entry is not there."""
+        name = self._name(key)
+        try:
+            if self.policy == "lru":
+                cur = self._cache._sql("UPDATE Cache SET access_time = ? WHERE key = ?", (time.time(), name))
+            elif hit:
+                cur = self._cache._sql(
+                    "UPDATE Cache SET access_count = access_count + 1,"
+                    " access_time = ? + (access_count + 1) * COALESCE(tag, ?) WHERE key = ?",
+                    (self._clock(), self.default_cost, name),
+                )
+            else:
+                cur = self._cache._sql(
+                    "UPDATE Cache SET access_count = MAX(access_count, ?), tag = COALESCE(?, tag),"
+                    " access_time = ? + MAX(access_count, ?) * COALESCE(?, tag, ?) WHERE key = ?",
+                    (frequency, cost, self._clock(), frequency, cost, self.default_cost, name),
+                )
+            return cur.rowcount > 0
+        except (sqlite3.Error, diskcache.Timeout):  # the rank only orders evictions
+            return True
+
+    def touch(self, key: StoreKey, frequency: int = 1, cost: float | None = None) -> bool:
+        """The memory tier dropped its copy: the entry was used up to now (and this often, at
+        this cost). False if the disk no longer has it."""
+        return self._rank(key, frequency=frequency, cost=cost)
+
+    @property
+    def default_cost(self) -> float:
+        """Cost per token of an entry whose cost is unknown: the mean of those seen (1.0 before)."""
+        return self._cost_sum / self._cost_n if self._cost_n else 1.0
+
+    def record_cost(self, keys, seconds_per_token: float) -> None:
+        if seconds_per_token > 0:
+            with self._lock:
+                self._cost_sum += seconds_per_token
+                self._cost_n += 1
 
     def remove(self, key: StoreKey) -> bool:
         try:

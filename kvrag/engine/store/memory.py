@@ -83,6 +83,11 @@ class MemoryStore(KVStore):
             for key in keys:
                 self.policy.record_cost(key, seconds_per_token)
 
+    def value_of(self, key: StoreKey) -> tuple[int, float | None]:
+        """(frequency, cost per token) the policy knows for ``key``."""
+        with self._lock:
+            return self.policy.value_of(key)
+
     def record_reuse(self, key: StoreKey, cfo: float) -> None:
         with self._lock:
             self.policy.record_reuse(key, cfo)

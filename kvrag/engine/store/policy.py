@@ -58,6 +58,10 @@ class EvictionPolicy(ABC):
     def record_reuse(self, key, cfo: float) -> None:
         """``key`` was reused with Cache-Craft fix budget ``cfo``."""
 
+    def value_of(self, key) -> tuple[int, float | None]:
+        """(frequency, cost per token or ``None``) of a key, for the tier below."""
+        return 1, None
+
     def describe(self) -> dict:
         return {"name": self.name}
 
@@ -178,6 +182,12 @@ class PGDSFPolicy(EvictionPolicy):
         p = self._prio.pop(key, None)
         if p is not None:
             self.clock = max(self.clock, p)  # RAGCache formula 2
+
+    def value_of(self, key) -> tuple[int, float | None]:
+        meta = self._meta.get(key)
+        if meta is None:
+            return 1, None
+        return max(1, meta.frequency), (meta.total_cost / meta.costed if meta.costed else None)
 
     def describe(self) -> dict:
         return {"name": self.name, "clock": self.clock, "tracked": len(self._meta), "default_cost": self._default_cost()}

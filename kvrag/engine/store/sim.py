@@ -106,7 +106,7 @@ def simulate(passages: list[list[int]], stream: list[list[int]], policy: str, me
     disk = None
     if disk_fraction is not None:
         disk_budget = int(disk_fraction * on_disk) + 65536 + 512 * len(used)  # plus the SQLite index
-        disk = DiskStore(Path(workdir) / f"{policy}-{disk_fraction}", disk_budget)
+        disk = DiskStore(Path(workdir) / f"{policy}-{disk_fraction}", disk_budget, policy=policy)
     store = TieredStore(MemoryStore(int(memory_fraction * working), policy), disk, "float16", prefetch=False)
     out = []
     for req in stream:

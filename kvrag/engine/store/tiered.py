@@ -5,8 +5,10 @@
 - **Store**: KV is kept at rest in one dtype (``disk_dtype``) in every tier, so a chunk reads back
   the same whichever tier serves it, and a request's answer does not depend on where its chunks
   were. A record goes to memory and is written to disk once, right then (write-back already runs
-  off the request's critical path). A memory eviction then just drops the copy: RAGCache's
-  swap-out-only-once, and what survives a restart or a crash is on disk already.
+  off the request's critical path), so what survives a restart or a crash is on disk already.
+  A memory eviction then just drops the copy and moves the disk copy's rank (the swap-out costs
+  no copy: RAGCache's swap-out-only-once); only if the disk evicted it meanwhile is it written.
+  Both tiers evict by the configured policy (LRU or PGDSF), each with its own clock.
 - **Damage**: a damaged, truncated, refused or vanished disk entry is a miss; it is dropped, counted
   and warned about once. A full disk skips the write and keeps serving from memory.
 """
@@ -49,7 +51,7 @@ class TieredStore(KVStore):
         self._prefetcher = Prefetcher()
         self._inflight: dict[StoreKey, StreamedRecord] = {}
         self._lock = threading.Lock()
-        self._stats = {"hits": 0, "misses": 0, "promotions": 0, "disk_writes_skipped": 0}
+        self._stats = {"hits": 0, "misses": 0, "promotions": 0, "disk_writes_skipped": 0, "swap_outs": 0}
 
     @property
     def policy(self):
@@ -110,9 +112,22 @@ class TieredStore(KVStore):
             self.disk.discard(key, str(rec._error))
 
     def _promote(self, key: StoreKey, rec: KVRecord) -> None:
-        if self.memory.put(key, rec):  # evicted entries are on disk already: just dropped
+        if self._to_memory(key, rec):
             with self._lock:
                 self._stats["promotions"] += 1
+
+    def _to_memory(self, key: StoreKey, rec: KVRecord) -> bool:
+        evicted = self.memory.put_evicting(key, rec)
+        if self.disk is not None:
+            for old, old_rec in evicted or ():
+                frequency, cost = self.memory.value_of(old)
+                # on disk already: dropped without a copy, its disk rank moves up to now; else the
+                # disk evicted it meanwhile (or a write failed): swap it out now, once
+                if not self.disk.touch(old, frequency, cost):
+                    with self._lock:
+                        self._stats["swap_outs"] += 1
+                    self.disk.put(old, old_rec, frequency=frequency, cost=cost)
+        return evicted is not None
 
     # -- writes -------------------------------------------------------------------------------------
 
@@ -127,13 +142,14 @@ class TieredStore(KVStore):
     def put(self, key: StoreKey, record: KVRecord) -> bool:
         """Keep a record in memory and write it to disk once (skipped if the disk has it already)."""
         rec = self._at_rest(record)
-        kept = self.memory.put(key, rec)
+        kept = self._to_memory(key, rec)
         if self.disk is not None:
             if self.disk.contains(key):
                 with self._lock:
                     self._stats["disk_writes_skipped"] += 1
                 return True
-            kept = self.disk.put(key, rec) or kept
+            frequency, cost = self.memory.value_of(key)
+            kept = self.disk.put(key, rec, frequency=frequency, cost=cost) or kept
         return kept
 
     def remove(self, key: StoreKey) -> bool:
@@ -144,6 +160,8 @@ class TieredStore(KVStore):
 
     def record_cost(self, keys, seconds_per_token: float) -> None:
         self.memory.record_cost(keys, seconds_per_token)
+        if self.disk is not None:
+            self.disk.record_cost(keys, seconds_per_token)
 
     def record_reuse(self, key: StoreKey, cfo: float) -> None:
         self.memory.record_reuse(key, cfo)
@@ -186,7 +204,7 @@ def build_store(config) -> KVStore:
     directory = Path(config.resolved_cache_dir()) / "kv"
     disk = None
     try:
-        disk = DiskStore(directory, config.disk_budget_bytes, config.disk_dtype)
+        disk = DiskStore(directory, config.disk_budget_bytes, config.disk_dtype, config.eviction_policy)
     except StoreError as e:
         log.warning("kvrag: %s; serving from memory only", e)
     return TieredStore(memory, disk, config.disk_dtype, prefetch=config.prefetch)
