@@ -74,8 +74,10 @@ class EngineConfig:
             recompute still hides under loading KV from a slower tier (CacheBlend §5.1); never
             lowers it. The ratio then depends on measured load speed, so turn it off for answers
             that must not depend on timing. The ratio used is in ``GenerationStats.recompute_ratio``.
-        eviction_policy: which memory entry goes first when over budget: ``lru`` or ``pgdsf``
-            (RAGCache's Greedy-Dual-Size-Frequency, with costs from the engine's own prefill times).
+        eviction_policy: which entry goes first when a tier is over budget: ``pgdsf`` (RAGCache's
+            Greedy-Dual-Size-Frequency, with costs from the engine's own prefill times) or ``lru``.
+            PGDSF is the default: on a Zipf stream over the dev passages it keeps more hits than
+            LRU with the same budgets (``python -m kvrag.engine.store.sim``).
         namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         write_back: after a request, precompute and store the KV of chunks it missed.
@@ -104,7 +106,7 @@ class EngineConfig:
     disk_dtype: str = "float16"
     prefetch: bool = True
     loading_controller: bool = True
-    eviction_policy: str = "lru"
+    eviction_policy: str = "pgdsf"
     namespace: str = "default"
     chunk_min_tokens: int = 1
     write_back: bool = True

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
 
-_MAX_REPLANS = 4  # a request re-planned this often after damaged entries runs as a full prefill
 
 
 @dataclass(slots=True)
@@ -407,9 +406,15 @@ class Engine:
     def _prefill(self, req: _Request, capacity: int) -> tuple[Plan, PrefillResult]:
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
-        for attempt in range(_MAX_REPLANS + 1):
-            mode = req.mode if attempt < _MAX_REPLANS else "full"
+        attempts, limit = 0, 1
+        while True:
+            # each failed attempt drops the damaged entry it met, so a request is planned again at
+            # most once per cached entry it uses; past that (entries keep failing) it runs in full
+            mode = req.mode if attempts < limit else "full"
             plan = self.planner.plan(req.segments, req.ids, mode, req.ratio, use_prefix and mode != "full")
+            if attempts == 0:
+                limit = len(plan.chunk_records) + len(plan.prefix_records) + 1
+            attempts += 1
             self._control_loading(plan)
             capture_end = 0
             if use_prefix and mode != "full" and not (plan.mode == "blend" and plan.ratio >= 1.0):
@@ -424,11 +429,12 @@ class Engine:
                     capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
                 )
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
+                if mode == "full":
+                    raise
                 log.debug("kvrag: a cached entry was damaged; re-planning the request", exc_info=True)
                 continue
             self._observe(plan, res, time.perf_counter() - t0)
             return plan, res
-        raise AssertionError("unreachable: a full prefill reads no cached entry")
 
     def _control_loading(self, plan: Plan) -> None:
         """CacheBlend's loading controller: raise the ratio while recompute hides under loading."""

@@ -85,7 +85,8 @@ class StreamedRecord:
         self._ready = 0
         self._reading = 0  # layers being read right now (the file stays open until they finish)
         self._closed = False
-        self._error: DamagedEntryError | None = None
+        self._error: DamagedEntryError | None = None  # published failure: readers raise it
+        self.failure: DamagedEntryError | None = None  # first failure, set before the entry is dropped
         self._cond = threading.Condition()
         self._meter, self._on_done = meter, on_done
 
@@ -159,20 +160,22 @@ class StreamedRecord:
                 state = self._state[layer]
                 if state == _READY:
                     return
-                if state == _PENDING:
+                if state == _PENDING and self.failure is None:
                     self._state[layer] = _LOADING
                     self._reading += 1
                     break
-                self._cond.wait()
+                self._cond.wait()  # another thread reads it, or a failure is being published
         self._load(layer)
         with self._cond:
-            if self._error is not None:
-                raise self._error
+            while self._state[layer] != _READY:
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait()
 
     def claim_next(self) -> int | None:
         """For the loader: claim the first layer nobody is reading yet."""
         with self._cond:
-            if self._error is not None:
+            if self.failure is not None:
                 return None
             for i, s in enumerate(self._state):
                 if s == _PENDING:
@@ -184,6 +187,8 @@ class StreamedRecord:
     def next_layer(self) -> int:
         """Index of the first layer not claimed (the loader's layer-major order key)."""
         with self._cond:
+            if self.failure is not None:
+                return len(self._state)
             return next((i for i, s in enumerate(self._state) if s == _PENDING), len(self._state))
 
     def _load(self, layer: int) -> None:
@@ -196,27 +201,36 @@ class StreamedRecord:
         except Exception as e:  # noqa: BLE001 - an I/O error (file gone, disk failing) is damage here
             error = DamagedEntryError(f"reading layer {layer} failed: {e}")
         self._meter.add(self._entry.header.layer_nbytes, time.perf_counter() - t0)
-        report = False
+        first_failure = False
+        if error is not None:
+            with self._cond:
+                first_failure = self.failure is None
+                if first_failure:
+                    self.failure = error
+            if first_failure:  # drop the entry everywhere before anyone sees the failure and re-plans
+                self._report(False)
+        complete = False
         with self._cond:
             self._reading -= 1
-            if error is not None:
-                report = self._error is None  # the first failure is reported, once
-                if report:
-                    self._error = error
-            else:
+            if first_failure:
+                self._error = error  # later failures wait for the first one to be published
+            elif error is None:
                 self._state[layer] = _READY
                 self._ready += 1
-                report = self._ready == len(self._state) and self._error is None
+                complete = self._ready == len(self._state) and self.failure is None
             close = self.done and self._reading == 0 and not self._closed
             self._closed = self._closed or close
             self._cond.notify_all()
         if close:
             self._entry.close()
-        if report:
-            try:
-                self._on_done(self, self._error is None)
-            except Exception:  # noqa: BLE001 - a failed promotion costs a future hit, nothing more
-                log.warning("kvrag: promoting %s to memory failed", self.key, exc_info=True)
+        if complete:
+            self._report(True)
+
+    def _report(self, ok: bool) -> None:
+        try:
+            self._on_done(self, ok)
+        except Exception:  # noqa: BLE001 - a failed promotion costs a future hit, nothing more
+            log.warning("kvrag: finishing the load of %s failed", self.key, exc_info=True)
 
 
 class Prefetcher:

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from pathlib import Path
 
 from kvrag.engine.store import serial
@@ -74,21 +76,22 @@ class TieredStore(KVStore):
     def _from_disk(self, key: StoreKey, token_ids):
         with self._lock:
             inflight = self._inflight.get(key)
-        if inflight is not None and (token_ids is None or inflight.matches(token_ids)):
+        if inflight is not None and inflight.failure is None and (token_ids is None or inflight.matches(token_ids)):
             return inflight
         entry = self.disk.open(key, token_ids)
         if entry is None:
             return None
         if not self.prefetch:
+            t0 = time.perf_counter()
             try:
                 rec = entry.read_record()
+                self.meter.add(entry.header.kv_nbytes, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - damage or I/O: a miss
                 self.disk.discard(key, str(e))
                 return None
             finally:
                 entry.close()
-            self.meter.add(rec.nbytes, 0.0)
-            self._promote(key, rec)
+            self._promote(key, dataclasses.replace(rec, tier="memory"))  # later hits are memory hits
             return rec
         try:
             rec = StreamedRecord(entry, self.meter, lambda r, ok: self._done(key, r, ok))
@@ -109,7 +112,7 @@ class TieredStore(KVStore):
         if ok:
             self._promote(key, rec.to_record())
         else:
-            self.disk.discard(key, str(rec._error))
+            self.disk.discard(key, str(rec.failure))
 
     def _promote(self, key: StoreKey, rec: KVRecord) -> None:
         if self._to_memory(key, rec):
