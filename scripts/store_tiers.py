@@ -49,13 +49,17 @@ def ttft(args) -> None:
             eng.warm(chunks)
         print(f"warmed {sum(len(c) for c, _ in qs)} chunks in {time.perf_counter() - t0:.0f} s", flush=True)
         times: dict[str, list[float]] = {"memory": [], "disk+prefetch": [], "disk, read whole": []}
+        conds = list(times)
         for rep in range(args.reps):
-            for chunks, question in qs:
+            for qi, (chunks, question) in enumerate(qs):
                 keys = [eng.planner.chunk_key(eng.planner.tokenize(c)) for c in chunks]
-                for cond in times:
+                shift = (rep * len(qs) + qi) % len(conds)  # rotate the order: no condition always goes first
+                for cond in conds[shift:] + conds[:shift]:
                     eng.store.prefetch = cond != "disk, read whole"
-                    if cond != "memory":  # this question's chunks leave memory (prefix blocks stay)
-                        time.sleep(0.05)  # let the previous request's promotions land first
+                    time.sleep(0.05)  # let the previous request's promotions land first
+                    if cond == "memory":
+                        eng.generate(chunks, PREFIX, question)  # make sure every chunk is (back) in memory
+                    else:  # this question's chunks leave memory (prefix blocks stay)
                         for k in keys:
                             eng.store.memory.remove(k)
                     g = eng.generate(chunks, PREFIX, question)

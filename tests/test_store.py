@@ -127,9 +127,10 @@ def test_disk_stays_within_budget_and_evicts_least_recently_used(tmp_path):
 # -- tiers --------------------------------------------------------------------------------------
 
 
-def test_tiers_promote_on_hit_and_swap_out_only_once(tmp_path):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_tiers_promote_on_hit_and_swap_out_only_once(tmp_path, prefetch):
     size = record(0).k.numel() * 2 * 2 + 40 * 8  # fp16 K and V plus token ids
-    store = tiered(tmp_path, memory=3 * size)
+    store = tiered(tmp_path, memory=3 * size, prefetch=prefetch)
     for i in range(6):
         assert store.put(key(i), record(i))
     assert len(store.memory) == 3 and store.disk.stats()["puts"] == 6
@@ -139,6 +140,7 @@ def test_tiers_promote_on_hit_and_swap_out_only_once(tmp_path):
     store._prefetcher.close()  # finish promotions
     st = store.stats()
     assert st["promotions"] == 3 and st["memory"]["bytes"] <= 3 * size
+    assert store.get(key(0), token_ids(0)).tier == "memory"  # promoted copies are memory hits
     assert store.put(key(0), record(0))  # already on disk: not written again
     assert store.disk.stats()["puts"] == 6 and st["disk"]["hits"] == 3
     store.close()

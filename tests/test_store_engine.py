@@ -269,3 +269,16 @@ def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(tiny_mode
     slow = eng.generate(docs, PREFIX, SUFFIX, recompute_ratio=0.15)
     assert slow.stats.recompute_ratio > 0.15 and eng.loading.last["t_load"] > 0
     eng.close()
+
+
+def test_tenants_sharing_a_directory_never_see_each_other(tiny_model, tiny_tokenizer, tmp_path):
+    docs = make_docs(3, seed=13)
+    a = engine(tiny_model, tiny_tokenizer, tmp_path, namespace="alice")
+    a.warm(docs)
+    a.close()
+    bob = engine(tiny_model, tiny_tokenizer, tmp_path, namespace="bob", write_back=False)
+    assert bob.generate(docs, PREFIX, SUFFIX).stats.chunk_hits == 0
+    bob.close()
+    alice = engine(tiny_model, tiny_tokenizer, tmp_path, namespace="alice")
+    assert [c.tier for c in alice.generate(docs, PREFIX, SUFFIX).stats.chunks] == ["disk"] * 3
+    alice.close()

@@ -176,6 +176,16 @@ class TieredStore(KVStore):
             self.disk.clear()
 
     def stats(self) -> dict:
+        """Counters of the stack and of each tier.
+
+        Top level: ``hits``/``misses``/``hit_rate`` (any tier), ``promotions`` (disk hits copied to
+        memory), ``swap_outs`` (memory evictions the disk had dropped, written again),
+        ``disk_writes_skipped`` (already on disk), ``policy``, ``dtype``. ``memory``: hits, misses,
+        puts, evictions, rejected, entries, bytes, budget_bytes, policy state. ``disk``: hits,
+        misses, puts, evictions, damaged, write_errors, skipped, written_bytes, entries, bytes,
+        budget_bytes, directory. ``load``: bytes and seconds read from disk, records streamed,
+        ``throughput_bytes_per_s``.
+        """
         with self._lock:
             out = dict(self._stats)
         mem = self.memory.stats()
