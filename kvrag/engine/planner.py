@@ -198,7 +198,6 @@ class Planner:
                     rec = None
             if rec is not None:
                 plan.chunk_records.append((s.start, rec))
-            use = ChunkUse(i, s.start, len(s.ids), key, rec is not None, "store" if rec else "computed")
-            use.tier = rec.tier if rec is not None else ""
-            plan.chunks.append(use)
+            plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, rec is not None, "store" if rec else "computed",
+                                        rec.tier if rec is not None else ""))
         return plan

@@ -191,7 +191,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     from kvrag import Engine
 
-    engine = Engine.from_pretrained(num_threads=None)
+    engine = Engine.from_pretrained()
     texts, passages, qlen = pooled_passages(args.dataset, engine.tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         if args.profile:
