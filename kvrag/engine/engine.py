@@ -409,6 +409,7 @@ class Engine:
         res = prefill(
             self.adapter, plan, capacity,
             check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
+            selection_score=cfg.extra.get("selection_score", "deviation"),
             capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
         )
         return plan, res
