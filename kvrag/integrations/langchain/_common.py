@@ -238,5 +238,6 @@ def metadata(generation: Generation, model_name: str, conversation_id: str | Non
         "chunk_misses": s.chunk_misses,
         "conversation_id": conversation_id,
         "conversation_tokens": s.conversation_tokens,
+        "conversation_spans": [list(span) for span in s.conversation_spans],
         "deduplicated_chunks": s.deduplicated_chunks,
     }
