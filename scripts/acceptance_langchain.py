@@ -108,8 +108,13 @@ def history_coverage(engine, messages, meta) -> tuple[float, int]:
     saw the prompt, i.e. after deduplication): positions [s, n - q).
     """
     chat = to_chat_messages(messages)
+    last = dict(chat[-1])
+    earlier = "".join(m["content"] for m in chat[:-1])
+    for a, b in reversed(engine.registry.find(last["content"])):  # documents dedup drops from the last message
+        if last["content"][a:b] in earlier:
+            last["content"] = last["content"][:a] + last["content"][b:]
     s = engine.count_tokens(engine.apply_chat_template(chat[:1], add_generation_prompt=False))
-    q = engine.count_tokens(engine.apply_chat_template([chat[0], chat[-1]])) - s
+    q = engine.count_tokens(engine.apply_chat_template([chat[0], last])) - s
     lo, hi = s, meta["prompt_tokens"] - q
     covered = sum(max(0, min(b, hi) - max(a, lo)) for a, b in meta["conversation_spans"])
     return covered / max(1, hi - lo), hi - lo
