@@ -33,6 +33,9 @@ class GenerationStats:
         compute_fraction: token-layers computed / token-layers of a full prefill.
         chunk_hits / chunk_misses: chunks whose KV was / was not reused.
         chunks: per chunk, in prompt order.
+        conversation_tokens: prompt tokens whose KV came from the conversation's previous turn
+            (exact prefix + shifted history runs; included in ``cached_tokens``).
+        deduplicated_chunks: chunks dropped because an earlier turn of the conversation placed them.
         completion_tokens: tokens generated.
         prefill_s: seconds from the request to the first token (same as ``Generation.ttft_s``).
         decode_s: seconds spent after the first token.
@@ -49,6 +52,8 @@ class GenerationStats:
     chunk_hits: int = 0
     chunk_misses: int = 0
     chunks: list[ChunkInfo] = field(default_factory=list)
+    conversation_tokens: int = 0
+    deduplicated_chunks: int = 0
     completion_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
