@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=None, help="musique-style JSON (default: ../shared/data/...)")
     ap.add_argument("--response-mode", default="compact", choices=["compact", "tree_summarize"])
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--recompute-ratio", type=float, default=None, help="kvrag's blend ratio (default: config)")
     args = ap.parse_args()
 
     import faiss
@@ -93,7 +94,7 @@ def main() -> None:
     print(f"Q1: {q1}\nQ2: {q2}\n    (their top-{top_k} share {shared} passages, in another order)\n")
 
     # The one-line change: KVCachedLLM, plus a postprocessor that registers the retrieved nodes.
-    kv = KVCachedLLM(max_new_tokens=args.max_new_tokens)
+    kv = KVCachedLLM(max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio)
     full = KVCachedLLM(max_new_tokens=args.max_new_tokens, mode="full")  # same shared engine, full prefill
     print("Loading the bundled model (the first run converts it once, ~30 s)...")
     kv.engine  # noqa: B018 - load now, not inside the first timing

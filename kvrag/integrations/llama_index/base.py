@@ -46,6 +46,7 @@ _CALL_KWARGS = {
     "seed": "seed",
     "mode": "mode",
     "recompute_ratio": "recompute_ratio",
+    "dedup": "dedup",
 }
 
 # LlamaIndex roles that chat templates do not know, mapped to the ones they do.
@@ -70,6 +71,8 @@ def generation_info(gen: Generation) -> tuple[dict, dict]:
         "chunk_hits": s.chunk_hits,
         "chunk_misses": s.chunk_misses,
         "recomputed_tokens": s.recomputed_tokens,
+        "conversation_tokens": s.conversation_tokens,
+        "deduplicated_chunks": s.deduplicated_chunks,
         "compute_fraction": s.compute_fraction,
         "mode": s.mode,
         "recompute_ratio": s.recompute_ratio,
@@ -103,8 +106,16 @@ class KVCachedLLM(LLM):
         engine_config: :class:`~kvrag.EngineConfig` fields for the shared engine (dtype, ...).
         mode, recompute_ratio, max_new_tokens, temperature, top_p, stop, seed: generation
             defaults (``None`` = the engine config's); each can be overridden per call.
-        conversation_id: conversation of every call of this LLM (multi-turn KV reuse); also
-            settable per call or with :func:`~kvrag.integrations.llama_index.conversation`.
+        conversation_id: conversation of this LLM's chat calls (multi-turn KV reuse, see below).
+        dedup: in a conversation, drop chunks an earlier turn already placed in the prompt
+            (CRAFT); ``None`` = the engine config's default.
+
+    Conversations: the engine keeps a conversation's last turn (prompt + answer KV) and reuses it
+    in the next turn's prompt. The conversation comes from the ``conversation_id`` argument of a
+    call (any call), else from this LLM's ``conversation_id`` or an enclosing
+    :func:`~kvrag.integrations.llama_index.conversation` block, which apply to *chat* calls only:
+    LlamaIndex chat engines answer through ``chat`` and make their side calls (condensing the
+    question, summaries) through ``complete``, which must not replace the kept turn.
         context_window: context window reported to LlamaIndex (default: the engine's).
     """
 
@@ -119,7 +130,8 @@ class KVCachedLLM(LLM):
     top_p: float | None = Field(default=None, description="Nucleus sampling threshold.")
     stop: list[str] | None = Field(default=None, description="Stop strings.")
     seed: int | None = Field(default=None, description="Sampling seed.")
-    conversation_id: str | None = Field(default=None, description="Conversation of every call (multi-turn).")
+    conversation_id: str | None = Field(default=None, description="Conversation of chat calls (multi-turn).")
+    dedup: bool | None = Field(default=None, description="Drop chunks an earlier turn already placed (CRAFT).")
     context_window: int | None = Field(default=None, description="Context window reported to LlamaIndex.")
 
     _engine: Engine | None = PrivateAttr(default=None)
@@ -197,7 +209,14 @@ class KVCachedLLM(LLM):
 
     # -- the one iterator -------------------------------------------------------------------------
 
-    def _request(self, kwargs: dict) -> dict:
+    def end_conversation(self, conversation_id: str | None = None) -> bool:
+        """Free a conversation's kept KV (default: this LLM's ``conversation_id``); False if not live."""
+        cid = conversation_id or self.conversation_id
+        if cid is None:
+            raise InvalidRequestError("no conversation_id given and none set on this LLM")
+        return self.engine.end_conversation(cid)
+
+    def _request(self, kwargs: dict, chat: bool) -> dict:
         unknown = set(kwargs) - set(_CALL_KWARGS) - {"conversation_id"}
         if unknown:
             raise InvalidRequestError(
@@ -207,21 +226,24 @@ class KVCachedLLM(LLM):
         req = {
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "stop": self.stop, "seed": self.seed, "mode": self.mode, "recompute_ratio": self.recompute_ratio,
+            "dedup": self.dedup,
         }
         for name, value in kwargs.items():
             if name in _CALL_KWARGS:
                 req[_CALL_KWARGS[name]] = value
-        conversation = kwargs.get("conversation_id") or self.conversation_id or current_conversation()
+        conversation = kwargs.get("conversation_id")
+        if conversation is None and chat:
+            conversation = self.conversation_id or current_conversation()
         if conversation is not None:
             req["conversation_id"] = conversation
         return req
 
-    def _stream(self, prompt: str, kwargs: dict) -> Iterator[tuple[str, str, Generation | None]]:
+    def _stream(self, prompt: str, kwargs: dict, chat: bool) -> Iterator[tuple[str, str, Generation | None]]:
         """Validate the request now; the returned iterator yields (text so far, delta, result).
 
         The last item has an empty delta and the finished :class:`Generation`.
         """
-        stream = self.engine.stream(prompt=prompt, **self._request(kwargs))
+        stream = self.engine.stream(prompt=prompt, **self._request(kwargs, chat))
 
         def pieces() -> Iterator[tuple[str, str, Generation | None]]:
             text = ""
@@ -251,9 +273,9 @@ class KVCachedLLM(LLM):
         info, raw = generation_info(gen)
         return ChatResponse(message=message, delta=delta, additional_kwargs=info, raw=raw)
 
-    def _run(self, prompt: str, kwargs: dict) -> Generation:
+    def _run(self, prompt: str, kwargs: dict, chat: bool) -> Generation:
         gen = None
-        for _, _, gen in self._stream(prompt, kwargs):
+        for _, _, gen in self._stream(prompt, kwargs, chat):
             pass
         assert gen is not None
         return gen
@@ -262,24 +284,24 @@ class KVCachedLLM(LLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        gen = self._run(self._completion_prompt(prompt, formatted), kwargs)
+        gen = self._run(self._completion_prompt(prompt, formatted), kwargs, False)
         return self._completion(gen.text, None, gen)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        items = self._stream(self._completion_prompt(prompt, formatted), kwargs)
+        items = self._stream(self._completion_prompt(prompt, formatted), kwargs, False)
         return (self._completion(*item) for item in items)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        gen = await asyncio.to_thread(lambda: self._run(self._completion_prompt(prompt, formatted), kwargs))
+        gen = await asyncio.to_thread(lambda: self._run(self._completion_prompt(prompt, formatted), kwargs, False))
         return self._completion(gen.text, None, gen)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        items = await asyncio.to_thread(lambda: self._stream(self._completion_prompt(prompt, formatted), kwargs))
+        items = await asyncio.to_thread(lambda: self._stream(self._completion_prompt(prompt, formatted), kwargs, False))
 
         async def gen() -> CompletionResponseAsyncGen:
             async for item in aiter_in_thread(items):
@@ -291,22 +313,22 @@ class KVCachedLLM(LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        gen = self._run(self._chat_prompt(messages), kwargs)
+        gen = self._run(self._chat_prompt(messages), kwargs, True)
         return self._chat(gen.text, None, gen)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        items = self._stream(self._chat_prompt(messages), kwargs)
+        items = self._stream(self._chat_prompt(messages), kwargs, True)
         return (self._chat(*item) for item in items)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        gen = await asyncio.to_thread(lambda: self._run(self._chat_prompt(messages), kwargs))
+        gen = await asyncio.to_thread(lambda: self._run(self._chat_prompt(messages), kwargs, True))
         return self._chat(gen.text, None, gen)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        items = await asyncio.to_thread(lambda: self._stream(self._chat_prompt(messages), kwargs))
+        items = await asyncio.to_thread(lambda: self._stream(self._chat_prompt(messages), kwargs, True))
 
         async def gen() -> ChatResponseAsyncGen:
             async for item in aiter_in_thread(items):
