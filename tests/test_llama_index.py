@@ -338,3 +338,23 @@ def test_conversation_context_applies_to_chat_calls_only(llm, tiny_engine):
     with pytest.raises(InvalidRequestError):
         with conversation(""):
             pass
+
+
+def test_async_chat_engine_keeps_the_conversation(tiny_engine, nodes):
+    index = VectorStoreIndex(nodes[:4], embed_model=BowEmbedding())
+    llm = KVCachedLLM(engine=tiny_engine)
+    chat = index.as_chat_engine(
+        chat_mode="condense_plus_context", llm=llm, similarity_top_k=2, node_postprocessors=[llm.node_postprocessor()]
+    )
+
+    async def main():
+        with conversation("async-1"):  # a context variable: follows the worker threads
+            await chat.achat("river castle king")
+            stream = await chat.astream_chat("and the harbor?")
+            return "".join([t async for t in stream.async_response_gen()])
+
+    with record_stats() as calls:
+        text = asyncio.run(main())
+    assert text and len(calls) == 3
+    assert calls[0]["chunk_misses"] == 2 and calls[2]["conversation_tokens"] > 0
+    assert tiny_engine.end_conversation("async-1")
