@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 
 import pytest
 from llama_index.core import VectorStoreIndex
-from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
@@ -25,45 +23,10 @@ from kvrag.integrations.llama_index import (
     register_nodes,
 )
 from tests.helpers import make_docs
+from tests.llama_index_support import BowEmbedding, no_default_models  # noqa: F401 (autouse fixture)
 
 STAT_KEYS = {"ttft_s", "prompt_tokens", "completion_tokens", "cache_read", "chunk_hits", "chunk_misses",
              "recomputed_tokens", "conversation_tokens", "deduplicated_chunks"}
-
-
-class BowEmbedding(BaseEmbedding):
-    """Hashed bag of words: deterministic, instant, and retrieval still follows word overlap."""
-
-    def _vec(self, text: str) -> list[float]:
-        v = [0.0] * 64
-        for w in text.lower().split():
-            v[int(hashlib.md5(w.encode()).hexdigest(), 16) % 64] += 1.0
-        norm = sum(x * x for x in v) ** 0.5 or 1.0
-        return [x / norm for x in v]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._vec(text)
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._vec(query)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._vec(query)
-
-
-@pytest.fixture(autouse=True)
-def no_default_models(monkeypatch):
-    """Fail any test in which LlamaIndex falls back to its default (OpenAI) LLM or embedding."""
-    from llama_index.core import Settings
-    import llama_index.core.settings as settings_mod
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("LlamaIndex tried to resolve a default model (OpenAI); pass llm= and embed_model=")
-
-    monkeypatch.setattr(settings_mod, "resolve_llm", refuse)
-    monkeypatch.setattr(settings_mod, "resolve_embed_model", refuse)
-    monkeypatch.setattr(Settings, "_llm", None)
-    monkeypatch.setattr(Settings, "_embed_model", None)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-be-used")
 
 
 def test_default_model_guard_is_armed():
@@ -128,7 +91,8 @@ def test_metadata(llm, tiny_engine):
 
 
 def test_complete_and_chat_use_the_chat_template(llm, tiny_engine):
-    expected = tiny_engine.generate(prompt=tiny_engine.apply_chat_template([{"role": "user", "content": "river castle"}]))
+    user = [{"role": "user", "content": "river castle"}]
+    expected = tiny_engine.generate(prompt=tiny_engine.apply_chat_template(user))
     res = llm.complete("river castle")
     assert res.text == expected.text
     assert STAT_KEYS <= set(res.additional_kwargs)
@@ -330,7 +294,8 @@ def test_conversation_context_applies_to_chat_calls_only(llm, tiny_engine):
     with conversation("ctx-1"):
         llm.chat(msgs)
         llm.complete("a side call, not a turn")
-        second = llm.chat(msgs + [ChatMessage(role="assistant", content="ok"), ChatMessage(role="user", content="and?")])
+        follow_up = [ChatMessage(role="assistant", content="ok"), ChatMessage(role="user", content="and?")]
+        second = llm.chat(msgs + follow_up)
     assert second.additional_kwargs["conversation_tokens"] > 0
     assert tiny_engine.end_conversation("ctx-1")
     explicit = llm.complete("river castle", conversation_id="c-2")
