@@ -213,8 +213,8 @@ class Conversations:
 
     # -- reuse -------------------------------------------------------------------------------------
 
-    def attach(self, plan: Plan, conversation_id: str) -> int:
-        """Put the conversation's kept KV into ``plan``; returns the prompt tokens it covers.
+    def attach(self, plan: Plan, conversation_id: str) -> list[tuple[int, int]]:
+        """Put the conversation's kept KV into ``plan``; returns the prompt spans [a, b) it covers.
 
         The exact common prefix becomes the plan's prefix (if longer than what the prefix cache
         found); in ``blend``/``reuse`` mode, runs of the kept sequence found elsewhere in the
@@ -222,10 +222,10 @@ class Conversations:
         """
         state = self.get(conversation_id)
         if state is None:
-            return 0
+            return []
         new = plan.ids.tolist()
         limit = len(new) - 1  # the last prompt token is always computed
-        reused = 0
+        spans: list[tuple[int, int]] = []
         prefix = common_prefix(state.ids, new, limit)
         if prefix > plan.prefix_len:
             plan.prefix_len = prefix
@@ -236,22 +236,21 @@ class Conversations:
                     use.hit, use.source = True, "prefix"
                 elif use.start < prefix and use.source == "store":
                     use.hit, use.source = False, "computed"
-            reused = prefix
+            spans.append((0, prefix))
         if plan.mode not in ("blend", "reuse"):
-            return reused
+            return spans
         covered = sorted((s, s + r.num_tokens) for s, r in plan.chunk_records)
-        spans: list[tuple[int, int]] = []
+        first_run = len(spans)
         for i, j, n in match_runs(state.ids, new, plan.prefix_len, limit):
             for a, b in _subtract(i, i + n, covered):
                 plan.chunk_records.append((a, state.record(j + (a - i), b - a, new, a, "conversation")))
                 spans.append((a, b))
-                reused += b - a
         plan.chunk_records.sort(key=lambda sr: sr[0])
         for use in plan.chunks:
             end = use.start + use.length
-            if not use.hit and any(a <= use.start and end <= b for a, b in spans):
+            if not use.hit and any(a <= use.start and end <= b for a, b in spans[first_run:]):
                 use.hit, use.source = True, "conversation"
-        return reused
+        return spans
 
     def record(self, conversation_id: str, ids: list[int], buf: KVBuffer, chunk_texts: list[str]) -> None:
         """Keep a finished turn: ``ids`` whose KV is in ``buf`` [0, len(ids)) (keys with RoPE)."""

@@ -44,7 +44,7 @@ class _Request:
     seed: int | None
     conversation: str | None = None
     deduplicated: int = 0
-    conversation_tokens: int = 0
+    conversation_spans: list | None = None
 
 
 def _check_text(name: str, value) -> str:
@@ -430,7 +430,7 @@ class Engine:
         use_prefix = cfg.prefix_cache and req.mode != "full"
         plan = self.planner.plan(req.segments, req.ids, req.mode, req.ratio, use_prefix)
         if req.conversation is not None and req.mode != "full" and not (req.mode == "blend" and req.ratio >= 1.0):
-            req.conversation_tokens = self.conversations.attach(plan, req.conversation)
+            req.conversation_spans = self.conversations.attach(plan, req.conversation)
         capture_end = 0
         if use_prefix and not (req.mode == "blend" and req.ratio >= 1.0):
             # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
@@ -475,7 +475,9 @@ class Engine:
         token = sample(logits, req.temperature, req.top_p, generator)
         ttft = time.perf_counter() - t0
         stats = self._stats(plan, res, ttft)
-        stats.conversation_tokens, stats.deduplicated_chunks = req.conversation_tokens, req.deduplicated
+        stats.conversation_spans = list(req.conversation_spans or [])
+        stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
+        stats.deduplicated_chunks = req.deduplicated
         self._schedule_writeback(plan, res.capture)
         text = TextStream(self.tokenizer, req.stop)
         finish = "length"

@@ -6,6 +6,7 @@ import threading
 
 from kvrag.config import EngineConfig
 from kvrag.engine.engine import Engine
+from kvrag.engine.loading import _ALIASES
 
 __all__ = ["get_engine", "drop_engines"]
 
@@ -28,6 +29,8 @@ def get_engine(model: str | None = None, **config) -> Engine:
         model: as for :meth:`Engine.from_pretrained` (``None`` = bundled SmolLM2-135M-Instruct).
         **config: :class:`EngineConfig` fields (dtype, device, recompute_ratio, ...).
     """
+    if model is not None and str(model).strip().lower() in _ALIASES:
+        model = None  # a name of the bundled model: the same engine as the default
     cfg = EngineConfig(**config).replace(model=model) if model is not None else EngineConfig(**config)
     key = _key(cfg)
     engine = _engines.get(key)

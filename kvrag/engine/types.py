@@ -35,7 +35,10 @@ class GenerationStats:
         chunks: per chunk, in prompt order.
         conversation_tokens: prompt tokens whose KV came from the conversation's previous turn
             (exact prefix + shifted history runs; included in ``cached_tokens``).
-        deduplicated_chunks: chunks dropped because an earlier turn of the conversation placed them.
+        conversation_spans: the prompt positions ``[a, b)`` those tokens occupy.
+        deduplicated_chunks: chunk occurrences dropped from the prompt because an earlier turn of
+            the conversation placed them and that copy is still in the prompt; counts the history
+            too (its turns were deduplicated the same way, so it matches the kept KV).
         completion_tokens: tokens generated.
         prefill_s: seconds from the request to the first token (same as ``Generation.ttft_s``).
         decode_s: seconds spent after the first token.
@@ -53,6 +56,7 @@ class GenerationStats:
     chunk_misses: int = 0
     chunks: list[ChunkInfo] = field(default_factory=list)
     conversation_tokens: int = 0
+    conversation_spans: list[tuple[int, int]] = field(default_factory=list)
     deduplicated_chunks: int = 0
     completion_tokens: int = 0
     prefill_s: float = 0.0
