@@ -50,6 +50,9 @@ class EngineConfig:
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         mode: default prefill mode, one of :data:`MODES`.
         recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
+        selection: which cached tokens ``blend`` recomputes: ``hkvd`` (CacheBlend's high-KV-deviation
+            tokens, gradual filtering from ``check_layer``) or ``recency`` (the cached tokens
+            nearest the question, recomputed in full; no check layer).
         check_layer: the layer on which HKVD selection starts (every token's KV is recomputed there
             and compared with the cached KV). Layer 0's KV does not depend on context, so 1.
         filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached
@@ -79,6 +82,9 @@ class EngineConfig:
             PGDSF is the default: on a Zipf stream over the dev passages it keeps more hits than
             LRU with the same budgets (``python -m kvrag.engine.store.sim``).
         namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
+        chunk_context: what a chunk's KV is computed behind: ``neighbor`` (another document — its
+            neighbour in ``warm``, its real context when a request computes it) or ``sink`` (alone
+            behind the attention-sink token, as CacheBlend does). See :mod:`kvrag.engine.chunks`.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         write_back: after a request, precompute and store the KV of chunks it missed.
         max_new_tokens: default generation length.
@@ -99,6 +105,7 @@ class EngineConfig:
     num_threads: int | None = None
     mode: str = "blend"
     recompute_ratio: float = 0.15
+    selection: str = "hkvd"
     check_layer: int = 1
     filter_schedule: tuple[float, ...] = (2.0, 1.5)
     deviation: str = "kv"
@@ -112,6 +119,7 @@ class EngineConfig:
     loading_controller: bool = True
     eviction_policy: str = "pgdsf"
     namespace: str = "default"
+    chunk_context: str = "neighbor"
     chunk_min_tokens: int = 1
     write_back: bool = True
     max_new_tokens: int = 64
@@ -128,6 +136,10 @@ class EngineConfig:
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_ratio(self.recompute_ratio)
+        if self.chunk_context not in ("neighbor", "sink"):
+            raise InvalidRequestError(f"chunk_context must be 'neighbor' or 'sink', got {self.chunk_context!r}")
+        if self.selection not in ("hkvd", "recency"):
+            raise InvalidRequestError(f"selection must be 'hkvd' or 'recency', got {self.selection!r}")
         if self.deviation not in _DEVIATIONS:
             raise InvalidRequestError(f"deviation must be one of {_DEVIATIONS}, got {self.deviation!r}")
         if self.check_layer < 1:

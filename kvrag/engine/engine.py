@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from kvrag.config import MODES, EngineConfig, check_ratio
+from kvrag.config import EngineConfig
 from kvrag.engine import loading
 from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.fusion import PrefillResult, extend, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner, Segment
 from kvrag.engine.registry import ChunkRegistry
-from kvrag.engine.runner import KVBuffer, KVCapture, forward
+from kvrag.engine.requests import Request, check_chunks, check_mode, check_sampling, check_text
+from kvrag.engine.runner import KVCapture
+from kvrag.engine.chunks import BackgroundWriter, ChunkComputer, put_new
 from kvrag.engine.sampling import TextStream, sample
-from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore
+from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
 from kvrag.engine.store.profile import CostProfile
 from kvrag.engine.store.tiered import build_store
@@ -32,81 +31,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
 
-
-
-@dataclass(slots=True)
-class _Request:
-    segments: list[Segment]
-    ids: torch.Tensor
-    mode: str
-    ratio: float
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    stop: list[str]
-    seed: int | None
-    conversation: str | None = None
-    deduplicated: int = 0
-    conversation_spans: list | None = None
-
-
-def _check_text(name: str, value) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _check_chunks(chunks) -> list[str]:
-    if chunks is None:
-        return []
-    if isinstance(chunks, (str, bytes)):
-        raise InvalidRequestError("chunks must be a list of strings, not a single string")
-    if not isinstance(chunks, Sequence) and not hasattr(chunks, "__iter__"):
-        raise InvalidRequestError(f"chunks must be a list of strings, got {type(chunks).__name__}")
-    out = []
-    for i, c in enumerate(chunks):
-        if not isinstance(c, str):
-            raise InvalidRequestError(f"chunk {i} is {type(c).__name__}; chunks must be strings (document text)")
-        out.append(c)
-    return out
-
-
-class _Writer:
-    """Runs write-back jobs (chunk precompute, prefix blocks) off the request's critical path."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="kvrag-writeback", daemon=True)
-                self._thread.start()
-        self._queue.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                job()
-            except Exception:  # a failed write-back only costs a future hit
-                log.warning("kvrag: write-back failed", exc_info=True)
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=30)
 
 
 class Engine:
@@ -141,15 +65,15 @@ class Engine:
         bos = tokenizer.bos_token_id
         sink = bos if bos is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
-        self.planner = Planner(
-            tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens, self.sink_ids
-        )
+        self.planner = Planner(tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens)
+        self.chunk_computer = ChunkComputer(self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context)
+        self.planner.context_label = self.chunk_computer.label
         self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
         self.eos_ids = self._eos_ids()
         self.registry = ChunkRegistry()
         self.conversations = Conversations(self.adapter, config.max_conversations)
         self._lock = threading.RLock()
-        self._writer = _Writer()
+        self._writer = BackgroundWriter()
         self._pending: set = set()
         self._closed = False
         if config.num_threads:
@@ -200,7 +124,7 @@ class Engine:
 
     def count_tokens(self, text: str) -> int:
         """Tokens of a text on its own."""
-        return len(self.planner.tokenize(_check_text("text", text)))
+        return len(self.planner.tokenize(check_text("text", text)))
 
     def register(self, texts: Sequence[str]) -> list[str]:
         """Record document texts so that prompts given as one string are split at them.
@@ -208,7 +132,7 @@ class Engine:
         Returns the texts' content ids. Texts shorter than 32 characters are not worth caching
         and are not registered.
         """
-        return self.registry.register(_check_chunks(texts))
+        return self.registry.register(check_chunks(texts))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages (``[{"role", "content"}]``) with the model's own chat template."""
@@ -218,29 +142,35 @@ class Engine:
 
     def split_prompt(self, prompt: str) -> list[tuple[str, str]]:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
-        return self.registry.split(_check_text("prompt", prompt))
+        return self.registry.split(check_text("prompt", prompt))
 
     def warm(self, chunks: Sequence[str]) -> WarmResult:
-        """Precompute and store the KV of chunks (each alone, behind the attention sink)."""
+        """Precompute and store the KV of chunks that are not cached yet.
+
+        With ``chunk_context="neighbor"`` (default) each chunk is computed behind its neighbour in
+        this list (the first behind the last), closer to how it will appear inside prompts; with
+        ``"sink"`` each is computed alone behind the attention-sink token (CacheBlend).
+        """
         self._check_open()
-        chunks = _check_chunks(chunks)
+        chunks = check_chunks(chunks)
         t0 = time.perf_counter()
-        computed = cached = tokens = 0
-        for text in chunks:
-            ids = self.planner.tokenize(text)
-            if not ids:
-                continue
-            if len(ids) + len(self.sink_ids) >= self.context_window:
-                raise ContextLengthError(len(ids) + len(self.sink_ids), self.context_window, "a single chunk")
-            tokens += len(ids)
+        docs = [ids for ids in (self.planner.tokenize(t) for t in chunks) if ids]
+        limit = self.chunk_computer.max_chunk_tokens(self.context_window)
+        for ids in docs:
+            if len(ids) > limit:
+                raise ContextLengthError(len(ids), limit, "a single chunk behind its context")
+        computed = cached = 0
+        for i, ids in enumerate(docs):
             key = self.planner.chunk_key(ids)
             if self.store.contains(key):
                 cached += 1
                 continue
+            neighbor = docs[i - 1] if len(docs) > 1 else None
             with self._lock:
-                self.store.put(key, self._precompute(ids))
+                record = self.chunk_computer.compute(ids, neighbor)
+            self.store.put(key, record)
             computed += 1
-        return WarmResult(computed, cached, tokens, time.perf_counter() - t0)
+        return WarmResult(computed, cached, sum(len(d) for d in docs), time.perf_counter() - t0)
 
     def generate(
         self,
@@ -334,7 +264,7 @@ class Engine:
         recompute_ratio: float | None = None,
     ) -> ScoreResult:
         """Log-likelihood of ``continuation`` right after the prompt, under the chosen prefill mode."""
-        cont = _check_text("continuation", continuation)
+        cont = check_text("continuation", continuation)
         req = self._request(chunks, prefix, suffix, 0, 0.0, 1.0, None, None, mode, recompute_ratio, prompt)
         cont_ids = self.planner.tokenize(cont)
         if not cont_ids:
@@ -381,11 +311,11 @@ class Engine:
     def _request(
         self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio, prompt=None,
         conversation_id=None, dedup=None,
-    ) -> _Request:
+    ) -> Request:
         self._check_open()
         cfg = self.config
-        chunks = _check_chunks(chunks)
-        prefix, suffix = _check_text("prefix", prefix), _check_text("suffix", suffix)
+        chunks = check_chunks(chunks)
+        prefix, suffix = check_text("prefix", prefix), check_text("suffix", suffix)
         if prompt is not None:
             if chunks or prefix or suffix:
                 raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
@@ -398,29 +328,8 @@ class Engine:
         deduplicated = 0
         if conversation is not None and (cfg.conversation_dedup if dedup is None else dedup):
             parts, deduplicated = self.conversations.dedup(conversation, parts)
-        mode = cfg.mode if mode is None else mode
-        if mode not in MODES:
-            raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-        ratio = cfg.recompute_ratio if ratio is None else check_ratio(ratio)
-        if mode == "reuse":
-            ratio = 0.0
-        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-            raise InvalidRequestError(f"max_new_tokens must be an integer >= 0, got {max_new!r}")
-        temperature = cfg.temperature if temperature is None else float(temperature)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
-        top_p = cfg.top_p if top_p is None else float(top_p)
-        if not 0 < top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
-        if stop is None:
-            stops = []
-        elif isinstance(stop, str):
-            stops = [stop]
-        else:
-            stops = list(stop)
-            if not all(isinstance(s, str) for s in stops):
-                raise InvalidRequestError("stop must be a string or a list of strings")
+        mode, ratio = check_mode(cfg, mode, ratio)
+        sampling = check_sampling(cfg, max_new_tokens, temperature, top_p, stop, seed)
         with self._lock:  # the tokenizer memo is shared
             segments, ids = self.planner.segment(parts)
         n = int(ids.shape[0])
@@ -428,10 +337,9 @@ class Engine:
             raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
         if n >= self.context_window:
             raise ContextLengthError(n, self.context_window)
-        seed = cfg.seed if seed is None else seed
-        return _Request(segments, ids, mode, ratio, max_new, temperature, top_p, stops, seed, conversation, deduplicated)
+        return Request(segments, ids, mode, ratio, sampling, conversation, deduplicated)
 
-    def _prefill(self, req: _Request, capacity: int) -> tuple[Plan, PrefillResult]:
+    def _prefill(self, req: Request, capacity: int) -> tuple[Plan, PrefillResult]:
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
         attempts, limit = 0, 1
@@ -456,8 +364,9 @@ class Engine:
                 res = prefill(
                     self.adapter, plan, capacity,
                     check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
-                    selection_score=cfg.extra.get("selection_score", "deviation"),
+                    selection=cfg.selection,
                     capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
+                    capture_chunks=self._chunks_to_capture(plan),
                 )
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
                 if mode == "full":
@@ -505,24 +414,25 @@ class Engine:
             prefill_s=prefill_s,
         )
 
-    def _run(self, req: _Request) -> Iterator[str]:
+    def _run(self, req: Request) -> Iterator[str]:
         t0 = time.perf_counter()
         n = int(req.ids.shape[0])
-        budget = min(req.max_new_tokens, self.context_window - n)
+        sp = req.sampling
+        budget = min(sp.max_new_tokens, self.context_window - n)
         generator = None
-        if req.temperature > 0 and req.seed is not None:
-            generator = torch.Generator().manual_seed(int(req.seed))
+        if sp.temperature > 0 and sp.seed is not None:
+            generator = torch.Generator().manual_seed(int(sp.seed))
         with self._lock:
             plan, res = self._prefill(req, capacity=n + max(budget, 0))
             logits = self.adapter.logits(res.last_hidden)[0]
-        token = sample(logits, req.temperature, req.top_p, generator)
+        token = sample(logits, sp.temperature, sp.top_p, generator)
         ttft = time.perf_counter() - t0
         stats = self._stats(plan, res, ttft)
         stats.conversation_spans = list(req.conversation_spans or [])
         stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
         stats.deduplicated_chunks = req.deduplicated
-        self._schedule_writeback(plan, res.capture)
-        text = TextStream(self.tokenizer, req.stop)
+        self._schedule_writeback(plan, res)
+        text = TextStream(self.tokenizer, sp.stop)
         finish = "length"
         pos = n
         generated: list[int] = []
@@ -543,7 +453,7 @@ class Engine:
             with self._lock:
                 logits = extend(self.adapter, buf, torch.tensor([token]), pos)[0]
             pos += 1
-            token = sample(logits, req.temperature, req.top_p, generator)
+            token = sample(logits, sp.temperature, sp.top_p, generator)
         tail = text.flush()
         if tail:
             yield tail
@@ -558,39 +468,42 @@ class Engine:
 
     # -- write-back ---------------------------------------------------------------------------------
 
-    def _precompute(self, ids: list[int]) -> KVRecord:
-        """KV of a chunk computed alone behind the attention-sink token (whose KV is dropped)."""
-        s = len(self.sink_ids)
-        full = torch.tensor(self.sink_ids + list(ids), dtype=torch.long)
-        n = int(full.shape[0])
-        buf = KVBuffer(self.adapter, n)
-        cap = KVCapture(self.adapter, s, n)
-        forward(self.adapter, buf, full, torch.arange(n), n, capture=cap)
-        return KVRecord(torch.tensor(ids), cap.k, cap.v, kind="chunk", context=self.planner.sink_label)
+    def _chunks_to_capture(self, plan: Plan) -> tuple[int, ...]:
+        """Segments of missed chunks whose KV this request computes and can keep (neighbor context)."""
+        if not self.config.write_back or plan.mode not in ("blend", "reuse") or self.chunk_computer.context != "neighbor":
+            return ()
+        return tuple(u.index for u in plan.chunks if not u.hit and u.length >= self.config.chunk_min_tokens)
 
-    def _schedule_writeback(self, plan: Plan, capture: KVCapture | None) -> None:
+    def _schedule_writeback(self, plan: Plan, res: PrefillResult) -> None:
+        """After the first token: keep the exact prefix blocks and the KV of chunks seen first."""
+        capture = res.capture
         if capture is not None:
-            ids = plan.ids.tolist()
-            boundaries = plan.boundaries
+            prompt_ids, bounds = plan.ids.tolist(), plan.boundaries
             self._writer.submit(
-                lambda: self.planner.prefix_cache.insert(ids, capture.k, capture.v, capture.start, capture.end, boundaries)
+                lambda: self.planner.prefix_cache.insert(
+                    prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds
+                )
             )
         if not self.config.write_back or plan.mode not in ("blend", "reuse"):
             return
         for use in plan.chunks:
-            if use.hit or use.key in self._pending:
-                continue
-            seg = plan.segments[use.index]
-            if len(seg.ids) < self.config.chunk_min_tokens:
+            if use.hit or use.key in self._pending or use.length < self.config.chunk_min_tokens:
                 continue
             self._pending.add(use.key)
-            self._writer.submit(lambda key=use.key, ids=list(seg.ids): self._write_chunk(key, ids))
+            self._writer.submit(
+                lambda key=use.key, ids=list(plan.segments[use.index].ids), cap=res.chunk_captures.get(use.index):
+                self._write_chunk(key, ids, cap)
+            )
 
-    def _write_chunk(self, key, ids: list[int]) -> None:
+    def _write_chunk(self, key, ids: list[int], capture: KVCapture | None) -> None:
         try:
-            if not self.store.contains(key):
+            if self.store.contains(key):
+                return
+            if capture is not None:
+                record = self.chunk_computer.record_from_capture(ids, capture)
+            else:
                 with self._lock:
-                    record = self._precompute(ids)
-                self.store.put(key, record)
+                    record = self.chunk_computer.compute(ids)
+            put_new(self.store, key, record)
         finally:
             self._pending.discard(key)

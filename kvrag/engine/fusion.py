@@ -9,7 +9,7 @@ import torch
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, SpanSource
 from kvrag.engine.runner import KVBuffer, KVCapture, Trace, forward
-from kvrag.engine.selection import HKVDSelector, keep_schedule
+from kvrag.engine.selection import HKVDSelector, keep_schedule, recency_window
 
 __all__ = ["PrefillResult", "prefill", "extend"]
 
@@ -22,6 +22,7 @@ class PrefillResult:
     recomputed_tokens: int  # cached chunk tokens whose KV was recomputed through the last layer
     computed_tokens: int  # prompt tokens computed through the last layer (incl. uncached text)
     capture: KVCapture | None  # exact pre-RoPE KV kept for the prefix cache
+    chunk_captures: dict[int, KVCapture]  # segment index -> KV the request computed for that chunk
 
 
 def prefill(
@@ -32,14 +33,16 @@ def prefill(
     check_layer: int = 1,
     filter_schedule: tuple[float, ...] = (2.0, 1.5),
     deviation: str = "kv",
-    selection_score: str = "deviation",
+    selection: str = "hkvd",
     capture_end: int = 0,
     capture_block: int = 16,
+    capture_chunks: tuple[int, ...] = (),
 ) -> PrefillResult:
     """Compute the KV of a plan's prompt into a new buffer of ``capacity`` positions.
 
     ``capture_end`` > 0 asks to keep the exact pre-RoPE KV of [aligned prefix_len, capture_end)
-    for the prefix cache.
+    for the prefix cache; ``capture_chunks`` (segment indices of chunks computed in full) asks to
+    keep those chunks' KV as computed in this prompt.
     """
     n = plan.num_tokens
     buf = KVBuffer(adapter, capacity)
@@ -56,29 +59,38 @@ def prefill(
             capture.k[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
             capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
 
+    chunk_caps = {}
+    cached_spans = [(s, s + r.num_tokens) for s, r in plan.chunk_records]
+    for i in capture_chunks:  # only chunks computed whole, on every layer
+        seg = plan.segments[i]
+        if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
+            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end)
+    captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
+
     full = plan.mode == "full" or (plan.mode == "blend" and plan.ratio >= 1.0)
     if full or (plan.prefix_len == 0 and not plan.chunk_records):
-        h, _ = forward(adapter, buf, ids, all_pos, n, capture=capture, trace=trace)
-        return PrefillResult(buf, h[-1:], trace, 0, n, capture)
+        h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, trace=trace)
+        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps)
 
     cos, sin = adapter.rope(all_pos)
     source = SpanSource(adapter, plan.prefix_records + plan.chunk_records, cos, sin)
     candidates = plan.candidates().to(adapter.device)
     rows = all_pos >= plan.prefix_len
     selector = None
-    if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
+    blend = plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records
+    if blend and selection == "recency":
+        last_chunk_end = max(start + rec.num_tokens for start, rec in plan.chunk_records)
+        candidates &= ~recency_window(candidates, plan.ratio, last_chunk_end)
+        rows &= ~candidates
+    elif blend:
         schedule = keep_schedule(plan.ratio, check_layer, filter_schedule, adapter.n_layers)
-        last = plan.segments[-1]
-        query_pos = torch.arange(last.start, last.end) if last.kind == "text" else all_pos[-1:]
-        selector = HKVDSelector(
-            candidates, plan.ratio, schedule, deviation, score=selection_score, query_pos=query_pos, scale=adapter.scale
-        )
+        selector = HKVDSelector(candidates, plan.ratio, schedule, deviation)
     else:  # prefix mode has no candidates; reuse never recomputes them
         rows &= ~candidates
     pos = all_pos[rows]
-    h, pos = forward(adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=capture, trace=trace)
-    recomputed = int(candidates[pos].sum())
-    return PrefillResult(buf, h[-1:], trace, recomputed, int(pos.numel()), capture)
+    h, pos = forward(adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace)
+    recomputed = int(plan.candidates()[pos.cpu()].sum())
+    return PrefillResult(buf, h[-1:], trace, recomputed, int(pos.numel()), capture, chunk_caps)
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -115,15 +115,16 @@ class SpanSource:
 class Planner:
     """Tokenises segments and looks up cached KV for them."""
 
-    def __init__(self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, sink_ids: list[int]):
+    def __init__(
+        self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, context_label: str = "doc-v1"
+    ):
         self.tokenizer = tokenizer
         self.store = store
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.prefix_cache = PrefixCache(store, namespace, fingerprint, block)
-        self.sink_ids = sink_ids
         self.kv_shape: tuple[int, int, int] | None = None  # (layers, KV heads, head dim) of the model
-        self.sink_label = "sink:" + ",".join(map(str, sink_ids))
+        self.context_label = context_label  # how chunk KV was computed (part of every chunk key)
         self._tok_cache: OrderedDict[str, list[int]] = OrderedDict()
         bos = getattr(tokenizer, "bos_token_id", None)
         with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
@@ -147,7 +148,7 @@ class Planner:
         return self.kv_shape is None or rec.kv_shape == self.kv_shape
 
     def chunk_key(self, ids: list[int]) -> StoreKey:
-        return chunk_key(self.namespace, self.fingerprint, ids, context=self.sink_label)
+        return chunk_key(self.namespace, self.fingerprint, ids, context=self.context_label)
 
     def segment(self, parts: list[tuple[str, str]]) -> tuple[list[Segment], torch.Tensor]:
         """Tokenise (kind, text) parts into positioned segments; empty parts are dropped."""

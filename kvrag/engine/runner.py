@@ -121,7 +121,7 @@ def forward(
     *,
     source: KVSource | None = None,
     selector: Selector | None = None,
-    capture: KVCapture | None = None,
+    capture: list[KVCapture] | tuple = (),
     trace: Trace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run all layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
@@ -139,8 +139,8 @@ def forward(
         if source is not None:
             source.fill(layer, buf)
         q, k, v = adapter.qkv(layer, h)
-        if capture is not None:
-            capture.take(layer, pos, k, v)
+        for cap in capture:
+            cap.take(layer, pos, k, v)
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None

@@ -171,13 +171,18 @@ class DiskStore(KVStore):
             log.warning("kvrag: %s (further such warnings are suppressed)", msg)
 
     def discard(self, key: StoreKey, reason: str) -> None:
-        """Drop a damaged entry: count it, warn once, and remove it so that it is recomputed."""
-        self._count("damaged")
-        self._warn_once("damaged", f"disk KV entry {key} is unusable and is treated as a miss: {reason}")
+        """Drop a damaged entry: count it, warn once, and remove it so that it is recomputed.
+
+        Two readers may find the same damage at once (the prefetch thread and the prefill
+        thread); only the one whose delete removed the row counts it.
+        """
         try:
-            self._cache.delete(self._name(key), retry=True)
+            removed = self._cache.delete(self._name(key), retry=True)
         except Exception:  # noqa: BLE001 - a failed cleanup only leaves a miss behind
-            pass
+            removed = True
+        if removed:
+            self._count("damaged")
+            self._warn_once("damaged", f"disk KV entry {key} is unusable and is treated as a miss: {reason}")
 
     # -- the interface ------------------------------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""A request's arguments, validated once: one clear error per bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrag.config import MODES, EngineConfig, check_ratio
+from kvrag.engine.planner import Segment
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["Request", "Sampling", "check_text", "check_chunks", "check_sampling", "check_mode"]
+
+
+@dataclass(slots=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    seed: int | None
+
+
+@dataclass(slots=True)
+class Request:
+    segments: list[Segment]
+    ids: torch.Tensor  # [N]
+    mode: str
+    ratio: float
+    sampling: Sampling
+    conversation: str | None = None
+    deduplicated: int = 0
+    conversation_spans: list | None = None
+
+
+def check_text(name: str, value) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def check_chunks(chunks) -> list[str]:
+    if chunks is None:
+        return []
+    if isinstance(chunks, (str, bytes)):
+        raise InvalidRequestError("chunks must be a list of strings, not a single string")
+    if not isinstance(chunks, Sequence) and not hasattr(chunks, "__iter__"):
+        raise InvalidRequestError(f"chunks must be a list of strings, got {type(chunks).__name__}")
+    out = []
+    for i, c in enumerate(chunks):
+        if not isinstance(c, str):
+            raise InvalidRequestError(f"chunk {i} is {type(c).__name__}; chunks must be strings (document text)")
+        out.append(c)
+    return out
+
+
+def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | None) -> tuple[str, float]:
+    mode = cfg.mode if mode is None else mode
+    if mode not in MODES:
+        raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    ratio = cfg.recompute_ratio if ratio is None else check_ratio(ratio)
+    return mode, (0.0 if mode == "reuse" else ratio)
+
+
+def check_sampling(cfg: EngineConfig, max_new_tokens, temperature, top_p, stop, seed) -> Sampling:
+    max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 0, got {max_new!r}")
+    temperature = cfg.temperature if temperature is None else float(temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
+    top_p = cfg.top_p if top_p is None else float(top_p)
+    if not 0 < top_p <= 1:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    else:
+        stops = list(stop)
+        if not all(isinstance(s, str) for s in stops):
+            raise InvalidRequestError("stop must be a string or a list of strings")
+    return Sampling(max_new, temperature, top_p, stops, cfg.seed if seed is None else seed)
