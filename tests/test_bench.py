@@ -210,3 +210,11 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
                                workloads="a", out=str(tmp_path / "g"), progress=False), engine=tiny_engine)
     with pytest.raises(InvalidRequestError, match="workload"):
         run_bench(BenchOptions(dataset=str(data), workloads="z", out=str(tmp_path / "z")), engine=tiny_engine)
+
+
+def test_cli_dispatch(capsys):
+    from kvrag.cli import main as cli_main
+
+    assert cli_main(["bench", "methods"]) == 0
+    out = capsys.readouterr().out
+    assert "blend" in out and "hf" in out and "prefix" in out

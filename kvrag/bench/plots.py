@@ -79,7 +79,7 @@ def _hit_rate(plt, records: list[dict], summary: dict, path: Path) -> None:
         for w in summary["stream"]["windows"].get(m, []):
             if w["hit_rate"] is not None:
                 a, b = w["requests"]
-                ax.hlines(w["hit_rate"], a, b, colors=line.get_color(), lw=3, alpha=0.5)
+                ax.hlines(w["hit_rate"], a - 0.5, b + 0.5, colors=line.get_color(), lw=3, alpha=0.5)
     ax.set_xlabel("request (along the stream); bars: hit rate per window")
     ax.set_ylabel("chunk hit rate")
     ax.set_ylim(0, 1.02)

@@ -146,6 +146,7 @@ def _method_summary(records: list[dict], all_records: list[dict], method: str) -
         "compute_fraction": _mean(r.get("compute_fraction") for r in rs),
         "chunk_hit_rate": hits / chunks if chunks else None,
         "prompt_tokens": summarize(r.get("prompt_tokens") for r in rs),
+        "recompute_ratio": next((r["recompute_ratio"] for r in rs if r.get("recompute_ratio") is not None), None),
     }
 
 
@@ -183,6 +184,8 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
     for wl, rs in by_workload.items():
         methods = list(dict.fromkeys(r["method"] for r in rs))
         out[wl] = {"methods": {m: _method_summary(rs, rs, m) for m in methods}}
+        if "hf" in methods:  # our full prefill against transformers' own forward, paired per request
+            out[wl]["full_over_hf"] = summarize(paired_ratios(rs, "full", "hf"))
         if wl == "stream":
             out[wl]["windows"] = {m: _windows(rs, m, n_windows) for m in methods}
     return out
@@ -199,9 +202,12 @@ def markdown_table(summary: dict, workload: str) -> str:
             "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
             "Δ log p(gold) vs full | recomputed | chunk hits |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, s in methods.items():
+    for key, s in methods.items():
+        name = key
+        if key == "blend" and s.get("recompute_ratio") is not None:
+            name = f"blend (r={s['recompute_ratio']:g})"
         ratio = s["ttft_ratio_full"]["median"] if s["ttft_ratio_full"] else (1.0 if name == "full" else None)
-        ident = f"{s['identical_full']}/{s['identical_of']}" if s["identical_of"] else ("ref" if name == "full" else "—")
+        ident = f"{s['identical_full']}/{s['identical_of']}" if s["identical_of"] else ("ref" if key == "full" else "—")
         lines.append("| " + " | ".join([
             name, _fmt(s["ttft_s"]["median"]), _fmt(s["ttft_s"]["p90"]), _fmt(ratio, ".3f") + ("" if ratio is None else "×"),
             _fmt(s["total_s"]["median"]), _fmt(s["rouge_l_full"]) if name != "full" else "ref",
@@ -210,6 +216,10 @@ def markdown_table(summary: dict, workload: str) -> str:
             _fmt(s["delta_logprob_full"]["mean"], "+.3f") if name != "full" else "ref",
             _fmt(s["recompute_fraction"], ".0%"), _fmt(s["chunk_hit_rate"], ".0%"),
         ]) + " |")
+    fh = summary[workload].get("full_over_hf")
+    if fh and fh["n"]:
+        lines += ["", f"Our full prefill vs transformers' own forward (hf), paired per request: "
+                  f"median {fh['median']:.3f}×, p90 {fh['p90']:.3f}× (n={fh['n']})."]
     return "\n".join(lines)
 
 
@@ -248,8 +258,10 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
                        f"{st['store'].get('memory_budget_bytes', 0) / 2**20:.0f} MiB per method.", ""]
             md += [windows_table(summary), ""]
     if meta.get("wall_s") is not None:
-        md.append(f"Wall time {meta['wall_s']:.0f} s. Timings on a shared machine are indicative; "
-                  "ratios are paired per request within this run.")
+        cpu = meta.get("cpu_s")
+        md.append(f"Wall time {meta['wall_s']:.0f} s" + (f" (process CPU {cpu:.0f} s)" if cpu else "")
+                  + f"; load average at end {_fmt((meta.get('load_avg_end') or [None])[0], '.2f')}. "
+                  "Timings on a shared machine are indicative; ratios are paired per request within this run.")
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     return {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
 

@@ -252,9 +252,18 @@ def _jsonable(d: dict) -> dict:
 
 
 def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
-    """Workload (c): multi-turn conversations (not available until the engine has conversations)."""
+    """Workload (c): multi-turn conversations. PLUG-IN POINT, not implemented yet.
+
+    Waits for the engine's conversation API (``Engine.generate(..., conversation_id=, dedup=)``,
+    ``Engine.end_conversation``; being added with the integrations). Intended shape: a conversation
+    of T turns over T questions, each turn's user message carrying that turn's top-k passages and
+    question after the previous turns (append-only layout), every method run on the same turns:
+    ``full`` (no reuse), ``blend`` without ``conversation_id`` and ``blend`` with it (kept KV of the
+    earlier turns, CRAFT dedup); per turn: TTFT, ``stats.conversation_tokens``, deduplicated chunks,
+    fidelity against ``full``. Register the runner as ``WORKLOADS["conversations"]``.
+    """
     raise InvalidRequestError(
-        "workload 'conversations' (c) needs the engine's conversation API, which this engine does not have yet"
+        "workload 'conversations' (c) is not implemented yet: it waits for the engine's conversation API"
     )
 
 
