@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from collections import defaultdict
@@ -55,6 +56,15 @@ def _git(args: list[str]) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
+def _program() -> str:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if prog == "kvrag":
+        return "kvrag bench"
+    if prog in ("__main__.py", "-m") or not prog:
+        return "python -m kvrag.bench"
+    return f"{prog} (kvrag.bench)"
+
+
 def run_metadata(engine, run_id: str, argv: list[str], settings: dict) -> dict:
     """Where and how a run was measured: machine, threads, model, dtype, commit, time, command."""
     import torch
@@ -70,7 +80,7 @@ def run_metadata(engine, run_id: str, argv: list[str], settings: dict) -> dict:
     return {
         "run_id": run_id,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.argv[0]) or "kvrag-bench", *argv]),
+        "command": " ".join([_program(), *(shlex.quote(a) for a in argv)]),
         "argv": list(argv),
         "hostname": platform.node(),
         "platform": platform.platform(),
