@@ -150,6 +150,8 @@ def run_bench(
         run_id = uuid.uuid4().hex
         settings = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("progress", "plots")}
         settings["dataset"] = os.path.abspath(opts.dataset)
+        if "stream" in names:  # a bad store setting fails now, not after workload (a)
+            engine.config.replace(eviction_policy=opts.eviction_policy, **(opts.config or {}))
         meta = run_metadata(engine, run_id, list(argv or []), settings)
         fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
         options = dict(top_k=opts.top_k, repeat=opts.repeat, order=opts.order, seed=opts.seed,

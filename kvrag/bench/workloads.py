@@ -17,7 +17,9 @@ repeats of a question therefore use a fresh passage order each (see ``--repeat``
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -119,9 +121,15 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     jobs = [(item, r) for item in items for r in range(repeat)]
     out: list[dict] = []
     bar = ctx.progress(jobs, desc="(a) questions", total=len(jobs)) if ctx.progress else jobs
+    used: set[tuple] = set()
     for item, r in bar:
-        req = ctx.fmt.request(item, _request_order(len(item.passages), top_k, shuffle, rng),
-                              workload="questions", request=item.index, repeat=r)
+        order = _request_order(len(item.passages), top_k, shuffle, rng)
+        for _ in range(100):  # a repeat never sees an order it saw before (prefix cache: see above)
+            if not shuffle or (item.index, tuple(order)) not in used:
+                break
+            order = _request_order(len(item.passages), top_k, shuffle, rng)
+        used.add((item.index, tuple(order)))
+        req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
         warm = engine.warm(req.chunks)
         engine.flush()
         outcomes: dict[str, Outcome] = {}
@@ -208,12 +216,15 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     touched = {p for _, picks in reqs for p in picks}
     budget = ctx.opt("stream_budget_bytes") or int(pool_bytes * ctx.opt("stream_budget_frac", 0.25))
     overrides = dict(memory_budget_bytes=int(budget), eviction_policy=ctx.opt("eviction_policy", "lru"))
-    overrides.update(ctx.opt("store_overrides") or {})
     engines = {}
+    scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-") if base.config.disk_tier else None
     try:
         for m in methods:
             if m.uses_store:
-                engines[m.name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**overrides))
+                own = dict(overrides)
+                if scratch is not None:  # a disk tier of its own: methods never share cache entries
+                    own["cache_dir"] = os.path.join(scratch.name, m.name)
+                engines[m.name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**own))
         ctx.extras["stream"] = {
             "requests": n_req, "pool_passages": len(pool["pool"]), "pool_kv_bytes": pool_bytes,
             "working_set_passages": len(touched), "working_set_kv_bytes": sum(tokens[p] for p in touched) * per_token,
@@ -245,6 +256,8 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     finally:
         for e in engines.values():
             e.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 def _jsonable(d: dict) -> dict:
