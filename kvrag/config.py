@@ -71,6 +71,10 @@ class EngineConfig:
         temperature: default sampling temperature (0 = greedy).
         top_p: nucleus sampling threshold used when temperature > 0.
         seed: default sampling seed (``None`` = nondeterministic).
+        max_conversations: live conversations whose KV is kept between turns (least recently used
+            dropped first; 0 keeps none). Each keeps ~``tokens x 46 KB`` (SmolLM2, fp32).
+        conversation_dedup: in a conversation, drop chunks that an earlier turn already placed in
+            the context (CRAFT's conversation-scoped deduplication); per call ``dedup=``.
     """
 
     model: str | None = None
@@ -98,6 +102,8 @@ class EngineConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    max_conversations: int = 8
+    conversation_dedup: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,6 +141,8 @@ class EngineConfig:
             raise InvalidRequestError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p must be in (0, 1]")
+        if isinstance(self.max_conversations, bool) or not isinstance(self.max_conversations, int) or self.max_conversations < 0:
+            raise InvalidRequestError("max_conversations must be an integer >= 0")
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some fields changed (validated again)."""

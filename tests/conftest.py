@@ -4,6 +4,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Triton decides at import (its own and its lazy submodules') whether @jit functions run in its
+# interpreter, and torch imports triton as soon as transformers builds a model: so the variable is
+# set for the whole session, before anything imports triton. Only tests/test_kernels.py launches
+# Triton kernels; on CPU tensors only the interpreter can run them. Left alone on a CUDA machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers import make_docs, make_tiny_llama, make_tokenizer  # noqa: E402
 

@@ -1,6 +1,7 @@
 """The embedded PyTorch engine: model adapter, layer runner, fusion, store, planner."""
 
 from kvrag.engine.engine import Engine
+from kvrag.engine.shared import drop_engines, get_engine
 from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
 
-__all__ = ["Engine", "Generation", "GenerationStats", "GenerationStream", "ChunkInfo", "ScoreResult", "WarmResult"]
+__all__ = ["Engine", "get_engine", "drop_engines", "Generation", "GenerationStats", "GenerationStream", "ChunkInfo", "ScoreResult", "WarmResult"]

@@ -14,6 +14,7 @@ import torch
 
 from kvrag.config import MODES, EngineConfig, check_ratio
 from kvrag.engine import loading
+from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.fusion import PrefillResult, extend, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner, Segment
@@ -41,6 +42,9 @@ class _Request:
     top_p: float
     stop: list[str]
     seed: int | None
+    conversation: str | None = None
+    deduplicated: int = 0
+    conversation_spans: list | None = None
 
 
 def _check_text(name: str, value) -> str:
@@ -137,6 +141,7 @@ class Engine:
         )
         self.eos_ids = self._eos_ids()
         self.registry = ChunkRegistry()
+        self.conversations = Conversations(self.adapter, config.max_conversations)
         self._lock = threading.RLock()
         self._writer = _Writer()
         self._pending: set = set()
@@ -245,6 +250,8 @@ class Engine:
         seed: int | None = None,
         mode: str | None = None,
         recompute_ratio: float | None = None,
+        conversation_id: str | None = None,
+        dedup: bool | None = None,
     ) -> Generation:
         """Generate a completion for ``prefix + chunks + suffix``.
 
@@ -260,10 +267,17 @@ class Engine:
             seed: sampling seed.
             mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (default from the config).
             recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
+            conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
+                answer) is reused where the new prompt repeats it (exact prefix, and shifted
+                history runs in blend/reuse), and this turn is kept for the next one. See
+                :mod:`kvrag.engine.conversations`. ``mode="full"`` and ratio 1.0 reuse nothing.
+            dedup: drop chunks that an earlier turn of the conversation already placed in the
+                prompt (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
         """
         stream = self.stream(
             chunks, prefix, suffix, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed, mode=mode, recompute_ratio=recompute_ratio,
+            stop=stop, seed=seed, mode=mode, recompute_ratio=recompute_ratio, conversation_id=conversation_id,
+            dedup=dedup,
         )
         for _ in stream:
             pass
@@ -284,6 +298,8 @@ class Engine:
         seed: int | None = None,
         mode: str | None = None,
         recompute_ratio: float | None = None,
+        conversation_id: str | None = None,
+        dedup: bool | None = None,
     ) -> GenerationStream:
         """Like :meth:`generate`, but yields text pieces as they are decoded.
 
@@ -291,9 +307,14 @@ class Engine:
         stream is exhausted.
         """
         req = self._request(
-            chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, prompt
+            chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, prompt,
+            conversation_id, dedup,
         )
         return GenerationStream(self._run(req))
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation's kept KV and chunk set; False if it was not live."""
+        return self.conversations.end(check_conversation_id(conversation_id))
 
     def score(
         self,
@@ -352,7 +373,8 @@ class Engine:
             raise InvalidRequestError("this engine is closed")
 
     def _request(
-        self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio, prompt=None
+        self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio, prompt=None,
+        conversation_id=None, dedup=None,
     ) -> _Request:
         self._check_open()
         cfg = self.config
@@ -364,6 +386,12 @@ class Engine:
             parts = self.split_prompt(prompt)
         else:
             parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+        conversation = check_conversation_id(conversation_id)
+        if dedup is not None and not isinstance(dedup, bool):
+            raise InvalidRequestError(f"dedup must be True, False or None, got {dedup!r}")
+        deduplicated = 0
+        if conversation is not None and (cfg.conversation_dedup if dedup is None else dedup):
+            parts, deduplicated = self.conversations.dedup(conversation, parts)
         mode = cfg.mode if mode is None else mode
         if mode not in MODES:
             raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -395,12 +423,14 @@ class Engine:
         if n >= self.context_window:
             raise ContextLengthError(n, self.context_window)
         seed = cfg.seed if seed is None else seed
-        return _Request(segments, ids, mode, ratio, max_new, temperature, top_p, stops, seed)
+        return _Request(segments, ids, mode, ratio, max_new, temperature, top_p, stops, seed, conversation, deduplicated)
 
     def _prefill(self, req: _Request, capacity: int) -> tuple[Plan, PrefillResult]:
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
         plan = self.planner.plan(req.segments, req.ids, req.mode, req.ratio, use_prefix)
+        if req.conversation is not None and req.mode != "full" and not (req.mode == "blend" and req.ratio >= 1.0):
+            req.conversation_spans = self.conversations.attach(plan, req.conversation)
         capture_end = 0
         if use_prefix and not (req.mode == "blend" and req.ratio >= 1.0):
             # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
@@ -409,6 +439,7 @@ class Engine:
         res = prefill(
             self.adapter, plan, capacity,
             check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
+            selection_score=cfg.extra.get("selection_score", "deviation"),
             capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
         )
         return plan, res
@@ -445,6 +476,9 @@ class Engine:
         token = sample(logits, req.temperature, req.top_p, generator)
         ttft = time.perf_counter() - t0
         stats = self._stats(plan, res, ttft)
+        stats.conversation_spans = list(req.conversation_spans or [])
+        stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
+        stats.deduplicated_chunks = req.deduplicated
         self._schedule_writeback(plan, res.capture)
         text = TextStream(self.tokenizer, req.stop)
         finish = "length"
@@ -471,6 +505,10 @@ class Engine:
         tail = text.flush()
         if tail:
             yield tail
+        if req.conversation is not None:
+            chunk_texts = [s.text for s in plan.segments if s.kind == "chunk"]
+            with self._lock:
+                self.conversations.record(req.conversation, req.ids.tolist() + generated, buf, chunk_texts)
         total = time.perf_counter() - t0
         stats.completion_tokens = len(generated)
         stats.decode_s = total - ttft

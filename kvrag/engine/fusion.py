@@ -32,6 +32,7 @@ def prefill(
     check_layer: int = 1,
     filter_schedule: tuple[float, ...] = (2.0, 1.5),
     deviation: str = "kv",
+    selection_score: str = "deviation",
     capture_end: int = 0,
     capture_block: int = 16,
 ) -> PrefillResult:
@@ -67,7 +68,11 @@ def prefill(
     selector = None
     if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
         schedule = keep_schedule(plan.ratio, check_layer, filter_schedule, adapter.n_layers)
-        selector = HKVDSelector(candidates, plan.ratio, schedule, deviation)
+        last = plan.segments[-1]
+        query_pos = torch.arange(last.start, last.end) if last.kind == "text" else all_pos[-1:]
+        selector = HKVDSelector(
+            candidates, plan.ratio, schedule, deviation, score=selection_score, query_pos=query_pos, scale=adapter.scale
+        )
     else:  # prefix mode has no candidates; reuse never recomputes them
         rows &= ~candidates
     pos = all_pos[rows]

@@ -58,9 +58,13 @@ class KVSource(Protocol):
 class Selector(Protocol):
     """Decides, on some layers, which computed rows go on being computed."""
 
-    def select(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
-        """Given this layer's fresh k (with RoPE) and v [Hkv, R, D] of rows at ``pos`` [R] (the
-        buffer still holds the cached KV there), return the indices of rows to keep, or None."""
+    def wants(self, layer: int) -> bool:
+        """Whether :meth:`select` runs on this layer."""
+
+    def select(self, layer: int, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
+        """Given this layer's fresh q [H, R, D], k [Hkv, R, D] (both with RoPE) and v [Hkv, R, D]
+        of rows at ``pos`` [R] (the buffer still holds the cached KV there), return the indices of
+        rows to keep, or None."""
 
 
 class KVCapture:
@@ -138,7 +142,8 @@ def forward(
         if capture is not None:
             capture.take(layer, pos, k, v)
         k = adapter.apply_rope(k, cos, sin)
-        keep = selector.select(layer, pos, k, v, buf) if selector is not None else None
+        q = adapter.apply_rope(q, cos, sin)
+        keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
         _write(buf.k[layer], pos, k, contiguous)
         _write(buf.v[layer], pos, v, contiguous)
         if keep is not None and keep.numel() != pos.numel():
@@ -146,7 +151,6 @@ def forward(
             contiguous = _is_contiguous(pos)
         if trace is not None:
             trace.rows_per_layer.append(int(pos.numel()))
-        q = adapter.apply_rope(q, cos, sin)
         out = attention(q, pos, buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len], adapter.scale)
         h = adapter.finish_layer(layer, h, out)
     buf.length = max(buf.length, seq_len)

@@ -53,6 +53,9 @@ class HKVDSelector:
         schedule: dict[int, float],
         deviation: str = "kv",
         span_ids: torch.Tensor | None = None,
+        score: str = "deviation",
+        query_pos: torch.Tensor | None = None,
+        scale: float = 1.0,
     ) -> None:
         self.candidates = candidates
         self.n_candidates = int(candidates.sum())
@@ -60,9 +63,26 @@ class HKVDSelector:
         self.schedule = schedule
         self.deviation = deviation
         self.span_ids = span_ids
+        self.score = score
+        self.query_pos = query_pos
+        self.scale = scale
         self.selected: torch.Tensor | None = None  # positions kept after the last step
 
-    def select(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
+    def wants(self, layer: int) -> bool:
+        return layer in self.schedule
+
+    def _attention_mass(self, layer, pos, q, buf, cpos):
+        """Attention of the query rows (the question) to each candidate position, summed."""
+        qrows = torch.isin(pos, self.query_pos)
+        qq = q[:, qrows]  # [H, Tq, D]
+        n = int(pos[-1]) + 1
+        keys = buf.k[layer, :, :n]
+        groups = qq.shape[0] // keys.shape[0]
+        keys = keys.repeat_interleave(groups, 0)
+        probs = torch.softmax((qq @ keys.transpose(1, 2)).float() * self.scale, dim=-1)  # [H, Tq, n]
+        return probs.sum(dim=(0, 1))[cpos]
+
+    def select(self, layer: int, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
         share = self.schedule.get(layer)
         if share is None:
             return None
@@ -74,6 +94,17 @@ class HKVDSelector:
         dev = kv_deviation(
             k[:, cand_rows], buf.k[layer][:, cpos], v[:, cand_rows], buf.v[layer][:, cpos], self.deviation
         )
+        if self.score == "relative":
+            norm = buf.k[layer][:, cpos].float().pow(2).sum((0, 2)) + buf.v[layer][:, cpos].float().pow(2).sum((0, 2))
+            dev = dev / norm.clamp_min(1e-6)
+        elif self.score in ("attention", "dev*attn", "dev+attn"):
+            mass = self._attention_mass(layer, pos, q, buf, cpos)
+            if self.score == "attention":
+                dev = mass
+            elif self.score == "dev*attn":
+                dev = dev * mass
+            else:
+                dev = dev / dev.sum().clamp_min(1e-9) + mass / mass.sum().clamp_min(1e-9)
         if self.span_ids is None:
             chosen = cand_rows[topk(dev, math.ceil(share * self.n_candidates))]
         else:

@@ -33,6 +33,12 @@ class GenerationStats:
         compute_fraction: token-layers computed / token-layers of a full prefill.
         chunk_hits / chunk_misses: chunks whose KV was / was not reused.
         chunks: per chunk, in prompt order.
+        conversation_tokens: prompt tokens whose KV came from the conversation's previous turn
+            (exact prefix + shifted history runs; included in ``cached_tokens``).
+        conversation_spans: the prompt positions ``[a, b)`` those tokens occupy.
+        deduplicated_chunks: chunk occurrences dropped from the prompt because an earlier turn of
+            the conversation placed them and that copy is still in the prompt; counts the history
+            too (its turns were deduplicated the same way, so it matches the kept KV).
         completion_tokens: tokens generated.
         prefill_s: seconds from the request to the first token (same as ``Generation.ttft_s``).
         decode_s: seconds spent after the first token.
@@ -49,6 +55,9 @@ class GenerationStats:
     chunk_hits: int = 0
     chunk_misses: int = 0
     chunks: list[ChunkInfo] = field(default_factory=list)
+    conversation_tokens: int = 0
+    conversation_spans: list[tuple[int, int]] = field(default_factory=list)
+    deduplicated_chunks: int = 0
     completion_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0

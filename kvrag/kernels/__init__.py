@@ -1,33 +1,134 @@
 """Kernels for the fusion hot spots, dispatched by device.
 
-CUDA tensors go to Triton kernels (when Triton is installed); everything else to the PyTorch
-references in :mod:`kvrag.kernels.reference`. Nothing outside this package imports Triton.
+CUDA tensors go to the Triton kernels (``triton_rope``, ``triton_attention``, ``triton_deviation``)
+when Triton is installed; everything else to the PyTorch references in
+:mod:`kvrag.kernels.reference`. Triton is imported lazily, on the first CUDA call, and only by
+this package: ``import kvrag`` works without Triton or a GPU. Top-k stays ``torch.topk`` on every
+device (a Triton top-k would not beat it at these sizes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Iterator
+
 import torch
 
-from kvrag.kernels.reference import QUERY_BLOCK, attention_ref, kv_deviation_ref, rope_rotate_ref, topk_ref
+from kvrag.kernels.reference import (
+    QUERY_BLOCK,
+    attention_ref,
+    kv_deviation_ref,
+    rope_rerotate_ref_,
+    rope_rotate_ref,
+    topk_ref,
+)
 
-__all__ = ["rope_rotate", "attention", "kv_deviation", "topk", "QUERY_BLOCK"]
+__all__ = [
+    "rope_rotate",
+    "rope_rerotate_",
+    "attention",
+    "kv_deviation",
+    "topk",
+    "QUERY_BLOCK",
+    "BACKENDS",
+    "use_backend",
+    "triton_available",
+]
+
+#: ``auto``: Triton for CUDA tensors when importable, else the reference; ``reference`` and
+#: ``triton`` force one path (tests and benchmarks).
+BACKENDS = ("auto", "reference", "triton")
+
+_backend = "auto"
+_triton_ok: bool | None = None
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported here (checked once)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            _triton_ok = importlib.util.find_spec("triton") is not None
+            if _triton_ok:
+                importlib.import_module("triton")
+        except Exception:  # a broken install counts as absent: the references still work
+            _triton_ok = False
+    return _triton_ok
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force a backend inside a ``with`` block (process-wide; meant for tests and benchmarks).
+
+    ``triton`` on CPU tensors needs Triton's interpreter (``TRITON_INTERPRET=1`` before kvrag's
+    Triton modules are first imported); otherwise the kernel wrappers raise a clear error.
+    """
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    if name == "triton" and not triton_available():
+        raise RuntimeError("the 'triton' kernel backend needs the triton package (pip install 'kvrag[test]')")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _triton_for(x: torch.Tensor) -> bool:
+    if _backend == "auto":
+        return x.is_cuda and triton_available()
+    return _backend == "triton"
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [heads, T, D] rotated by the angles of cos/sin [T, D]."""
+    """x [heads, T, D] rotated by the angles of cos/sin [T, D] (split-halves pairing)."""
+    if _triton_for(x):
+        from kvrag.kernels.triton_rope import rope_rotate_triton
+
+        return rope_rotate_triton(x, cos, sin)
     return rope_rotate_ref(x, cos, sin)
 
 
-def attention(q, q_pos, k, v, scale: float) -> torch.Tensor:
+def rope_rerotate_(
+    k: torch.Tensor,
+    old_pos: torch.Tensor | None,
+    new_pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """Rotate keys k [heads, T, D] in place from positions old_pos [T] (None: no RoPE yet) to new_pos [T].
+
+    ``inv_freq`` [D/2] are the model's rotary inverse frequencies; ``scaling`` multiplies cos/sin
+    (the model's attention scaling when placing keys stored without RoPE). Returns ``k``.
+    """
+    if _triton_for(k):
+        from kvrag.kernels.triton_rope import rope_rerotate_triton_
+
+        return rope_rerotate_triton_(k, old_pos, new_pos, inv_freq, scaling)
+    return rope_rerotate_ref_(k, old_pos, new_pos, inv_freq, scaling)
+
+
+def attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D]."""
+    if _triton_for(q):
+        from kvrag.kernels.triton_attention import attention_triton
+
+        return attention_triton(q, q_pos, k, v, scale)
     return attention_ref(q, q_pos, k, v, scale)
 
 
 def kv_deviation(k_new, k_old, v_new, v_old, what: str = "kv") -> torch.Tensor:
     """Per-token squared deviation [T] between fresh and cached K/V [Hkv, T, D]."""
+    if _triton_for(k_new):
+        from kvrag.kernels.triton_deviation import kv_deviation_triton
+
+        return kv_deviation_triton(k_new, k_old, v_new, v_old, what)
     return kv_deviation_ref(k_new, k_old, v_new, v_old, what)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted indices of the k largest scores."""
+    """Sorted indices of the k largest scores (``torch.topk`` on the scores' device)."""
     return topk_ref(scores, k)

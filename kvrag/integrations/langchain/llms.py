@@ -1,0 +1,138 @@
+"""``KVCachedTextLLM``: a LangChain text-completion LLM over the kvrag engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM, LanguageModelInput
+from langchain_core.outputs import GenerationChunk, LLMResult
+from langchain_core.runnables import RunnableConfig
+from pydantic import ConfigDict
+
+from kvrag.integrations.langchain._common import (
+    EngineSettings,
+    engine_pieces,
+    iterate_in_thread,
+    metadata,
+    usage,
+    with_conversation,
+)
+
+__all__ = ["KVCachedTextLLM"]
+
+
+class KVCachedTextLLM(EngineSettings, BaseLLM):
+    """A text-completion LLM (string in, string out) that reuses the KV cache of documents.
+
+    The prompt goes to the model as is; with ``chat_template=True`` it is first wrapped as one
+    user message in the model's chat template (instruct models answer better that way). Settings,
+    conversation identity and metadata are those of :class:`KVCachedLLM`; each generation's
+    ``generation_info`` holds the response metadata plus ``usage_metadata``.
+    """
+
+    # unknown constructor keywords are errors (LangChain's base models ignore them)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    chat_template: bool = False
+    """Wrap the prompt as a user message in the model's chat template."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvrag-text"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_label(), "mode": self.mode, "recompute_ratio": self.recompute_ratio}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvrag"
+        params["ls_model_name"] = self.model_label(kwargs.get("model"))
+        return params
+
+    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> str:
+        return super().invoke(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> str:
+        return await super().ainvoke(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Iterator[str]:
+        return super().stream(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AsyncIterator[str]:
+        return super().astream(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    def _render(self, prompt: str):
+        if not self.chat_template:
+            return lambda engine: prompt
+        return lambda engine: engine.apply_chat_template([{"role": "user", "content": prompt}])
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        for text, generation in engine_pieces(self, self._render(prompt), stop, kwargs, run_manager):
+            if generation is None:
+                chunk = GenerationChunk(text=text)
+                if run_manager is not None:  # BaseLLM leaves token callbacks to the integration
+                    run_manager.on_llm_new_token(text, chunk=chunk)
+                yield chunk
+                continue
+            info = metadata(generation, self.model_label(kwargs.get("model")), kwargs.get("conversation_id"))
+            info["usage_metadata"] = usage(generation)
+            yield GenerationChunk(text="", generation_info=info)
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        sync_manager = run_manager.get_sync() if run_manager is not None else None
+        async for chunk in iterate_in_thread(lambda: self._stream(prompt, stop, sync_manager, **kwargs)):
+            yield chunk
+
+    def _fold(self, chunks: list[GenerationChunk]) -> GenerationChunk:
+        total = chunks[0]
+        for c in chunks[1:]:
+            total += c
+        return total
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = [[self._fold(list(self._stream(p, stop, None, **kwargs)))] for p in prompts]
+        return LLMResult(generations=generations, llm_output=_llm_output(generations))
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for p in prompts:
+            chunks = [c async for c in self._astream(p, stop, None, **kwargs)]
+            generations.append([self._fold(chunks)])
+        return LLMResult(generations=generations, llm_output=_llm_output(generations))
+
+
+def _llm_output(generations) -> dict[str, Any]:
+    totals = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "cache_read": 0}
+    for (g,) in generations:
+        u = (g.generation_info or {}).get("usage_metadata", {})
+        for key in ("input_tokens", "output_tokens", "total_tokens"):
+            totals[key] += u.get(key, 0)
+        totals["cache_read"] += u.get("input_token_details", {}).get("cache_read", 0)
+    return {"token_usage": totals}

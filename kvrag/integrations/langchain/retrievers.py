@@ -1,0 +1,203 @@
+"""Recording retrieved documents: ``KVCachedRetriever``, ``KVCachedVectorStore``, ``register_documents``.
+
+Each records the text of every document it returns in the engine's chunk registry (by content
+hash), so that when a chain stuffs those documents into a prompt, the engine finds them there and
+reuses their KV. Nothing else changes: same documents, same order, same scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable
+from langchain_core.vectorstores import VectorStore
+from pydantic import ConfigDict, Field
+
+from kvrag.engine import Engine, get_engine
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
+
+
+def _engine_of(target: Any) -> Engine:
+    if target is None:
+        return get_engine()
+    if isinstance(target, Engine):
+        return target
+    get = getattr(target, "get_engine", None)
+    if callable(get):
+        return get()
+    raise InvalidRequestError(
+        f"documents are registered with a KVCachedLLM, KVCachedTextLLM or Engine, not {type(target).__name__}"
+    )
+
+
+def register_documents(documents: Iterable[Document | str], llm: Any = None) -> list[str]:
+    """Record documents' text so that ``llm`` reuses their KV wherever a prompt contains them.
+
+    Args:
+        documents: LangChain documents (their ``page_content``) or plain strings.
+        llm: the :class:`KVCachedLLM` / :class:`KVCachedTextLLM` (or :class:`~kvrag.Engine`) that
+            will answer; ``None`` = the shared default engine (bundled model, default settings).
+
+    Returns:
+        The documents' content ids, in order.
+    """
+    texts = []
+    for d in documents:
+        text = d.page_content if isinstance(d, Document) else d
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"documents must be Documents or strings, got {type(d).__name__}")
+        texts.append(text)
+    return _engine_of(llm).register(texts)
+
+
+class KVCachedRetriever(BaseRetriever):
+    """Wraps any retriever; records the documents it returns (see :func:`register_documents`).
+
+    Example:
+        .. code-block:: python
+
+            retriever = KVCachedRetriever(retriever=vectorstore.as_retriever(k=6), llm=llm)
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    retriever: Runnable
+    """The wrapped retriever (any runnable from a query string to a list of documents)."""
+    llm: Any = Field(default=None, exclude=True)
+    """The kvrag LLM (or engine) the documents are recorded for; ``None`` = the shared default engine."""
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        register_documents(docs, self.llm)
+        return docs
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        await asyncio.to_thread(register_documents, docs, self.llm)  # may load the engine: off the loop
+        return docs
+
+
+class KVCachedVectorStore(VectorStore):
+    """Wraps a vector store; every search records the documents it returns.
+
+    Searches, ``as_retriever()`` and writes go to the wrapped store; any other attribute (e.g.
+    FAISS's ``save_local``) is looked up on it too.
+
+    Example:
+        .. code-block:: python
+
+            store = KVCachedVectorStore(FAISS.from_documents(docs, embeddings), llm=llm)
+            docs = store.similarity_search(question, k=6)   # as in LangChain's RAG tutorial
+    """
+
+    def __init__(self, vectorstore: VectorStore, llm: Any = None) -> None:
+        if not isinstance(vectorstore, VectorStore):
+            raise InvalidRequestError(f"vectorstore must be a LangChain VectorStore, got {type(vectorstore).__name__}")
+        self.vectorstore = vectorstore
+        self.llm = llm
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "vectorstore":  # not set yet (copy/pickle): avoid infinite recursion
+            raise AttributeError(name)
+        return getattr(self.vectorstore, name)
+
+    def _record(self, docs: list[Document]) -> list[Document]:
+        register_documents(docs, self.llm)
+        return docs
+
+    def _record_scored(self, pairs: list[tuple[Document, float]]) -> list[tuple[Document, float]]:
+        register_documents([d for d, _ in pairs], self.llm)
+        return pairs
+
+    async def _arecord(self, docs: list) -> list:
+        plain = [d[0] if isinstance(d, tuple) else d for d in docs]
+        await asyncio.to_thread(register_documents, plain, self.llm)
+        return docs
+
+    # -- writes and properties: the wrapped store's ------------------------------------------------
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        return self.vectorstore.embeddings
+
+    def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, **kwargs: Any) -> list[str]:
+        return self.vectorstore.add_texts(texts, metadatas, **kwargs)
+
+    async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, **kwargs: Any) -> list[str]:
+        return await self.vectorstore.aadd_texts(texts, metadatas, **kwargs)
+
+    def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        return self.vectorstore.add_documents(documents, **kwargs)
+
+    async def aadd_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        return await self.vectorstore.aadd_documents(documents, **kwargs)
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        return self.vectorstore.delete(ids, **kwargs)
+
+    async def adelete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        return await self.vectorstore.adelete(ids, **kwargs)
+
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        return self.vectorstore.get_by_ids(ids)
+
+    async def aget_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        return await self.vectorstore.aget_by_ids(ids)
+
+    def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        return self.vectorstore._select_relevance_score_fn()
+
+    @classmethod
+    def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None, **kwargs: Any):
+        raise NotImplementedError("build the store with its own class, then wrap it: KVCachedVectorStore(FAISS.from_texts(...))")
+
+    # -- searches: the wrapped store's, recorded -----------------------------------------------------
+
+    def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return self._record(self.vectorstore.similarity_search(query, k=k, **kwargs))
+
+    async def asimilarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return await self._arecord(await self.vectorstore.asimilarity_search(query, k=k, **kwargs))
+
+    def similarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
+        return self._record_scored(self.vectorstore.similarity_search_with_score(*args, **kwargs))
+
+    async def asimilarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
+        return await self._arecord(await self.vectorstore.asimilarity_search_with_score(*args, **kwargs))
+
+    def similarity_search_with_relevance_scores(self, query: str, k: int = 4, **kwargs: Any):
+        return self._record_scored(self.vectorstore.similarity_search_with_relevance_scores(query, k=k, **kwargs))
+
+    async def asimilarity_search_with_relevance_scores(self, query: str, k: int = 4, **kwargs: Any):
+        return await self._arecord(await self.vectorstore.asimilarity_search_with_relevance_scores(query, k=k, **kwargs))
+
+    def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        return self._record(self.vectorstore.similarity_search_by_vector(embedding, k=k, **kwargs))
+
+    async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        return await self._arecord(await self.vectorstore.asimilarity_search_by_vector(embedding, k=k, **kwargs))
+
+    def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        return self._record(self.vectorstore.max_marginal_relevance_search(query, k, fetch_k, lambda_mult, **kwargs))
+
+    async def amax_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        docs = await self.vectorstore.amax_marginal_relevance_search(query, k, fetch_k, lambda_mult, **kwargs)
+        return await self._arecord(docs)
+
+    def max_marginal_relevance_search_by_vector(self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        docs = self.vectorstore.max_marginal_relevance_search_by_vector(embedding, k, fetch_k, lambda_mult, **kwargs)
+        return self._record(docs)
+
+    async def amax_marginal_relevance_search_by_vector(self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        docs = await self.vectorstore.amax_marginal_relevance_search_by_vector(embedding, k, fetch_k, lambda_mult, **kwargs)
+        return await self._arecord(docs)

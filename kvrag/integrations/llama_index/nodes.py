@@ -1,0 +1,146 @@
+"""Registering retrieved nodes with the engine, so it finds them inside LlamaIndex's prompts.
+
+LlamaIndex renders a node into a prompt as ``node.get_content(MetadataMode.LLM)`` (metadata header
++ text); the response synthesizers (``compact``, ``tree_summarize``, ``refine``) strip each text
+and join them with blank lines before packing them into the prompt. So each node is registered in
+four forms: with and without the metadata header, each as is and stripped. The engine's segmenter
+then finds whichever form the prompt holds (the longest, leftmost match wins); text it does not
+find is simply computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.bridge.pydantic import Field
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+
+from kvrag.engine.engine import Engine
+from kvrag.engine.types import WarmResult
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["node_texts", "register_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
+
+
+def _engine_of(target: Any) -> Engine:
+    if isinstance(target, Engine):
+        return target
+    engine = getattr(target, "engine", None)
+    if isinstance(engine, Engine):
+        return engine
+    raise InvalidRequestError(f"expected a KVCachedLLM or a kvrag Engine, got {type(target).__name__}")
+
+
+def _check_target(target: Any) -> None:
+    # A type check that does not load the shared engine (constructing must stay cheap).
+    from kvrag.integrations.llama_index.base import KVCachedLLM
+
+    if not isinstance(target, (Engine, KVCachedLLM)):
+        raise InvalidRequestError(f"expected a KVCachedLLM or a kvrag Engine, got {type(target).__name__}")
+
+
+def node_texts(node: BaseNode | NodeWithScore) -> list[str]:
+    """The forms in which LlamaIndex may put a node's text into a prompt (distinct, in order)."""
+    if isinstance(node, NodeWithScore):
+        node = node.node
+    if not isinstance(node, BaseNode):
+        raise InvalidRequestError(f"expected LlamaIndex nodes, got {type(node).__name__}")
+    out: list[str] = []
+    for mode in (MetadataMode.LLM, MetadataMode.NONE):
+        text = node.get_content(metadata_mode=mode)
+        for form in (text, text.strip()):
+            if form and form not in out:
+                out.append(form)
+    return out
+
+
+def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm: bool = False) -> WarmResult | None:
+    """Record nodes' texts in the engine's chunk registry.
+
+    Args:
+        target: a :class:`KVCachedLLM` or an :class:`~kvrag.Engine`.
+        nodes: nodes or scored nodes (retrieved, or a whole docstore's ``docs.values()``).
+        warm: also precompute and store their KV now, in the form the response synthesizers put
+            in prompts (metadata header, stripped), so even the first query over them hits.
+            This computes every node: do it ahead of time, not on the request path.
+
+    Returns:
+        The :class:`~kvrag.engine.types.WarmResult` when ``warm``, else ``None``.
+    """
+    engine = _engine_of(target)
+    texts: list[str] = []
+    prompt_forms: list[str] = []
+    for node in nodes:
+        forms = node_texts(node)
+        texts.extend(forms)
+        if forms:
+            prompt_forms.append(forms[0].strip())
+    engine.register(texts)
+    return engine.warm(prompt_forms) if warm else None
+
+
+class KVCachedNodePostprocessor(BaseNodePostprocessor):
+    """Registers the nodes that pass through it; returns them unchanged.
+
+    Put it last in ``node_postprocessors`` (after rerankers and anything that rewrites node text):
+    ``index.as_query_engine(llm=llm, node_postprocessors=[KVCachedNodePostprocessor(llm=llm)])``.
+    Works for query engines and for chat engines such as ``condense_plus_context``.
+
+    Args:
+        llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the prompts.
+    """
+
+    llm: Any = Field(description="The KVCachedLLM or kvrag Engine whose engine reads the prompts.", exclude=True)
+
+    def __init__(self, llm: Any, **kwargs: Any) -> None:
+        _check_target(llm)
+        super().__init__(llm=llm, **kwargs)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCachedNodePostprocessor"
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        register_nodes(self.llm, nodes)
+        return nodes
+
+
+class KVCachedRetriever(BaseRetriever):
+    """Wraps any LlamaIndex retriever and registers every node it returns.
+
+    ``RetrieverQueryEngine.from_args(KVCachedRetriever(index.as_retriever(), llm), llm=llm)``
+
+    Args:
+        retriever: the retriever to wrap.
+        llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the prompts.
+    """
+
+    def __init__(self, retriever: BaseRetriever, llm: Any, **kwargs: Any) -> None:
+        if not isinstance(retriever, BaseRetriever):
+            raise InvalidRequestError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
+        _check_target(llm)
+        self.retriever = retriever
+        self.llm = llm
+        super().__init__(
+            callback_manager=kwargs.pop("callback_manager", retriever.callback_manager),
+            object_map=kwargs.pop("object_map", getattr(retriever, "object_map", None)),
+            verbose=kwargs.pop("verbose", getattr(retriever, "_verbose", False)),
+        )
+        if kwargs:
+            raise InvalidRequestError(f"unknown argument(s): {', '.join(sorted(kwargs))}")
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = self.retriever.retrieve(query_bundle)
+        register_nodes(self.llm, nodes)
+        return nodes
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = await self.retriever.aretrieve(query_bundle)
+        await asyncio.to_thread(register_nodes, self.llm, nodes)  # may load the shared engine
+        return nodes

@@ -1,0 +1,69 @@
+"""Argument checks shared by the Triton wrappers: one clear error per bad input, before any launch.
+
+Plain PyTorch (no Triton import), so the messages can be tested anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "INDEX_DTYPES",
+    "check_tensor",
+    "check_same_device",
+    "check_writable",
+    "check_launchable",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_tensor(name: str, t, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    """``t`` is a tensor of ``ndim`` dimensions and one of ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {allowed}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device; returns it."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"tensors must be on one device: {listed}")
+    return first
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """``t`` can be written in place element by element: no two indices share memory."""
+    dims = sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            raise ValueError(
+                f"{name} has overlapping memory (shape {tuple(t.shape)}, strides {t.stride()}); "
+                "an in-place kernel needs a tensor whose elements are distinct (e.g. not from expand())"
+            )
+        span = stride * size
+
+
+def check_launchable(device: torch.device, kernel) -> None:
+    """A Triton kernel can run on ``device``: CUDA, or CPU when Triton's interpreter is on."""
+    if device.type == "cuda":
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if device.type == "cpu" and isinstance(kernel, InterpretedFunction):
+        return
+    raise RuntimeError(
+        f"Triton kernels need CUDA tensors (got {device}); CPU tensors run only in Triton's interpreter, "
+        "which needs TRITON_INTERPRET=1 set before kvrag's Triton modules are first imported. "
+        "Use the PyTorch references (the default dispatch) on CPU."
+    )

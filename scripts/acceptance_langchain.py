@@ -1,0 +1,215 @@
+"""Acceptance checks of the LangChain drop-ins and multi-turn conversations (issue 4).
+
+Runs on the MuSiQue dev set (``--data``, default ``../shared/data/musique_dev.json`` beside the
+repository) with the bundled model, offline. Prints every measured figure and a PASS/FAIL line per
+check; exits 1 if a check fails. Timings are only meaningful on a quiet machine; the TTFT check
+uses medians over ``--repeats`` cold/warm rounds (the KV store is cleared before each round).
+
+    python scripts/acceptance_langchain.py [--data PATH] [--repeats 3] [--only rag|chain|multi|errors]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from _rag_data import build_index, dataset_path, format_docs, load_passages  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from langchain_core.runnables import RunnablePassthrough  # noqa: E402
+from multi_turn_chat import DEV_TURNS, run_turn  # noqa: E402
+from rouge_score import rouge_scorer  # noqa: E402
+
+from kvrag import ContextLengthError  # noqa: E402
+from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever, register_documents  # noqa: E402
+from kvrag.integrations.langchain.chat_models import to_chat_messages  # noqa: E402
+
+PROMPT = ChatPromptTemplate.from_messages(
+    [("system", "Answer the question from the context, in one short sentence.\n\n{context}"), ("human", "{question}")]
+)
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    RESULTS.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def rouge_l(a: str, b: str) -> float:
+    return rouge_scorer.RougeScorer(["rougeL"]).score(b, a)["rougeL"].fmeasure
+
+
+def overlapping_pair(store, questions, k):
+    """The first question pair whose top-k share >= 4 documents in another order."""
+    tops = [[d.page_content for d in store.similarity_search(q, k=k)] for q in questions]
+    for i in range(len(questions)):
+        for j in range(i + 1, len(questions)):
+            common = set(tops[i]) & set(tops[j])
+            if len(common) >= 4 and [d for d in tops[i] if d in common] != [d for d in tops[j] if d in common]:
+                return questions[i], questions[j], len(common)
+    raise SystemExit("no question pair with >= 4 shared top-k documents in another order")
+
+
+def rag_check(name, make_chain, store, llm, full_llm, q1, q2, shared, repeats, answer_of):
+    engine = llm.get_engine()
+    retriever = KVCachedRetriever(retriever=store.as_retriever(search_kwargs={"k": 6}), llm=llm)
+    chain, full_chain = make_chain(retriever, llm), make_chain(retriever, full_llm)
+    cold, warm, hits = [], [], []
+    for _ in range(repeats):
+        engine.store.clear()  # chunk KV and prefix blocks: question 1 is cold again
+        first = answer_of(chain.invoke(q1))
+        engine.flush()
+        second = answer_of(chain.invoke(q2))
+        cold.append(first.response_metadata["ttft_s"])
+        warm.append(second.response_metadata["ttft_s"])
+        hits.append(second.response_metadata["chunk_hits"])
+    reference = answer_of(full_chain.invoke(q2))
+    score = rouge_l(second.content, reference.content)
+    ratio = statistics.median(warm) / statistics.median(cold)
+    print(f"  [{name}] Q1: {q1}\n  [{name}] Q2: {q2} ({shared} of top-6 shared)")
+    print(f"  [{name}] TTFT cold Q1 {['%.3f' % t for t in cold]} s, Q2 {['%.3f' % t for t in warm]} s; "
+          f"full-prefill Q2 {reference.response_metadata['ttft_s']:.3f} s")
+    print(f"  [{name}] kvrag: {' '.join(second.content.split())}\n  [{name}] full:  {' '.join(reference.content.split())}")
+    check(f"{name}: chunk hits on Q2", min(hits) >= 4, f"{hits} (need >= 4)")
+    check(f"{name}: TTFT Q2 / cold Q1", ratio <= 0.35, f"{ratio:.3f} (medians; need <= 0.35)")
+    check(f"{name}: ROUGE-L vs mode=full", score >= 0.85, f"{score:.3f} (need >= 0.85)")
+
+
+def lcel_chain(retriever, llm):
+    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
+
+
+def classic_chain(retriever, llm):
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer the question from the context, in one short sentence.\n\n{context}"), ("human", "{input}")]
+    )
+    inner = create_stuff_documents_chain(llm, prompt, output_parser=PassMessage())
+    chain = create_retrieval_chain(retriever, inner)
+    return {"input": RunnablePassthrough()} | chain
+
+
+def PassMessage():  # noqa: N802 - keeps the AI message (create_stuff_documents_chain parses to str by default)
+    from langchain_core.runnables import RunnableLambda
+
+    return RunnableLambda(lambda m: m)
+
+
+def history_coverage(engine, messages, meta) -> tuple[float, int]:
+    """Share of the history's prompt positions whose KV came from the conversation, and their count.
+
+    The history is what lies between the system message and the last user message (as the engine
+    saw the prompt, i.e. after deduplication): positions [s, n - q).
+    """
+    chat = to_chat_messages(messages)
+    last = dict(chat[-1])
+    earlier = "".join(m["content"] for m in chat[:-1])
+    for a, b in reversed(engine.registry.find(last["content"])):  # documents dedup drops from the last message
+        if last["content"][a:b] in earlier:
+            last["content"] = last["content"][:a] + last["content"][b:]
+    s = engine.count_tokens(engine.apply_chat_template(chat[:1], add_generation_prompt=False))
+    q = engine.count_tokens(engine.apply_chat_template([chat[0], last])) - s
+    lo, hi = s, meta["prompt_tokens"] - q
+    covered = sum(max(0, min(b, hi) - max(a, lo)) for a, b in meta["conversation_spans"])
+    return covered / max(1, hi - lo), hi - lo
+
+
+def multi_turn(store, questions, llm_kwargs):
+    turns = [questions[i] for i in DEV_TURNS]
+    for layout in ("docs-first", "append-only"):
+        llm = KVCachedLLM(**llm_kwargs)
+        engine = llm.get_engine()
+        retriever = KVCachedRetriever(retriever=store.as_retriever(search_kwargs={"k": 4}), llm=llm)
+        session = f"acc-{layout}"
+        engine.end_conversation(session)
+        history: list = []
+        coverage, dedups = [], []
+        for n, q in enumerate(turns, 1):
+            msg, messages = run_turn(layout, retriever, llm, history, q, {"configurable": {"session_id": session}})
+            engine.flush()
+            m = msg.response_metadata
+            if n > 1:
+                share, h = history_coverage(engine, messages, m)
+                coverage.append(share)
+                dedups.append(m["deduplicated_chunks"])
+                print(f"  [{layout}] turn {n}: history {h} tokens, {share:.1%} of them reused from the conversation "
+                      f"({m['conversation_tokens']} conversation tokens in all), cache_read {msg.usage_metadata['input_token_details']['cache_read']}/"
+                      f"{m['prompt_tokens']}, {m['deduplicated_chunks']} chunks deduplicated, TTFT {m['ttft_s']:.3f} s")
+        engine.end_conversation(session)
+        check(f"multi-turn {layout}: history reused from turn 2 on", min(coverage) >= 0.9,
+              f"min share {min(coverage):.3f} over turns 2-5 ({['%.2f' % c for c in coverage]}; need >= 0.90)")
+        if layout == "append-only":
+            check("multi-turn append-only: repeated chunks deduplicated", sum(dedups) > 0, f"dropped per turn {dedups}")
+
+
+def ratio_one_equals_full(store, questions, llm_kwargs):
+    turns = [questions[i] for i in DEV_TURNS]
+    # without dedup, five append-only turns of 4 MuSiQue passages exceed the 8K context: 2 per turn
+    for layout, k in (("docs-first", 4), ("append-only", 2)):
+        llm = KVCachedLLM(**llm_kwargs, recompute_ratio=1.0, dedup=False)
+        full = KVCachedLLM(**llm_kwargs, mode="full")
+        retriever = KVCachedRetriever(retriever=store.as_retriever(search_kwargs={"k": k}), llm=llm)
+        history: list = []
+        same = []
+        for q in turns:
+            msg, messages = run_turn(layout, retriever, llm, history, q, {"configurable": {"session_id": f"r1-{layout}"}})
+            same.append(full.invoke(messages).content == msg.content)  # no conversation: a plain full prefill
+        llm.get_engine().end_conversation(f"r1-{layout}")
+        check(f"multi-turn {layout}: dedup off + ratio 1.0 == full prefill", all(same), f"per turn {same}")
+
+
+def errors(llm):
+    engine = llm.get_engine()
+    try:
+        llm.invoke("word " * (engine.context_window + 10))
+        check("prompt beyond the context window", False, "no error")
+    except ContextLengthError as e:
+        check("prompt beyond the context window", str(engine.context_window) in str(e), f"{type(e).__name__}: {e}")
+    doc = "The Zorblat Museum of Tin Soldiers was founded in 1888 by the collector Edwin Harrow in Lisbon."
+    register_documents([doc], llm)
+    msg = llm.invoke([("system", "Answer briefly."), ("human", "Who founded the Louvre?")])
+    m = msg.response_metadata
+    check("registered document missing from the prompt is not used", m["chunk_hits"] + m["chunk_misses"] == 0,
+          f"chunks hit/missed {m['chunk_hits']}/{m['chunk_misses']}, answer: {' '.join(msg.content.split())[:80]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--only", choices=("rag", "chain", "multi", "errors"))
+    args = ap.parse_args()
+    path = dataset_path(args.data)
+    if path is None:
+        raise SystemExit("the dev set is not there: pass --data path/to/musique_dev.json")
+    docs, questions = load_passages(path)
+    print(f"{len(docs)} unique passages, {len(questions)} questions; building the faiss index...", flush=True)
+    store = build_index(docs)
+    llm_kwargs = {"max_tokens": args.max_tokens}
+    llm, full_llm = KVCachedLLM(**llm_kwargs), KVCachedLLM(**llm_kwargs, mode="full")
+    llm.invoke("Say hello.")  # load and warm up the engine
+    q1, q2, shared = overlapping_pair(store, questions, 6)
+    if args.only in (None, "rag"):
+        rag_check("LCEL stuff chain", lcel_chain, store, llm, full_llm, q1, q2, shared, args.repeats, lambda r: r)
+    if args.only in (None, "chain"):
+        rag_check("create_retrieval_chain (langchain_classic)", classic_chain, store, llm, full_llm, q1, q2, shared,
+                  args.repeats, lambda r: r["answer"])
+    if args.only in (None, "multi"):
+        multi_turn(store, questions, llm_kwargs)
+        ratio_one_equals_full(store, questions, llm_kwargs)
+    if args.only in (None, "errors"):
+        errors(llm)
+    failed = [name for name, ok, _ in RESULTS if not ok]
+    print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

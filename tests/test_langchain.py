@@ -1,0 +1,206 @@
+"""The LangChain drop-ins on the tiny random Llama: chains, registration, conversations, async, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.embeddings.fake import DeterministicFakeEmbedding  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from langchain_core.retrievers import BaseRetriever  # noqa: E402
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
+from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
+
+from kvrag import ContextLengthError, Engine, InvalidRequestError  # noqa: E402
+from kvrag.integrations.langchain import (  # noqa: E402
+    KVCachedLLM,
+    KVCachedRetriever,
+    KVCachedTextLLM,
+    KVCachedVectorStore,
+    register_documents,
+)
+from tests.helpers import make_docs  # noqa: E402
+
+PROMPT = ChatPromptTemplate.from_messages(
+    [("system", "Answer from the documents.\n\n{context}"), ("human", "{question}")]
+)
+
+
+class ListRetriever(BaseRetriever):
+    """Returns the documents whose index is in the query's ``order`` (a fake search)."""
+
+    docs: list[Document]
+
+    def _get_relevant_documents(self, query, *, run_manager):
+        order = [int(x) for x in query.split(":")[0].split(",")]
+        return [self.docs[i] for i in order]
+
+
+def format_docs(docs):
+    return "\n\n".join(d.page_content for d in docs)
+
+
+@pytest.fixture
+def lc_engine(tiny_model, tiny_tokenizer):
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=6)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def documents():
+    return [Document(page_content=t.strip(), metadata={"i": i}) for i, t in enumerate(make_docs(6, words=50))]
+
+
+def test_lcel_stuff_chain_reuses_retrieved_chunks(lc_engine, documents):
+    llm = KVCachedLLM(engine=lc_engine)
+    retriever = KVCachedRetriever(retriever=ListRetriever(docs=documents), llm=llm)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
+    first = chain.invoke("0,1,2,3: where was the king born?")
+    lc_engine.flush()
+    second = chain.invoke("3,1,0,4: and the queen?")
+    assert first.response_metadata["chunk_misses"] == 4 and first.response_metadata["chunk_hits"] == 0
+    assert second.response_metadata["chunk_hits"] == 3  # 3, 1 and 0 again, in another order
+    assert second.usage_metadata["input_token_details"]["cache_read"] >= 3 * 40
+    assert second.response_metadata["recomputed_tokens"] > 0 and second.response_metadata["mode"] == "blend"
+    assert second.response_metadata["ttft_s"] > 0
+
+
+def test_vector_store_wrapper_records_search_results(lc_engine, documents):
+    llm = KVCachedLLM(engine=lc_engine, mode="reuse")
+    store = KVCachedVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), llm=llm)
+    store.add_documents(documents)
+    found = store.similarity_search("king", k=3)
+    assert len(found) == 3 and all(d.page_content in lc_engine.registry for d in found)
+    scored = asyncio.run(store.asimilarity_search_with_score("queen", k=2))
+    assert all(d.page_content in lc_engine.registry for d, _ in scored)
+    via_retriever = store.as_retriever(search_kwargs={"k": 2}).invoke("tower")
+    assert all(d.page_content in lc_engine.registry for d in via_retriever)
+    with pytest.raises(NotImplementedError):
+        KVCachedVectorStore.from_texts(["a"], DeterministicFakeEmbedding(size=4))
+
+
+def test_register_documents_and_missing_documents_are_not_used(lc_engine, documents):
+    llm = KVCachedLLM(engine=lc_engine)
+    ids = register_documents(documents[:2] + ["a plain string document that is long enough to keep"], llm)
+    assert len(ids) == 3
+    out = llm.invoke([("system", "no documents here at all"), ("human", "hello")])
+    assert out.response_metadata["chunk_hits"] == out.response_metadata["chunk_misses"] == 0
+    with pytest.raises(InvalidRequestError):
+        register_documents([42], llm)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"configurable": {"session_id": "s-1"}},
+        {"configurable": {"thread_id": "s-1"}},
+        {"metadata": {"conversation_id": "s-1"}},
+    ],
+)
+def test_conversation_identity_from_run_config(lc_engine, config):
+    llm = KVCachedLLM(engine=lc_engine)
+    msgs = [("human", "where was the king born in the river city?")]
+    for call in (lambda: llm.invoke(msgs, config=config), lambda: list(llm.stream(msgs, config=config))[-1]):
+        lc_engine.end_conversation("s-1")
+        msg = call()
+        assert msg.response_metadata["conversation_id"] == "s-1"
+        assert "s-1" in lc_engine.conversations
+    # inside a chain the model sees the chain's config (LangChain's context variable)
+    lc_engine.end_conversation("s-1")
+    chain = RunnableLambda(lambda q: [("human", q)]) | llm
+    last = None
+    for last in chain.stream("where was the queen born?", config=config):
+        pass
+    assert last.response_metadata["conversation_id"] == "s-1"
+
+
+def test_multi_turn_docs_first_reuses_history(lc_engine, documents):
+    llm = KVCachedLLM(engine=lc_engine, max_tokens=12)
+    register_documents(documents, llm)
+    cfg = {"configurable": {"session_id": "chat"}}
+    history = []
+    for turn, (order, question) in enumerate([((0, 1), "where was the king born?"), ((2, 1), "and the queen?")]):
+        context = format_docs([documents[i] for i in order])
+        msgs = [("system", f"Answer from the documents.\n\n{context}"), *history, ("human", question)]
+        answer = llm.invoke(msgs, config=cfg)
+        if turn == 1:
+            assert answer.response_metadata["conversation_tokens"] > 0
+            assert answer.usage_metadata["input_token_details"]["cache_read"] >= answer.response_metadata["conversation_tokens"]
+        history += [("human", question), ("ai", answer.content)]
+
+
+async def test_async_calls_run_off_the_event_loop(lc_engine):
+    llm = KVCachedLLM(engine=lc_engine, max_tokens=6)
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    msg = await llm.ainvoke("hello the river")
+    pieces = [c async for c in llm.astream("hello the mountain")]
+    many = await llm.abatch(["a b c", "d e f"])
+    stop.set()
+    await task
+    assert msg.usage_metadata["output_tokens"] > 0 and pieces[-1].chunk_position == "last" and len(many) == 2
+    assert ticks > 5  # the loop kept running while the engine worked
+
+
+def test_stop_sequences_and_call_arguments(lc_engine):
+    llm = KVCachedLLM(engine=lc_engine, max_tokens=12)
+    full = llm.invoke("hello the river")
+    cut_at = full.content[2:4]
+    if cut_at.strip():
+        stopped = llm.invoke("hello the river", stop=[cut_at])
+        assert cut_at not in stopped.content and full.content.startswith(stopped.content)
+    assert llm.invoke("hello the river", max_tokens=2).usage_metadata["output_tokens"] <= 2
+    assert llm.invoke("hello the river", mode="full").response_metadata["mode"] == "full"
+    with pytest.raises(InvalidRequestError, match="unknown argument"):
+        llm.invoke("hello", frequency_penalty=1.0)
+    with pytest.raises(InvalidRequestError, match="text messages only"):
+        llm.invoke([("human", [{"type": "image", "url": "http://x"}])])
+
+
+def test_constructor_is_cheap_and_strict():
+    llm = KVCachedLLM(max_tokens=5)  # no engine is loaded here
+    assert llm.engine is None
+    with pytest.raises(ValueError, match="Extra inputs"):
+        KVCachedLLM(api_key="x")
+    with pytest.raises(ValueError, match="Extra inputs"):
+        KVCachedTextLLM(top_k=3)
+    with pytest.raises(ValueError, match="engine_config"):
+        KVCachedLLM(engine_config={"recompute_ratio": 0.3})
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        KVCachedLLM(recompute_ratio=1.5)
+
+
+def test_context_window_error_names_the_limit(lc_engine):
+    llm = KVCachedLLM(engine=lc_engine)
+    with pytest.raises(ContextLengthError, match=f"context window is {lc_engine.context_window} tokens"):
+        llm.invoke("river mountain castle " * 600)
+
+
+def test_text_llm(lc_engine, documents):
+    llm = KVCachedTextLLM(engine=lc_engine, max_tokens=5)
+    register_documents(documents[:2], llm)
+    prompt = f"{documents[0].page_content}\n{documents[1].page_content}\nQuestion: who?"
+    text = llm.invoke(prompt)
+    assert isinstance(text, str)
+    lc_engine.flush()
+    res = llm.generate([prompt])
+    info = res.generations[0][0].generation_info
+    assert info["chunk_hits"] == 2 and info["usage_metadata"]["input_token_details"]["cache_read"] > 0
+    assert res.llm_output["token_usage"]["cache_read"] > 0
+    assert "".join(llm.stream(prompt)) == res.generations[0][0].text
+    chat = KVCachedTextLLM(engine=lc_engine, max_tokens=3, chat_template=True)
+    assert chat.generate(["hi"]).generations[0][0].generation_info["prompt_tokens"] > lc_engine.count_tokens("hi") + 1
+    assert asyncio.run(llm.ainvoke(prompt)) == res.generations[0][0].text  # blended like the sync call

@@ -1,0 +1,72 @@
+"""langchain-tests standard suites for ``KVCachedLLM``.
+
+The unit suite needs no model. The integration suite runs the bundled SmolLM2-135M-Instruct (the
+shared engine); generations are kept short. Tool calling, structured output and multimodal inputs
+are not supported by kvrag's chat model and are skipped through the suites' own flags.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("langchain_tests")
+
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.messages import AIMessage  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+
+from kvrag.integrations.langchain import KVCachedLLM, register_documents  # noqa: E402
+
+# Long enough to be registered and cached as a chunk (the registry skips texts under 32 chars).
+_DOC = (
+    "The Harbor Street Library opened in 1921 in the old customs house of Port Alder. Its first "
+    "librarian, Margaret Ellison, catalogued eleven thousand volumes donated by the shipping families."
+)
+
+
+class TestKVCachedLLMUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[KVCachedLLM]:
+        return KVCachedLLM
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        # kvrag runs in-process: there is no API key, network timeout or retry to configure, and
+        # unknown constructor keywords are errors rather than silently ignored.
+        return {"temperature": 0, "max_tokens": 100, "stop": []}
+
+
+@pytest.mark.model
+class TestKVCachedLLMIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[KVCachedLLM]:
+        return KVCachedLLM
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"max_tokens": 8, "temperature": 0}
+
+    @property
+    def model_override_value(self) -> str:
+        return "SmolLM2-135M-Instruct"  # the bundled model by name: served by the same shared engine
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        llm = KVCachedLLM(**self.chat_model_params)
+        register_documents([Document(page_content=_DOC)], llm)
+        messages = [("system", f"Answer from this document:\n{_DOC}"), ("human", "When did the library open?")]
+        llm.invoke(messages)  # first sight: the document's KV is written back
+        llm.get_engine().flush()
+        if stream:
+            full = None
+            for chunk in llm.stream(messages):
+                full = chunk if full is None else full + chunk
+            msg = full
+        else:
+            msg = llm.invoke(messages)
+        assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+        return msg
