@@ -202,9 +202,6 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
     assert sorted(r["repeat"] for r in recs) == [0, 1, 2]
     assert res["summary"]["questions"]["methods"]["blend@0.5"]["ttft_ratio_full"]["n"] == 3
     assert tiny_engine.count_tokens("still open") > 0  # an injected engine is left open
-    with pytest.raises(InvalidRequestError, match="conversation"):
-        run_bench(BenchOptions(dataset=str(data), n=1, workloads="c", out=str(tmp_path / "c"), progress=False),
-                  engine=tiny_engine)
     with pytest.raises(InvalidRequestError, match="prefix cache"):
         run_bench(BenchOptions(dataset=str(data), n=1, methods="full,prefix", order="given", repeat=2,
                                workloads="a", out=str(tmp_path / "g"), progress=False), engine=tiny_engine)
@@ -218,3 +215,25 @@ def test_cli_dispatch(capsys):
     assert cli_main(["bench", "methods"]) == 0
     out = capsys.readouterr().out
     assert "blend" in out and "hf" in out and "prefix" in out
+
+
+def test_conversations_workload(tmp_path, tiny_engine):
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(4, passages=3, words=6)))
+    res = run_bench(
+        BenchOptions(dataset=str(data), n=4, workloads="c", conv_turns=2, conv_top_k=2, conv_max_new_tokens=3,
+                     conv_methods="full,hf,blend,conv", out=str(tmp_path / "o"), plots=False, progress=False),
+        engine=tiny_engine,
+    )
+    recs = res["records"]
+    assert {(r["conversation"], r["turn"]) for r in recs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    conv = [r for r in recs if r["method"] == "conv"]
+    assert all(r["conversation_tokens"] == 0 for r in conv if r["turn"] == 0)
+    assert all(r["conversation_tokens"] > 0 for r in conv if r["turn"] == 1)  # the first turn's KV reused
+    assert all(r["prompt_tokens_match_full"] for r in recs if r["method"] == "hf")
+    assert all(r["chunk_hits"] >= 2 for r in recs if r["method"] == "blend")  # chunks found in the prompt
+    turns = res["summary"]["conversations"]["turns"]["conv"]
+    assert [t["turn"] for t in turns] == [0, 1] and turns[1]["ttft_ratio_full_median"] is not None
+    with pytest.raises(InvalidRequestError, match="prefix"):
+        run_bench(BenchOptions(dataset=str(data), n=2, workloads="c", conv_methods="full,prefix",
+                               out=str(tmp_path / "c"), progress=False), engine=tiny_engine)

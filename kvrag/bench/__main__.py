@@ -55,7 +55,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", default=d.score, help="methods whose gold-answer log-likelihood is measured: "
                    "auto (all but blend@1.0, which is the full prefill), all, none or names")
     p.add_argument("--workloads", default=d.workloads, help="a (per question, pre-warmed), b (Zipf stream, "
-                   "bounded store), c (conversations; needs the engine's conversation API)")
+                   "bounded store), c (multi-turn conversations)")
     p.add_argument("--stream-requests", type=int, default=d.stream_requests)
     p.add_argument("--stream-methods", default=d.stream_methods)
     p.add_argument("--stream-max-new-tokens", type=int, default=d.stream_max_new_tokens)
@@ -66,6 +66,11 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="store budget as a share of the pool's KV bytes (when no byte budget is given)")
     p.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of passage popularity")
     p.add_argument("--eviction-policy", default=d.eviction_policy, help="the stream store's policy (lru, pgdsf)")
+    p.add_argument("--conv-turns", type=int, default=d.conv_turns, help="turns per conversation (workload c)")
+    p.add_argument("--conv-top-k", type=int, default=d.conv_top_k, help="passages per turn (workload c)")
+    p.add_argument("--conv-methods", default=d.conv_methods, help="methods of workload c (conv: blend with "
+                   "the conversation's kept KV and dedup)")
+    p.add_argument("--conv-max-new-tokens", type=int, default=d.conv_max_new_tokens)
     p.add_argument("--windows", type=int, default=d.windows, help="stream windows for hit rate over time")
     p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled model)")
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
@@ -90,6 +95,8 @@ def _run(argv: list[str]) -> int:
         stream_methods=a.stream_methods, stream_max_new_tokens=a.stream_max_new_tokens,
         stream_questions=a.stream_questions, stream_budget_bytes=a.stream_budget_bytes,
         stream_budget_frac=a.stream_budget_frac, zipf=a.zipf, eviction_policy=a.eviction_policy, windows=a.windows,
+        conv_turns=a.conv_turns, conv_top_k=a.conv_top_k, conv_methods=a.conv_methods,
+        conv_max_new_tokens=a.conv_max_new_tokens,
         model=a.model, config=_config_overrides(a.config), system=a.system, instructions=a.instructions,
         answer_hint=a.answer_hint, out=a.out, plots=not a.no_plots, progress=not a.no_progress,
     )

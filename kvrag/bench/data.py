@@ -62,6 +62,7 @@ class Request:
     answers: list[str]
     order: list[int] = field(default_factory=list)  # passage ids, in prompt order
     meta: dict = field(default_factory=dict)
+    prompt: str | None = None  # the whole prompt as one string (chunks found by the engine's registry)
 
 
 def passage_text(ctx: dict) -> str:
@@ -119,6 +120,7 @@ class PromptFormat:
         self, tokenizer, system: str = DEFAULT_SYSTEM, instructions: str = DEFAULT_INSTRUCTIONS,
         answer_hint: str = DEFAULT_ANSWER_HINT,
     ) -> None:
+        self.system = system
         self.instructions = instructions
         self.answer_hint = answer_hint
         user = f"{instructions}\n\n{_DOCS}Question: \x01\n{answer_hint}".rstrip("\n")

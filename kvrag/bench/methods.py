@@ -72,6 +72,7 @@ class Method:
     answers = True
     exact_prefix_writer = False
     uses_store = True
+    conversational = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -83,6 +84,9 @@ class Method:
         """Log-likelihood of ``continuation`` after the request's prompt (None: not supported)."""
         return None
 
+    def end(self, engine, conversation: str) -> None:
+        """A conversation is over (methods that keep per-conversation state free it here)."""
+
 
 class EngineMethod(Method):
     """One of the engine's prefill modes through ``Engine.generate`` / ``Engine.score``."""
@@ -93,11 +97,16 @@ class EngineMethod(Method):
         self.exact_prefix_writer = mode == "prefix"
         self.uses_store = mode != "full"
 
+    def _kwargs(self, req) -> dict:
+        return {}
+
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
-        g = engine.generate(
-            req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio,
-            max_new_tokens=max_new_tokens, temperature=0.0,
-        )
+        common = dict(mode=self.mode, recompute_ratio=self.ratio, max_new_tokens=max_new_tokens, temperature=0.0,
+                      **self._kwargs(req))
+        if req.prompt is not None:
+            g = engine.generate(prompt=req.prompt, **common)
+        else:
+            g = engine.generate(req.chunks, req.prefix, req.suffix, **common)
         s = g.stats
         candidates = sum(c.tokens for c in s.chunks if c.source == "store")
         return Outcome(
@@ -106,14 +115,33 @@ class EngineMethod(Method):
             candidate_tokens=candidates, compute_fraction=s.compute_fraction, chunk_hits=s.chunk_hits,
             chunk_misses=s.chunk_misses,
             extra={"finish_reason": g.finish_reason, "prefix_tokens": s.prefix_tokens,
-                   "recompute_ratio": s.recompute_ratio, "completion_tokens": s.completion_tokens},
+                   "recompute_ratio": s.recompute_ratio, "completion_tokens": s.completion_tokens,
+                   "conversation_tokens": getattr(s, "conversation_tokens", 0),
+                   "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0)},
         )
 
     def score(self, engine, req, continuation: str) -> float | None:
-        res = engine.score(
-            continuation, req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio
-        )
+        if req.prompt is not None:
+            res = engine.score(continuation, prompt=req.prompt, mode=self.mode, recompute_ratio=self.ratio)
+        else:
+            res = engine.score(
+                continuation, req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio
+            )
         return res.logprob
+
+
+class ConversationMethod(EngineMethod):
+    """``blend`` as a turn of a conversation (``conversation_id``): the previous turn's KV is kept
+    and reused, and chunks an earlier turn already placed in the context are dropped (CRAFT)."""
+
+    conversational = True
+
+    def _kwargs(self, req) -> dict:
+        conv = req.meta.get("conversation")
+        return {} if conv is None else {"conversation_id": f"{self.name}/{conv}"}
+
+    def end(self, engine, conversation: str) -> None:
+        engine.end_conversation(f"{self.name}/{conversation}")
 
 
 def engine_token_ids(engine, req) -> list[int]:
@@ -121,7 +149,10 @@ def engine_token_ids(engine, req) -> list[int]:
     with the tokenizer's BOS first when the tokenizer adds one and the prompt does not start with it.
     """
     tok = engine.tokenizer
-    parts = [req.prefix, *req.chunks, req.suffix]
+    if req.prompt is not None:
+        parts = [text for _, text in engine.split_prompt(req.prompt)]
+    else:
+        parts = [req.prefix, *req.chunks, req.suffix]
     ids: list[int] = []
     for text in parts:
         if text:
@@ -200,11 +231,19 @@ def _hf(spec: MethodSpec) -> Method:
     return HFForward(spec.name)
 
 
+def _conv(spec: MethodSpec) -> Method:
+    if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
+        raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
+    return ConversationMethod(spec.name, "blend", spec.arg)
+
+
 register_method("hf", _hf, description="transformers' own forward on the same token ids (TTFT only)")
 register_method("full", _engine_mode("full"), description="full prefill: the fidelity reference")
 register_method("prefix", _engine_mode("prefix"), description="exact reuse of the longest cached prompt prefix")
 register_method("reuse", _engine_mode("reuse"), description="cached chunk KV as is (recompute ratio 0)")
 register_method("blend", _blend, description="CacheBlend fusion; blend@r sets the recompute ratio")
+register_method("conv", _conv, description="blend within a conversation (kept KV of earlier turns, dedup); "
+                "workload c; elsewhere it is plain blend")
 
 
 def parse_method(name: str) -> MethodSpec:

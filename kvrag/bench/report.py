@@ -185,6 +185,35 @@ def _windows(records: list[dict], method: str, n_windows: int) -> list[dict]:
     return out
 
 
+def _turns(records: list[dict], method: str) -> list[dict]:
+    out = []
+    for t in sorted({r["turn"] for r in records if "turn" in r}):
+        rs = [r for r in records if r.get("turn") == t]
+        mine = [r for r in rs if r["method"] == method]
+        ratios = paired_ratios(rs, method, "full") if method != "full" else []
+        out.append({
+            "turn": t, "n": len(mine), "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
+            "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
+            "prompt_tokens_mean": _mean(r.get("prompt_tokens") for r in mine),
+            "conversation_tokens_mean": _mean(r.get("conversation_tokens") for r in mine),
+            "deduplicated_chunks": sum(r.get("deduplicated_chunks") or 0 for r in mine),
+            "rouge_l_full": _mean(r.get("rouge_l_full") for r in mine),
+        })
+    return out
+
+
+def turns_table(summary: dict) -> str:
+    """Per turn of the conversations: TTFT, paired speed-up, reused conversation tokens (markdown)."""
+    lines = ["| method | turn | prompt tokens | TTFT median (s) | TTFT × full | conversation tokens reused | "
+             "chunks deduplicated | ROUGE-L vs full |", "|---|---|---|---|---|---|---|---|"]
+    for m, ts in summary.get("conversations", {}).get("turns", {}).items():
+        for t in ts:
+            lines.append(f"| {m} | {t['turn'] + 1} | {_fmt(t['prompt_tokens_mean'], '.0f')} | {_fmt(t['ttft_median_s'])} | "
+                         f"{_fmt(t['ttft_ratio_full_median'])} | {_fmt(t['conversation_tokens_mean'], '.0f')} | "
+                         f"{t['deduplicated_chunks']} | {_fmt(t['rouge_l_full'])} |")
+    return "\n".join(lines)
+
+
 def aggregate(records: list[dict], n_windows: int = 5) -> dict:
     """Per workload, per method: medians, p90s, paired ratios to ``full``, fidelity means."""
     by_workload: dict[str, list[dict]] = defaultdict(list)
@@ -198,6 +227,8 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
             out[wl]["full_over_hf"] = summarize(paired_ratios(rs, "full", "hf"))
         if wl == "stream":
             out[wl]["windows"] = {m: _windows(rs, m, n_windows) for m in methods}
+        if wl == "conversations":
+            out[wl]["turns"] = {m: _turns(rs, m) for m in methods}
     return out
 
 
@@ -256,7 +287,8 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
           f"{meta['torch_threads']} · load avg at start {_fmt((meta.get('load_avg_start') or [None])[0], '.2f')} · "
           f"model {meta['model_name']} ({meta['dtype']}, fingerprint {str(meta['model_fingerprint'])[:12]}) · "
           f"commit {str(meta['git_commit'])[:10]}{' (dirty)' if meta.get('git_dirty') else ''}", ""]
-    names = {"questions": "(a) per question, chunks pre-warmed", "stream": "(b) Zipf stream, bounded store"}
+    names = {"questions": "(a) per question, chunks pre-warmed", "stream": "(b) Zipf stream, bounded store",
+             "conversations": "(c) multi-turn conversations (append-only layout)"}
     for wl in summary:
         md += [f"## {names.get(wl, wl)}", "", markdown_table(summary, wl), ""]
         if wl == "stream":
@@ -267,6 +299,8 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
                        f"store {st['store'].get('eviction_policy')} with a budget of "
                        f"{st['store'].get('memory_budget_bytes', 0) / 2**20:.0f} MiB per method.", ""]
             md += [windows_table(summary), ""]
+        if wl == "conversations":
+            md += [turns_table(summary), ""]
     if meta.get("wall_s") is not None:
         cpu = meta.get("cpu_s")
         md.append(f"Wall time {meta['wall_s']:.0f} s" + (f" (process CPU {cpu:.0f} s)" if cpu else "")

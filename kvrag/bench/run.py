@@ -40,6 +40,7 @@ class BenchOptions:
         stream_*: workload (b): requests, methods, answer length, budget (bytes, or a fraction of
             the pool's KV bytes), Zipf exponent.
         eviction_policy: the stream store's policy (any name the engine accepts).
+        conv_*: workload (c): turns per conversation, passages per turn, methods, answer length.
         model: model for the engine (None: the bundled model); ``config``: EngineConfig overrides.
         out: output directory.
     """
@@ -62,6 +63,10 @@ class BenchOptions:
     stream_budget_frac: float = 0.25
     zipf: float = 1.0
     eviction_policy: str = "lru"
+    conv_turns: int = 3
+    conv_top_k: int = 2
+    conv_methods: str = "full,blend,conv"
+    conv_max_new_tokens: int = 24
     windows: int = 5
     model: str | None = None
     config: dict = field(default_factory=dict)
@@ -123,6 +128,7 @@ def run_bench(
     names = opts.workload_names()
     methods = parse_methods(opts.methods)
     stream_methods = parse_methods(opts.stream_methods) if "stream" in names else None
+    conv_methods = parse_methods(opts.conv_methods) if "conversations" in names else None
     # auto: every answering method but blend at ratio 1.0, whose prefill is the full one by
     # construction (its identity to full is measured on the answers instead): saves a full prefill.
     auto = [m.name for m in methods if m.answers and getattr(m, "ratio", None) != 1.0]
@@ -159,7 +165,8 @@ def run_bench(
                        stream_requests=opts.stream_requests, stream_methods=stream_methods,
                        stream_max_new_tokens=opts.stream_max_new_tokens, zipf=opts.zipf,
                        stream_budget_bytes=opts.stream_budget_bytes, stream_budget_frac=opts.stream_budget_frac,
-                       eviction_policy=opts.eviction_policy)
+                       eviction_policy=opts.eviction_policy, conv_turns=opts.conv_turns, conv_top_k=opts.conv_top_k,
+                       conv_methods=conv_methods, conv_max_new_tokens=opts.conv_max_new_tokens)
         ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress))
         paths: dict = {}
         for name in names:

@@ -7,8 +7,8 @@
     below the working set. No pre-warming: misses are computed and written back as a server would.
     Each method that uses the store gets its own engine (same weights) and store, so one method's
     cache never serves another's requests.
-(c) ``conversations``: multi-turn conversations. PLUG-IN POINT: the engine has no conversation API
-    on this branch yet (it lands with the integrations work); register a runner in ``WORKLOADS``.
+(c) ``conversations``: multi-turn conversations through the engine's conversation API
+    (:mod:`kvrag.bench.conversations`). New workloads register a runner in ``WORKLOADS``.
 
 Methods that write whole prompts into the exact-prefix cache (``prefix``) run last on a request:
 otherwise a later method would find the very same prompt cached and reuse it exactly. Timing
@@ -69,7 +69,7 @@ def make_record(run_id: str, req: Request, method: Method, out: Outcome, ref: Ou
         "recomputed_tokens": out.recomputed_tokens,
         "recompute_fraction": out.recomputed_tokens / out.candidate_tokens if out.candidate_tokens else None,
         "compute_fraction": out.compute_fraction, "chunk_hits": out.chunk_hits, "chunk_misses": out.chunk_misses,
-        "chunks": len(req.chunks), **out.extra,
+        "chunks": (out.chunk_hits + out.chunk_misses) or len(req.chunks), **out.extra,
     }
     if ref is not None and ref is not out:
         rec["ttft_ratio_full"] = out.ttft_s / ref.ttft_s if ref.ttft_s else None
@@ -265,25 +265,16 @@ def _jsonable(d: dict) -> dict:
 
 
 def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
-    """Workload (c): multi-turn conversations. PLUG-IN POINT, not implemented yet.
+    """Workload (c): multi-turn conversations (see :mod:`kvrag.bench.conversations`)."""
+    from kvrag.bench.conversations import run_conversations as run
 
-    Waits for the engine's conversation API (``Engine.generate(..., conversation_id=, dedup=)``,
-    ``Engine.end_conversation``; being added with the integrations). Intended shape: a conversation
-    of T turns over T questions, each turn's user message carrying that turn's top-k passages and
-    question after the previous turns (append-only layout), every method run on the same turns:
-    ``full`` (no reuse), ``blend`` without ``conversation_id`` and ``blend`` with it (kept KV of the
-    earlier turns, CRAFT dedup); per turn: TTFT, ``stats.conversation_tokens``, deduplicated chunks,
-    fidelity against ``full``. Register the runner as ``WORKLOADS["conversations"]``.
-    """
-    raise InvalidRequestError(
-        "workload 'conversations' (c) is not implemented yet: it waits for the engine's conversation API"
-    )
+    return run(ctx, items)
 
 
 #: Workload name -> runner(ctx, items). Aliases a/b/c follow the issue's lettering.
 WORKLOADS: dict[str, Callable[[RunContext, list[QAItem]], list[dict]]] = {
     "questions": run_questions,
     "stream": run_stream,
-    "conversations": run_conversations,  # (c) PLUG-IN POINT: replace once conversations land on main
+    "conversations": run_conversations,
 }
 ALIASES = {"a": "questions", "b": "stream", "c": "conversations"}
