@@ -1,0 +1,180 @@
+"""``python -m kvrag.bench`` / ``kvrag bench``: run the benchmark, compare or merge runs, make data.
+
+    kvrag bench --dataset QA.json --n 20 --top-k 6 --methods hf,full,prefix,reuse,blend --out DIR
+    kvrag bench compare RUN_A RUN_B            # each run's own paired ratios, side by side
+    kvrag bench merge RUN_A RUN_B --out DIR    # pool runs of one machine/model/commit/settings
+    kvrag bench make-dataset --out qa.json     # a small synthetic QA set (for tests and demos)
+    kvrag bench methods                        # the registered method names
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _config_overrides(pairs: list[str]) -> dict:
+    from kvrag.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--config expects FIELD=VALUE with a field of EngineConfig, got {pair!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    from kvrag.bench.run import DEFAULT_METHODS, BenchOptions
+
+    d = BenchOptions(dataset="")
+    p = argparse.ArgumentParser(prog="kvrag bench", description="TTFT and answer fidelity of KV-reuse methods, "
+                                "side by side on the same requests (ratios paired within one run).")
+    p.add_argument("--dataset", required=True, help="QA JSON: [{question, answers, ctxs: [{title, text}]}]")
+    p.add_argument("--n", type=int, default=d.n, help="questions (the first N)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="passages per request")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: hf, full, prefix, reuse, blend, "
+                   "blend@RATIO, ... (full is always run: it is the reference)")
+    p.add_argument("--order", choices=("shuffled", "given"), default=d.order, help="passage order")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--repeat", type=int, default=d.repeat, help="requests per question (fresh order each)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--score", default=d.score, help="methods whose gold-answer log-likelihood is measured: "
+                   "auto (all but blend@1.0, which is the full prefill), all, none or names")
+    p.add_argument("--workloads", default=d.workloads, help="a (per question, pre-warmed), b (Zipf stream, "
+                   "bounded store), c (multi-turn conversations)")
+    p.add_argument("--stream-requests", type=int, default=d.stream_requests)
+    p.add_argument("--stream-methods", default=d.stream_methods)
+    p.add_argument("--stream-max-new-tokens", type=int, default=d.stream_max_new_tokens)
+    p.add_argument("--stream-questions", type=int, default=None, help="questions whose passages form the "
+                   "stream's pool (default: --n)")
+    p.add_argument("--stream-budget-bytes", type=int, default=None, help="store budget of the stream")
+    p.add_argument("--stream-budget-frac", type=float, default=d.stream_budget_frac,
+                   help="store budget as a share of the pool's KV bytes (when no byte budget is given)")
+    p.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of passage popularity")
+    p.add_argument("--eviction-policy", default=d.eviction_policy, help="the stream store's policy (lru, pgdsf)")
+    p.add_argument("--conv-turns", type=int, default=d.conv_turns, help="turns per conversation (workload c)")
+    p.add_argument("--conv-top-k", type=int, default=d.conv_top_k, help="passages per turn (workload c)")
+    p.add_argument("--conv-methods", default=d.conv_methods, help="methods of workload c (conv: blend with "
+                   "the conversation's kept KV and dedup)")
+    p.add_argument("--conv-max-new-tokens", type=int, default=d.conv_max_new_tokens)
+    p.add_argument("--windows", type=int, default=d.windows, help="stream windows for hit rate over time")
+    p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled model)")
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                   help="EngineConfig override, e.g. --config dtype=bfloat16 (repeatable)")
+    p.add_argument("--system", default=d.system, help="system prompt")
+    p.add_argument("--instructions", default=d.instructions)
+    p.add_argument("--answer-hint", default=d.answer_hint, help="appended after the question ('' for none)")
+    p.add_argument("--out", default=d.out, help="output directory")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _run(argv: list[str]) -> int:
+    from kvrag.bench.run import BenchOptions, run_bench
+    from kvrag.errors import KvragError
+
+    a = _run_parser().parse_args(argv)
+    opts = BenchOptions(
+        dataset=a.dataset, n=a.n, top_k=a.top_k, methods=a.methods, order=a.order, seed=a.seed, repeat=a.repeat,
+        max_new_tokens=a.max_new_tokens, score=a.score, workloads=a.workloads, stream_requests=a.stream_requests,
+        stream_methods=a.stream_methods, stream_max_new_tokens=a.stream_max_new_tokens,
+        stream_questions=a.stream_questions, stream_budget_bytes=a.stream_budget_bytes,
+        stream_budget_frac=a.stream_budget_frac, zipf=a.zipf, eviction_policy=a.eviction_policy, windows=a.windows,
+        conv_turns=a.conv_turns, conv_top_k=a.conv_top_k, conv_methods=a.conv_methods,
+        conv_max_new_tokens=a.conv_max_new_tokens,
+        model=a.model, config=_config_overrides(a.config), system=a.system, instructions=a.instructions,
+        answer_hint=a.answer_hint, out=a.out, plots=not a.no_plots, progress=not a.no_progress,
+    )
+    t0 = time.perf_counter()
+    try:
+        res = run_bench(opts, argv=argv)
+    except KvragError as exc:
+        print(f"kvrag bench: {exc}", file=sys.stderr)
+        return 2
+    print(Path(res["paths"]["markdown"]).read_text())
+    print(f"wrote {opts.out}/ (results.json, results.md, plots) in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _compare(argv: list[str]) -> int:
+    from kvrag.bench.report import compare_table, load_results
+
+    p = argparse.ArgumentParser(prog="kvrag bench compare")
+    p.add_argument("runs", nargs="+", help="results.json files or run directories")
+    p.add_argument("--workload", default="questions")
+    a = p.parse_args(argv)
+    print(compare_table([load_results(r) for r in a.runs], a.workload))
+    return 0
+
+
+def _merge(argv: list[str]) -> int:
+    from kvrag.bench.report import MixedRunsError, load_results, merge_results, write_results
+
+    p = argparse.ArgumentParser(prog="kvrag bench merge")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    try:
+        doc = merge_results([load_results(r) for r in a.runs])
+    except MixedRunsError as exc:
+        print(f"kvrag bench merge: {exc}", file=sys.stderr)
+        return 2
+    paths = write_results(Path(a.out), doc["meta"], doc["records"], doc["summary"], {})
+    print(Path(paths["markdown"]).read_text())
+    return 0
+
+
+def _make_dataset(argv: list[str]) -> int:
+    from kvrag.bench.data import make_synthetic_dataset
+
+    p = argparse.ArgumentParser(prog="kvrag bench make-dataset")
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--passages", type=int, default=6)
+    p.add_argument("--words", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    data = make_synthetic_dataset(a.n, a.passages, a.words, a.seed)
+    Path(a.out).write_text(json.dumps(data, indent=1))
+    print(f"wrote {len(data)} questions to {a.out}")
+    return 0
+
+
+def _methods(argv: list[str]) -> int:
+    from kvrag.bench.methods import available_methods
+
+    for name, desc in available_methods().items():
+        print(f"{name:10s} {desc}")
+    return 0
+
+
+COMMANDS = {"compare": _compare, "merge": _merge, "make-dataset": _make_dataset, "methods": _methods}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvrag bench`` and ``python -m kvrag.bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return _run(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

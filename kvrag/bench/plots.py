@@ -1,0 +1,112 @@
+"""PNG plots of a run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["write_plots"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ttft_vs_quality(plt, summary: dict, path: Path) -> None:
+    methods = summary["questions"]["methods"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "rouge_l_full", "ROUGE-L vs full-prefill answer"),
+                           (axes[1], "f1_gold", "F1 vs gold answers")):
+        for name, s in methods.items():
+            x = s["ttft_s"]["median"]
+            y = 1.0 if (key == "rouge_l_full" and name == "full") else s.get(key)
+            if x is None:
+                continue
+            if y is None:  # a method without answers (hf): its TTFT as a vertical line
+                ax.axvline(x, color="grey", ls=":", lw=1)
+                ax.annotate(name, (x, 0.02), rotation=90, fontsize=8, color="grey", xycoords=("data", "axes fraction"))
+                continue
+            lo, hi = s["ttft_s"]["p10"], s["ttft_s"]["p90"]
+            ax.errorbar([x], [y], xerr=[[x - lo], [hi - x]], fmt="o", capsize=3)
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.set_xlabel("TTFT median (s); bars p10–p90")
+        ax.set_ylabel(label)
+        ax.set_xlim(left=0)
+        ax.set_ylim(-0.02, 1.05)
+        ax.grid(alpha=0.3)
+    fig.suptitle("TTFT vs answer quality per method (workload a)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _per_request_ttft(plt, records: list[dict], workload: str, path: Path) -> None:
+    rs = [r for r in records if r["workload"] == workload]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for m in dict.fromkeys(r["method"] for r in rs):
+        pts = sorted((r["request"] + r.get("repeat", 0) * 1e-3, r["ttft_s"]) for r in rs if r["method"] == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1, label=m)
+    ax.set_xlabel("request" + (" (along the stream)" if workload == "stream" else ""))
+    ax.set_ylabel("TTFT (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=3)
+    ax.set_title(f"TTFT per request ({'b: Zipf stream' if workload == 'stream' else 'a: per question'})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _hit_rate(plt, records: list[dict], summary: dict, path: Path) -> None:
+    rs = [r for r in records if r["workload"] == "stream"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for m in dict.fromkeys(r["method"] for r in rs):
+        mine = sorted((r for r in rs if r["method"] == m), key=lambda r: r["request"])
+        if not any(r.get("chunk_hits") for r in mine):
+            continue
+        hits = chunks = 0
+        xs, cum = [], []
+        for r in mine:
+            hits += r.get("chunk_hits", 0)
+            chunks += r.get("chunks", 0)
+            xs.append(r["request"])
+            cum.append(hits / chunks if chunks else 0.0)
+        line, = ax.plot(xs, cum, lw=1.5, label=f"{m} cumulative")
+        for w in summary["stream"]["windows"].get(m, []):
+            if w["hit_rate"] is not None:
+                a, b = w["requests"]
+                ax.hlines(w["hit_rate"], a - 0.5, b + 0.5, colors=line.get_color(), lw=3, alpha=0.5)
+    ax.set_xlabel("request (along the stream); bars: hit rate per window")
+    ax.set_ylabel("chunk hit rate")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Chunk hit rate over time (b: Zipf stream, bounded store)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(out_dir: Path, records: list[dict], summary: dict) -> list[Path]:
+    """Write the run's plots into ``out_dir``; returns the files written."""
+    plt = _plt()
+    written = []
+    if "questions" in summary:
+        p = out_dir / "ttft_vs_quality.png"
+        _ttft_vs_quality(plt, summary, p)
+        written.append(p)
+        p = out_dir / "ttft_per_question.png"
+        _per_request_ttft(plt, records, "questions", p)
+        written.append(p)
+    if "stream" in summary:
+        p = out_dir / "stream_ttft.png"
+        _per_request_ttft(plt, records, "stream", p)
+        written.append(p)
+        p = out_dir / "stream_hit_rate.png"
+        _hit_rate(plt, records, summary, p)
+        written.append(p)
+    return written

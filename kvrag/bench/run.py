@@ -1,0 +1,191 @@
+"""One benchmark run: options in, results.json + results.md + plots out."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrag.bench.data import DEFAULT_ANSWER_HINT, DEFAULT_INSTRUCTIONS, DEFAULT_SYSTEM, PromptFormat, load_dataset
+from kvrag.bench.methods import parse_methods
+from kvrag.bench.report import aggregate, run_metadata, write_results
+from kvrag.bench.workloads import ALIASES, WORKLOADS, RunContext
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["BenchOptions", "run_bench", "DEFAULT_METHODS"]
+
+DEFAULT_METHODS = "hf,full,prefix,reuse,blend,blend@1.0"
+
+
+@dataclass
+class BenchOptions:
+    """Settings of a run (the command line's flags).
+
+    Attributes:
+        dataset: QA file (``[{"question", "answers", "ctxs": [{"title", "text"}]}]``).
+        n: questions (the first n).
+        top_k: passages per request (the first k of each question's ``ctxs``).
+        methods: comma-separated method names (``full`` is always added).
+        order: ``shuffled`` (seeded) or ``given`` passage order.
+        seed: seed of passage orders and of the stream.
+        repeat: requests per question in workload (a), each with a fresh order when shuffled.
+        max_new_tokens: answer length limit in workload (a).
+        score: methods whose gold-answer log-likelihood is measured: ``auto`` (all but blend@1.0),
+            ``all``, ``none`` or names.
+        workloads: comma-separated: ``a``/``questions``, ``b``/``stream``, ``c``/``conversations``.
+        stream_*: workload (b): requests, methods, answer length, budget (bytes, or a fraction of
+            the pool's KV bytes), Zipf exponent.
+        eviction_policy: the stream store's policy (any name the engine accepts).
+        conv_*: workload (c): turns per conversation, passages per turn, methods, answer length.
+        model: model for the engine (None: the bundled model); ``config``: EngineConfig overrides.
+        out: output directory.
+    """
+
+    dataset: str
+    n: int = 20
+    top_k: int = 6
+    methods: str = DEFAULT_METHODS
+    order: str = "shuffled"
+    seed: int = 0
+    repeat: int = 1
+    max_new_tokens: int = 32
+    score: str = "auto"
+    workloads: str = "a,b"
+    stream_requests: int = 24
+    stream_methods: str = "full,blend"
+    stream_max_new_tokens: int = 8
+    stream_questions: int | None = None
+    stream_budget_bytes: int | None = None
+    stream_budget_frac: float = 0.25
+    zipf: float = 1.0
+    eviction_policy: str = "lru"
+    conv_turns: int = 3
+    conv_top_k: int = 2
+    conv_methods: str = "full,blend,conv"
+    conv_max_new_tokens: int = 24
+    windows: int = 5
+    model: str | None = None
+    config: dict = field(default_factory=dict)
+    system: str = DEFAULT_SYSTEM
+    instructions: str = DEFAULT_INSTRUCTIONS
+    answer_hint: str = DEFAULT_ANSWER_HINT
+    out: str = "bench-out"
+    plots: bool = True
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.n < 1 or self.top_k < 1 or self.repeat < 1 or self.stream_requests < 1:
+            raise InvalidRequestError("--n, --top-k, --repeat and --stream-requests must be >= 1")
+        if self.order not in ("shuffled", "given"):
+            raise InvalidRequestError(f"--order must be 'shuffled' or 'given', got {self.order!r}")
+        if not 0 < self.stream_budget_frac <= 10:
+            raise InvalidRequestError("--stream-budget-frac must be in (0, 10]")
+        if self.max_new_tokens < 1 or self.stream_max_new_tokens < 1:
+            raise InvalidRequestError("answer lengths must be >= 1 token")
+
+    def workload_names(self) -> list[str]:
+        names = []
+        for w in (x.strip() for x in self.workloads.split(",") if x.strip()):
+            name = ALIASES.get(w, w)
+            if name not in WORKLOADS:
+                raise InvalidRequestError(f"unknown workload {w!r}; use a/questions, b/stream, c/conversations")
+            names.append(name)
+        return names
+
+
+def _progress_factory(enabled: bool) -> Callable | None:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda it, desc, total: tqdm(it, desc=desc, total=total, dynamic_ncols=True, leave=True)
+
+
+def run_bench(
+    opts: BenchOptions,
+    *,
+    engine=None,
+    engine_factory: Callable[[], object] | None = None,
+    argv: list[str] | None = None,
+) -> dict:
+    """Run the benchmark and write its outputs into ``opts.out``.
+
+    Args:
+        opts: the run's settings.
+        engine: an engine to measure (not closed here), e.g. one built over a test model.
+        engine_factory: called once to build the engine (closed at the end) when ``engine`` is None;
+            by default ``Engine.from_pretrained(opts.model, **opts.config)``.
+        argv: the command line, for the record.
+
+    Returns:
+        ``{"meta", "summary", "records", "extras", "paths"}``.
+    """
+    opts.check()
+    names = opts.workload_names()
+    methods = parse_methods(opts.methods)
+    stream_methods = parse_methods(opts.stream_methods) if "stream" in names else None
+    conv_methods = parse_methods(opts.conv_methods) if "conversations" in names else None
+    # auto: every answering method but blend at ratio 1.0, whose prefill is the full one by
+    # construction (its identity to full is measured on the answers instead): saves a full prefill.
+    auto = [m.name for m in methods if m.answers and getattr(m, "ratio", None) != 1.0]
+    score = {"all": [m.name for m in methods], "none": [], "auto": auto}.get(opts.score.strip())
+    if score is None:
+        score = [s.strip() for s in opts.score.split(",") if s.strip()]
+        unknown = set(score) - {m.name for m in methods}
+        if unknown:
+            raise InvalidRequestError(f"--score names methods not being run: {', '.join(sorted(unknown))}")
+    items = load_dataset(opts.dataset, opts.n)
+    stream_items = items
+    if opts.stream_questions:
+        stream_items = load_dataset(opts.dataset, opts.stream_questions)
+    owned = engine is None
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    if engine is None:
+        if engine_factory is None:
+            from kvrag import Engine
+
+            model, overrides = opts.model, dict(opts.config)
+            engine_factory = lambda: Engine.from_pretrained(model, **overrides)  # noqa: E731
+        engine = engine_factory()
+    out_dir = Path(opts.out)
+    try:
+        run_id = uuid.uuid4().hex
+        settings = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("progress", "plots")}
+        settings["dataset"] = os.path.abspath(opts.dataset)
+        if "stream" in names:  # a bad store setting fails now, not after workload (a)
+            engine.config.replace(eviction_policy=opts.eviction_policy, **(opts.config or {}))
+        meta = run_metadata(engine, run_id, list(argv or []), settings)
+        fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
+        options = dict(top_k=opts.top_k, repeat=opts.repeat, order=opts.order, seed=opts.seed,
+                       max_new_tokens=opts.max_new_tokens, score_methods=score,
+                       stream_requests=opts.stream_requests, stream_methods=stream_methods,
+                       stream_max_new_tokens=opts.stream_max_new_tokens, zipf=opts.zipf,
+                       stream_budget_bytes=opts.stream_budget_bytes, stream_budget_frac=opts.stream_budget_frac,
+                       eviction_policy=opts.eviction_policy, conv_turns=opts.conv_turns, conv_top_k=opts.conv_top_k,
+                       conv_methods=conv_methods, conv_max_new_tokens=opts.conv_max_new_tokens)
+        ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress))
+        paths: dict = {}
+        for name in names:
+            WORKLOADS[name](ctx, stream_items if name == "stream" else items)
+            if owned:
+                engine.store.clear()  # the next workload starts cold
+            meta["wall_s"] = time.perf_counter() - t_start
+            meta["cpu_s"] = time.process_time() - cpu_start  # cpu_s / wall_s far below the threads: contention
+            meta["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+            summary = aggregate(ctx.records, opts.windows)
+            paths = write_results(out_dir, meta, ctx.records, summary, ctx.extras)  # after each workload
+        if opts.plots:
+            from kvrag.bench.plots import write_plots
+
+            paths["plots"] = write_plots(out_dir, ctx.records, summary)
+        meta["wall_s"] = time.perf_counter() - t_start
+        meta["cpu_s"] = time.process_time() - cpu_start
+        paths.update(write_results(out_dir, meta, ctx.records, summary, ctx.extras))
+        return {"meta": meta, "summary": summary, "records": ctx.records, "extras": ctx.extras, "paths": paths}
+    finally:
+        if owned:
+            engine.close()

@@ -1,0 +1,280 @@
+"""Workloads: how requests are made and which methods run them, interleaved per request.
+
+(a) ``questions``: one request per dataset question, its top-k passages pre-warmed (the CacheBlend
+    setting). Every method runs on a request before the next request starts, so each method's
+    figures pair with ``full``'s on the same request.
+(b) ``stream``: a pooled Zipf stream over all passages of the questions, against a store bounded
+    below the working set. No pre-warming: misses are computed and written back as a server would.
+    Each method that uses the store gets its own engine (same weights) and store, so one method's
+    cache never serves another's requests.
+(c) ``conversations``: multi-turn conversations through the engine's conversation API
+    (:mod:`kvrag.bench.conversations`). New workloads register a runner in ``WORKLOADS``.
+
+Methods that write whole prompts into the exact-prefix cache (``prefix``) run last on a request:
+otherwise a later method would find the very same prompt cached and reuse it exactly. Timing
+repeats of a question therefore use a fresh passage order each (see ``--repeat``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvrag.bench.data import PromptFormat, QAItem, Request
+from kvrag.bench.methods import Method, Outcome
+from kvrag.bench.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["RunContext", "WORKLOADS", "run_questions", "run_stream", "ordered", "make_record", "WARMUP_TEXT"]
+
+WARMUP_TEXT = ("This text warms the benchmark up; it is not part of any dataset. " * 12) + "\n\n"
+
+
+@dataclass
+class RunContext:
+    """Everything a workload needs: the engine, the methods, the options, where records go."""
+
+    engine: object
+    methods: list[Method]
+    fmt: PromptFormat
+    run_id: str
+    options: dict
+    records: list[dict] = field(default_factory=list)
+    extras: dict = field(default_factory=dict)  # per-workload facts (store budgets, pools, ...)
+    progress: Callable | None = None  # tqdm-like factory: progress(iterable, desc=..., total=...)
+
+    def opt(self, name: str, default=None):
+        return self.options.get(name, default)
+
+
+def ordered(methods: list[Method]) -> list[Method]:
+    """``full`` first (the reference), exact-prefix writers last, the rest as given."""
+    full = [m for m in methods if m.name == "full"]
+    rest = [m for m in methods if m.name != "full" and not m.exact_prefix_writer]
+    return full + rest + [m for m in methods if m.exact_prefix_writer and m.name != "full"]
+
+
+def make_record(run_id: str, req: Request, method: Method, out: Outcome, ref: Outcome | None) -> dict:
+    """One result row: timings, engine facts, fidelity against ``ref`` (full) and the gold answers."""
+    rec = {
+        "run_id": run_id, "workload": req.workload, "request": req.request, "repeat": req.repeat,
+        "method": method.name, "question": req.question, "order": req.order,
+        "ttft_s": out.ttft_s, "total_s": out.total_s, "text": out.text, "completion_tokens": len(out.token_ids),
+        "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+        "recomputed_tokens": out.recomputed_tokens,
+        "recompute_fraction": out.recomputed_tokens / out.candidate_tokens if out.candidate_tokens else None,
+        "compute_fraction": out.compute_fraction, "chunk_hits": out.chunk_hits, "chunk_misses": out.chunk_misses,
+        "chunks": (out.chunk_hits + out.chunk_misses) or len(req.chunks), **out.extra,
+    }
+    if ref is not None and ref is not out:
+        rec["ttft_ratio_full"] = out.ttft_s / ref.ttft_s if ref.ttft_s else None
+        rec["total_ratio_full"] = out.total_s / ref.total_s if ref.total_s else None
+        rec["prompt_tokens_match_full"] = out.prompt_tokens == ref.prompt_tokens
+        if out.token_ids and ref.token_ids:
+            rec["first_token_agree_full"] = out.token_ids[0] == ref.token_ids[0]
+    if out.text is not None:
+        rec["f1_gold"] = best_f1(out.text, req.answers)
+        rec["rouge_l_gold"] = best_rouge_l(out.text, req.answers)
+        if ref is not None and ref is not out and ref.text is not None:
+            rec["rouge_l_full"] = rouge_l(out.text, ref.text)
+            rec["first_word_agree_full"] = first_word_agreement(out.text, ref.text)
+            rec["identical_full"] = out.token_ids == ref.token_ids
+    return rec
+
+
+def _request_order(n_passages: int, top_k: int, shuffle: bool, rng: random.Random) -> list[int]:
+    order = list(range(min(top_k, n_passages)))
+    if shuffle:
+        rng.shuffle(order)
+    return order
+
+
+def _warmup(ctx: RunContext) -> None:
+    """Run every method once on a throw-away request (first-call allocations are not measured)."""
+    item = QAItem(-1, "What does this text do?", ["warms up"], [WARMUP_TEXT])
+    req = ctx.fmt.request(item, [0], workload="warmup", request=-1)
+    ctx.engine.warm(req.chunks)
+    for m in ordered(ctx.methods):
+        m.run(ctx.engine, req, max_new_tokens=2)
+        ctx.engine.flush()
+
+
+def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
+    """Workload (a): per question, chunks pre-warmed, every method on every request."""
+    engine, methods = ctx.engine, ordered(ctx.methods)
+    top_k, repeat = ctx.opt("top_k", 6), ctx.opt("repeat", 1)
+    shuffle = ctx.opt("order", "shuffled") == "shuffled"
+    if repeat > 1 and not shuffle and any(m.exact_prefix_writer for m in methods):
+        raise InvalidRequestError(
+            "--repeat > 1 with --order given would let the prefix cache of one repeat serve the next "
+            "(same prompt twice); use --order shuffled (each repeat gets a fresh order) or drop 'prefix'"
+        )
+    score_set = set(ctx.opt("score_methods") or [])
+    max_new = ctx.opt("max_new_tokens", 32)
+    rng = random.Random(ctx.opt("seed", 0))
+    _warmup(ctx)
+    jobs = [(item, r) for item in items for r in range(repeat)]
+    out: list[dict] = []
+    bar = ctx.progress(jobs, desc="(a) questions", total=len(jobs)) if ctx.progress else jobs
+    used: set[tuple] = set()
+    for item, r in bar:
+        order = _request_order(len(item.passages), top_k, shuffle, rng)
+        for _ in range(100):  # a repeat never sees an order it saw before (prefix cache: see above)
+            if not shuffle or (item.index, tuple(order)) not in used:
+                break
+            order = _request_order(len(item.passages), top_k, shuffle, rng)
+        used.add((item.index, tuple(order)))
+        req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
+        warm = engine.warm(req.chunks)
+        engine.flush()
+        outcomes: dict[str, Outcome] = {}
+        scores: dict[str, float | None] = {}
+        for m in methods:
+            outcomes[m.name] = m.run(engine, req, max_new_tokens=max_new)
+            engine.flush()  # write-back off the clock, before the next method is timed
+            if m.answers and m.name in score_set:
+                scores[m.name] = m.score(engine, req, req.answers[0])
+                engine.flush()
+        ref = outcomes["full"]
+        for m in methods:
+            rec = make_record(ctx.run_id, req, m, outcomes[m.name], ref)
+            rec["warm_computed"] = warm.computed
+            if m.name in scores:
+                rec["gold_logprob"] = scores[m.name]
+                if scores.get("full") is not None and scores[m.name] is not None:
+                    rec["delta_logprob_full"] = scores[m.name] - scores["full"]
+            out.append(rec)
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(_postfix(outcomes))
+    ctx.records.extend(out)
+    return out
+
+
+def _postfix(outcomes: dict[str, Outcome]) -> str:
+    full = outcomes["full"].ttft_s
+    return " ".join(f"{k} {o.ttft_s / full:.2f}x" for k, o in outcomes.items() if k != "full" and full)
+
+
+# -- (b) a pooled Zipf stream ----------------------------------------------------------------------
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of one token's KV at the engine's dtype (keys + values over all layers) + its id."""
+    cfg = engine.hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[engine.config.dtype]
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem + 8
+
+
+def zipf_requests(items: list[QAItem], n_requests: int, top_k: int, s: float, seed: int) -> tuple[list, dict]:
+    """Requests over a pooled passage set; passage popularity follows Zipf(s) over a random ranking.
+
+    Each request draws ``top_k`` distinct passages by popularity (in drawn order) and asks the
+    question of the first drawn passage's item. Returns ([(item, [pool ids])...], pool facts).
+    """
+    pool: list[str] = []
+    owner: list[int] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        for text in item.passages:
+            if text not in seen:
+                seen[text] = len(pool)
+                pool.append(text)
+                owner.append(i)
+    if len(pool) < top_k:
+        raise InvalidRequestError(f"the stream's pool has {len(pool)} passages, fewer than top-k={top_k}")
+    rng = np.random.default_rng(seed)
+    rank = rng.permutation(len(pool))  # rank[p] = popularity rank of passage p
+    weights = 1.0 / np.power(rank + 1.0, s)
+    weights /= weights.sum()
+    reqs = []
+    for _ in range(n_requests):
+        picks = [int(x) for x in rng.choice(len(pool), size=top_k, replace=False, p=weights)]
+        reqs.append((items[owner[picks[0]]], picks))
+    return reqs, {"pool": pool, "owner": owner}
+
+
+def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
+    """Workload (b): a Zipf stream against a bounded store; hit rate and speed-up over time."""
+    from kvrag import Engine
+
+    base = ctx.engine
+    methods = ordered(ctx.opt("stream_methods") or ctx.methods)
+    if not any(m.name == "full" for m in methods):
+        raise InvalidRequestError("the stream workload needs 'full' among its methods (ratios are against it)")
+    top_k, n_req = ctx.opt("top_k", 6), ctx.opt("stream_requests", 30)
+    reqs, pool = zipf_requests(items, n_req, top_k, ctx.opt("zipf", 1.0), ctx.opt("seed", 0))
+    per_token = kv_bytes_per_token(base)
+    tokens = [base.count_tokens(t) for t in pool["pool"]]
+    pool_bytes = sum(tokens) * per_token
+    touched = {p for _, picks in reqs for p in picks}
+    budget = ctx.opt("stream_budget_bytes") or int(pool_bytes * ctx.opt("stream_budget_frac", 0.25))
+    overrides = dict(memory_budget_bytes=int(budget), eviction_policy=ctx.opt("eviction_policy", "lru"))
+    engines = {}
+    scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-") if base.config.disk_tier else None
+    try:
+        for m in methods:
+            if m.uses_store:
+                own = dict(overrides)
+                if scratch is not None:  # a disk tier of its own: methods never share cache entries
+                    own["cache_dir"] = os.path.join(scratch.name, m.name)
+                engines[m.name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**own))
+        ctx.extras["stream"] = {
+            "requests": n_req, "pool_passages": len(pool["pool"]), "pool_kv_bytes": pool_bytes,
+            "working_set_passages": len(touched), "working_set_kv_bytes": sum(tokens[p] for p in touched) * per_token,
+            "kv_bytes_per_token": per_token, "zipf_s": ctx.opt("zipf", 1.0), "store": overrides,
+            "store_types": {k: type(e.store).__name__ for k, e in engines.items()},
+        }
+        out: list[dict] = []
+        bar = ctx.progress(range(n_req), desc="(b) stream", total=n_req) if ctx.progress else range(n_req)
+        max_new = ctx.opt("stream_max_new_tokens", 8)
+        for j in bar:
+            item, picks = reqs[j]
+            req = Request("stream", j, 0, ctx.fmt.head, [pool["pool"][p] for p in picks],
+                          f"{ctx.fmt.question_head}{item.question}{ctx.fmt.tail}", item.question, item.answers,
+                          order=picks)
+            outcomes = {}
+            for m in methods:
+                eng = engines.get(m.name, base)
+                outcomes[m.name] = m.run(eng, req, max_new_tokens=max_new)
+                eng.flush()
+            for m in methods:
+                rec = make_record(ctx.run_id, req, m, outcomes[m.name], outcomes["full"])
+                if m.name in engines:
+                    rec["store_stats"] = _jsonable(engines[m.name].store.stats())
+                out.append(rec)
+            if hasattr(bar, "set_postfix_str"):
+                bar.set_postfix_str(_postfix(outcomes))
+        ctx.records.extend(out)
+        return out
+    finally:
+        for e in engines.values():
+            e.close()
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def _jsonable(d: dict) -> dict:
+    return {str(k): (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in d.items()}
+
+
+def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
+    """Workload (c): multi-turn conversations (see :mod:`kvrag.bench.conversations`)."""
+    from kvrag.bench.conversations import run_conversations as run
+
+    return run(ctx, items)
+
+
+#: Workload name -> runner(ctx, items). Aliases a/b/c follow the issue's lettering.
+WORKLOADS: dict[str, Callable[[RunContext, list[QAItem]], list[dict]]] = {
+    "questions": run_questions,
+    "stream": run_stream,
+    "conversations": run_conversations,
+}
+ALIASES = {"a": "questions", "b": "stream", "c": "conversations"}
