@@ -91,9 +91,9 @@ class Method:
 class EngineMethod(Method):
     """One of the engine's prefill modes through ``Engine.generate`` / ``Engine.score``."""
 
-    def __init__(self, name: str, mode: str, ratio: float | None = None) -> None:
+    def __init__(self, name: str, mode: str, ratio: float | None = None, selection: str | None = None) -> None:
         super().__init__(name)
-        self.mode, self.ratio = mode, ratio
+        self.mode, self.ratio, self.selection = mode, ratio, selection
         self.exact_prefix_writer = mode == "prefix"
         self.uses_store = mode != "full"
 
@@ -101,8 +101,8 @@ class EngineMethod(Method):
         return {}
 
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
-        common = dict(mode=self.mode, recompute_ratio=self.ratio, max_new_tokens=max_new_tokens, temperature=0.0,
-                      **self._kwargs(req))
+        common = dict(mode=self.mode, recompute_ratio=self.ratio, selection=self.selection,
+                      max_new_tokens=max_new_tokens, temperature=0.0, **self._kwargs(req))
         if req.prompt is not None:
             g = engine.generate(prompt=req.prompt, **common)
         else:
@@ -122,10 +122,13 @@ class EngineMethod(Method):
 
     def score(self, engine, req, continuation: str) -> float | None:
         if req.prompt is not None:
-            res = engine.score(continuation, prompt=req.prompt, mode=self.mode, recompute_ratio=self.ratio)
+            res = engine.score(
+                continuation, prompt=req.prompt, mode=self.mode, recompute_ratio=self.ratio, selection=self.selection
+            )
         else:
             res = engine.score(
-                continuation, req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio
+                continuation, req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio,
+                selection=self.selection,
             )
         return res.logprob
 
@@ -220,10 +223,13 @@ def _engine_mode(mode: str) -> Factory:
     return make
 
 
-def _blend(spec: MethodSpec) -> Method:
-    if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
-        raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
-    return EngineMethod(spec.name, "blend", spec.arg)
+def _blend(selection: str | None) -> Factory:
+    def make(spec: MethodSpec) -> Method:
+        if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
+            raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
+        return EngineMethod(spec.name, "blend", spec.arg, selection)
+
+    return make
 
 
 def _hf(spec: MethodSpec) -> Method:
@@ -241,7 +247,9 @@ register_method("hf", _hf, description="transformers' own forward on the same to
 register_method("full", _engine_mode("full"), description="full prefill: the fidelity reference")
 register_method("prefix", _engine_mode("prefix"), description="exact reuse of the longest cached prompt prefix")
 register_method("reuse", _engine_mode("reuse"), description="cached chunk KV as is (recompute ratio 0)")
-register_method("blend", _blend, description="CacheBlend fusion; blend@r sets the recompute ratio")
+register_method("blend", _blend(None), description="fusion with the configured selection; blend@r sets the ratio")
+register_method("hkvd", _blend("hkvd"), description="fusion recomputing CacheBlend's HKVD tokens; hkvd@r sets the ratio")
+register_method("recency", _blend("recency"), description="fusion recomputing the tokens nearest the question; recency@r")
 register_method("conv", _conv, description="blend within a conversation (kept KV of earlier turns, dedup); "
                 "workload c; elsewhere it is plain blend")
 

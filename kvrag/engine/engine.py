@@ -16,7 +16,7 @@ from kvrag.engine.fusion import PrefillResult, extend, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner, Segment
 from kvrag.engine.registry import ChunkRegistry
-from kvrag.engine.requests import Request, check_chunks, check_mode, check_sampling, check_text
+from kvrag.engine.requests import Request, check_chunks, check_mode, check_sampling, check_selection, check_text
 from kvrag.engine.runner import KVCapture
 from kvrag.engine.chunks import BackgroundWriter, ChunkComputer, put_new
 from kvrag.engine.sampling import TextStream, sample
@@ -186,6 +186,7 @@ class Engine:
         seed: int | None = None,
         mode: str | None = None,
         recompute_ratio: float | None = None,
+        selection: str | None = None,
         conversation_id: str | None = None,
         dedup: bool | None = None,
     ) -> Generation:
@@ -203,6 +204,8 @@ class Engine:
             seed: sampling seed.
             mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (default from the config).
             recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
+            selection: which cached tokens ``blend`` recomputes, ``hkvd`` or ``recency`` (default
+                from the config; see :class:`~kvrag.config.EngineConfig`).
             conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
                 answer) is reused where the new prompt repeats it (exact prefix, and shifted
                 history runs in blend/reuse), and this turn is kept for the next one. See
@@ -212,7 +215,8 @@ class Engine:
         """
         stream = self.stream(
             chunks, prefix, suffix, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed, mode=mode, recompute_ratio=recompute_ratio, conversation_id=conversation_id,
+            stop=stop, seed=seed, mode=mode, recompute_ratio=recompute_ratio, selection=selection,
+            conversation_id=conversation_id,
             dedup=dedup,
         )
         for _ in stream:
@@ -234,6 +238,7 @@ class Engine:
         seed: int | None = None,
         mode: str | None = None,
         recompute_ratio: float | None = None,
+        selection: str | None = None,
         conversation_id: str | None = None,
         dedup: bool | None = None,
     ) -> GenerationStream:
@@ -244,7 +249,7 @@ class Engine:
         """
         req = self._request(
             chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, prompt,
-            conversation_id, dedup,
+            conversation_id, dedup, selection,
         )
         return GenerationStream(self._run(req))
 
@@ -262,10 +267,13 @@ class Engine:
         prompt: str | None = None,
         mode: str | None = None,
         recompute_ratio: float | None = None,
+        selection: str | None = None,
     ) -> ScoreResult:
         """Log-likelihood of ``continuation`` right after the prompt, under the chosen prefill mode."""
         cont = check_text("continuation", continuation)
-        req = self._request(chunks, prefix, suffix, 0, 0.0, 1.0, None, None, mode, recompute_ratio, prompt)
+        req = self._request(
+            chunks, prefix, suffix, 0, 0.0, 1.0, None, None, mode, recompute_ratio, prompt, selection=selection
+        )
         cont_ids = self.planner.tokenize(cont)
         if not cont_ids:
             raise InvalidRequestError("continuation is empty")
@@ -310,7 +318,7 @@ class Engine:
 
     def _request(
         self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio, prompt=None,
-        conversation_id=None, dedup=None,
+        conversation_id=None, dedup=None, selection=None,
     ) -> Request:
         self._check_open()
         cfg = self.config
@@ -329,6 +337,7 @@ class Engine:
         if conversation is not None and (cfg.conversation_dedup if dedup is None else dedup):
             parts, deduplicated = self.conversations.dedup(conversation, parts)
         mode, ratio = check_mode(cfg, mode, ratio)
+        selection = check_selection(cfg, selection)
         sampling = check_sampling(cfg, max_new_tokens, temperature, top_p, stop, seed)
         with self._lock:  # the tokenizer memo is shared
             segments, ids = self.planner.segment(parts)
@@ -337,7 +346,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
         if n >= self.context_window:
             raise ContextLengthError(n, self.context_window)
-        return Request(segments, ids, mode, ratio, sampling, conversation, deduplicated)
+        return Request(segments, ids, mode, ratio, sampling, selection, conversation, deduplicated)
 
     def _prefill(self, req: Request, capacity: int) -> tuple[Plan, PrefillResult]:
         cfg = self.config
@@ -364,7 +373,7 @@ class Engine:
                 res = prefill(
                     self.adapter, plan, capacity,
                     check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
-                    selection=cfg.selection,
+                    selection=req.selection,
                     capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
                     capture_chunks=self._chunks_to_capture(plan),
                 )

@@ -12,7 +12,7 @@ from kvrag.config import MODES, EngineConfig, check_ratio
 from kvrag.engine.planner import Segment
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["Request", "Sampling", "check_text", "check_chunks", "check_sampling", "check_mode"]
+__all__ = ["Request", "Sampling", "check_text", "check_chunks", "check_sampling", "check_mode", "check_selection"]
 
 
 @dataclass(slots=True)
@@ -31,6 +31,7 @@ class Request:
     mode: str
     ratio: float
     sampling: Sampling
+    selection: str = "hkvd"
     conversation: str | None = None
     deduplicated: int = 0
     conversation_spans: list | None = None
@@ -65,6 +66,15 @@ def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | None) -> tupl
         raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     ratio = cfg.recompute_ratio if ratio is None else check_ratio(ratio)
     return mode, (0.0 if mode == "reuse" else ratio)
+
+
+def check_selection(cfg: EngineConfig, selection: str | None) -> str:
+    from kvrag.engine.selection import SELECTIONS
+
+    selection = cfg.selection if selection is None else selection
+    if selection not in SELECTIONS:
+        raise InvalidRequestError(f"unknown selection {selection!r}; use one of {', '.join(SELECTIONS)}")
+    return selection
 
 
 def check_sampling(cfg: EngineConfig, max_new_tokens, temperature, top_p, stop, seed) -> Sampling:
