@@ -270,6 +270,37 @@ def test_pgdsf_keeps_hot_entries_that_lru_drops():
     assert hits["pgdsf"] > hits["lru"]
 
 
+@pytest.mark.parametrize("policy", ["lru", "pgdsf", "frequency-reuse"])
+def test_a_pinned_batch_never_evicts_its_own_members(policy):
+    """PGDSF ranks old, often used entries above fresh ones: without pins, warming a batch into a
+    full tier evicts the batch's first members to make room for its last."""
+    m = MemoryStore(4 * record(0).nbytes, policy)
+    old = [key(i) for i in range(4)]
+    for i, k in enumerate(old):
+        m.put(k, record(i))
+        for _ in range(5 * (i > 0)):  # old[0] is cold, the others hot
+            m.get(k)
+            m.record_reuse(k, 0.5)
+    m.record_cost(old, 1.0)
+    batch = [key(10 + i) for i in range(3)]
+    for pin in (False, True):
+        for k in batch:
+            m.remove(k)
+        with m.pinned(batch if pin else []):
+            for i, k in enumerate(batch):
+                m.put(k, record(10 + i))
+        kept = [m.contains(k) for k in batch]
+        assert all(kept) == (pin or policy == "lru"), (pin, kept)  # value-aware policies need the pin
+    assert all(m.contains(k) for k in batch)
+    with m.pinned([key(20), *batch]):  # a batch larger than the tier: the oldest pin goes after all
+        for i in range(2):
+            m.put(key(20 + i), record(20 + i))
+    assert m.stats()["bytes"] <= m.budget_bytes and m.contains(key(21))
+    with m.pinned([key(30)]):
+        pass
+    assert not m._pins  # released
+
+
 def test_cost_profile_interpolates_bilinearly():
     prof = CostProfile(edges=(0, 100, 200))
     for a, b, t in [(0, 100, 1.0), (0, 200, 2.0), (100, 100, 1.5), (100, 200, 3.0)]:

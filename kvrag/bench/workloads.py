@@ -1,7 +1,7 @@
 """Workloads: how requests are made and which methods run them, interleaved per request.
 
 (a) ``questions``: one request per dataset question, its top-k passages pre-warmed (the CacheBlend
-    setting). Every method runs on a request before the next request starts, so each method's
+    setting) in dataset order, then asked in the request's order (shuffled by default). Every method runs on a request before the next request starts, so each method's
     figures pair with ``full``'s on the same request.
 (b) ``stream``: a pooled Zipf stream over all passages of the questions, against a store bounded
     below the working set. No pre-warming: misses are computed and written back as a server would.
@@ -130,7 +130,9 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             order = _request_order(len(item.passages), top_k, shuffle, rng)
         used.add((item.index, tuple(order)))
         req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
-        warm = engine.warm(req.chunks)
+        # warmed in retrieval (dataset) order, asked in the request's order: a chunk's cached KV was
+        # computed behind whichever passage preceded it when first seen, not behind its prompt neighbour
+        warm = engine.warm([item.passages[i] for i in sorted(order)])
         engine.flush()
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float | None] = {}

@@ -160,16 +160,17 @@ class Engine:
             if len(ids) > limit:
                 raise ContextLengthError(len(ids), limit, "a single chunk behind its context")
         computed = cached = 0
-        for i, ids in enumerate(docs):
-            key = self.planner.chunk_key(ids)
-            if self.store.contains(key):
-                cached += 1
-                continue
-            neighbor = docs[i - 1] if len(docs) > 1 else None
-            with self._lock:
-                record = self.chunk_computer.compute(ids, neighbor)
-            self.store.put(key, record)
-            computed += 1
+        keys = [self.planner.chunk_key(ids) for ids in docs]
+        with self.store.pinned(keys):  # a batch never evicts its own members
+            for i, (ids, key) in enumerate(zip(docs, keys)):
+                if self.store.contains(key):
+                    cached += 1
+                    continue
+                neighbor = docs[i - 1] if len(docs) > 1 else None
+                with self._lock:
+                    record = self.chunk_computer.compute(ids, neighbor)
+                self.store.put(key, record)
+                computed += 1
         return WarmResult(computed, cached, sum(len(d) for d in docs), time.perf_counter() - t0)
 
     def generate(

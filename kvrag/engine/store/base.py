@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +149,11 @@ class KVStore(ABC):
 
     def stats(self) -> dict:
         return {}
+
+    @contextmanager
+    def pinned(self, keys):
+        """Keep ``keys`` resident while the block runs, where the tier can (a no-op by default)."""
+        yield
 
     def record_cost(self, keys, seconds_per_token: float) -> None:
         """Report what computing these missed entries cost per non-cached token (PGDSF's cost)."""

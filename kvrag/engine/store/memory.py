@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from contextlib import contextmanager
 
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, make_policy
@@ -26,6 +28,24 @@ class MemoryStore(KVStore):
         self._bytes = 0
         self._lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0}
+        self._pins: Counter = Counter()
+
+    @contextmanager
+    def pinned(self, keys):
+        """Keep ``keys`` out of eviction while the block runs (unless nothing else is left).
+
+        ``warm(chunks)`` pins its batch, so a policy that favours old frequent entries (PGDSF) cannot
+        evict one freshly warmed chunk to make room for the next.
+        """
+        keys = list(keys)
+        with self._lock:
+            self._pins.update(keys)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins.subtract(keys)
+                self._pins += Counter()  # drop zero counts
 
     def contains(self, key: StoreKey) -> bool:
         with self._lock:
@@ -52,7 +72,9 @@ class MemoryStore(KVStore):
                 return None
             self._drop(key)
             while self._items and self._bytes + size > self.budget_bytes:
-                victim = self.policy.victim()
+                victim = self.policy.victim(self._pins.keys()) if self._pins else self.policy.victim()
+                if victim is None:  # only pinned entries left: the oldest pin goes after all
+                    victim = self.policy.victim()
                 if victim is None or victim not in self._items:  # policy out of step: fall back to any
                     victim = next(iter(self._items))
                 evicted.append((victim, self._items[victim]))

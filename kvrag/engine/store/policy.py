@@ -45,8 +45,11 @@ class EvictionPolicy(ABC):
         """A resident entry left for another reason than eviction (removed, damaged)."""
 
     @abstractmethod
-    def victim(self):
-        """The resident key to evict next (``None`` if there is none). Does not remove it."""
+    def victim(self, skip=frozenset()):
+        """The resident key to evict next, not one in ``skip`` (``None`` if there is none).
+
+        Does not remove it.
+        """
 
     def evicted(self, key) -> None:
         """``key`` (the last victim) was evicted."""
@@ -85,8 +88,8 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key) -> None:
         self._order.pop(key, None)
 
-    def victim(self):
-        return next(iter(self._order), None)
+    def victim(self, skip=frozenset()):
+        return next((k for k in self._order if k not in skip), None)
 
 
 @dataclass(slots=True)
@@ -170,13 +173,21 @@ class PGDSFPolicy(EvictionPolicy):
     def remove(self, key) -> None:
         self._prio.pop(key, None)
 
-    def victim(self):
+    def victim(self, skip=frozenset()):
+        held = []  # live items of skipped keys, pushed back afterwards
+        found = None
         while self._heap:
             p, _, key = self._heap[0]
-            if self._prio.get(key) == p:
-                return key
-            heapq.heappop(self._heap)
-        return None
+            if self._prio.get(key) != p:
+                heapq.heappop(self._heap)  # stale
+            elif key in skip:
+                held.append(heapq.heappop(self._heap))
+            else:
+                found = key
+                break
+        for item in held:
+            heapq.heappush(self._heap, item)
+        return found
 
     def evicted(self, key) -> None:
         p = self._prio.pop(key, None)
@@ -217,9 +228,9 @@ class FrequencyReusePolicy(EvictionPolicy):
     def remove(self, key) -> None:
         self._score.pop(key, None)
 
-    def victim(self):
+    def victim(self, skip=frozenset()):
         # oldest first among equal scores: dict order is recency order
-        return min(self._score, key=self._score.__getitem__, default=None)
+        return min((k for k in self._score if k not in skip), key=self._score.__getitem__, default=None)
 
     def score(self, key) -> float:
         return self._score.get(key, 0.0)

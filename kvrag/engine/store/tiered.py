@@ -59,6 +59,9 @@ class TieredStore(KVStore):
     def policy(self):
         return self.memory.policy
 
+    def pinned(self, keys):
+        return self.memory.pinned(keys)
+
     # -- lookups ------------------------------------------------------------------------------------
 
     def contains(self, key: StoreKey) -> bool:
