@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -188,6 +189,32 @@ def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
     # merging a run with itself is refused; compare shows each run's own ratios
     assert bench_main(["merge", str(out), str(out), "--out", str(tmp_path / "m")]) == 2
     assert bench_main(["compare", str(out)]) == 0
+
+
+def test_stream_compares_policies_side_by_side_within_budgets(tmp_path, tiny_model, tiny_tokenizer):
+    from kvrag import Engine
+
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(4, passages=4, words=10)))
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path / "c"), disk_tier=True)
+    try:
+        res = run_bench(
+            BenchOptions(dataset=str(data), n=4, top_k=3, methods="full,blend", workloads="b", stream_requests=10,
+                         stream_max_new_tokens=2, eviction_policy="lru,pgdsf", windows=5, out=str(tmp_path / "o"),
+                         plots=False, progress=False),
+            engine=engine,
+        )
+    finally:
+        engine.close()
+    doc = json.loads(Path(res["paths"]["json"]).read_text())
+    b = doc["summary"]["stream"]
+    assert set(b["methods"]) == {"full", "blend/lru", "blend/pgdsf"}
+    for m in ("blend/lru", "blend/pgdsf"):
+        st = b["steady_state"][m]
+        assert st["memory_within_budget"] and st["disk_within_budget"]
+        assert st["last_over_second"] > 0
+    assert doc["extras"]["stream"]["store"]["disk_budget_bytes"] == doc["extras"]["stream"]["store"]["memory_budget_bytes"]
+    assert "| blend/pgdsf | " in (tmp_path / "o" / "results.md").read_text()
 
 
 def test_injected_engine_and_bad_options(tmp_path, tiny_engine):

@@ -327,3 +327,17 @@ def test_bench_gpu_cases_check_and_time_in_the_interpreter(tk, capsys):
     rows = bench_gpu.run(cases, cpu, reps=1, warmup=0)
     assert [r["case"] for r in rows] == [c.name for c in cases] and all(r["triton_ms"] > 0 for r in rows)
     assert "attention scattered (Tq=8)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("first", [0, 1, 7, 30, 31, 50])
+def test_attention_reference_paths_match_dense_softmax(first):
+    """Every path of the reference (square causal, padded tail, masked blocks) against plain math."""
+    s, d = 61, 16
+    for q_pos in (torch.arange(first, s), _selection("scattered", s)[_selection("scattered", s) >= first]):
+        q = rand(6, q_pos.numel(), d, seed=13)
+        k, v = rand(2, s, d, seed=14), rand(2, s, d, seed=15)
+        kk, vv = k.repeat_interleave(3, dim=0), v.repeat_interleave(3, dim=0)
+        scores = (q @ kk.transpose(1, 2)) * 0.25
+        scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos[:, None], float("-inf"))
+        want = torch.softmax(scores, dim=-1) @ vv
+        torch.testing.assert_close(R.attention_ref(q, q_pos, k, v, 0.25, block=8), want, rtol=1e-5, atol=1e-5)

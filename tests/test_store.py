@@ -368,3 +368,25 @@ def test_chunks_hot_in_memory_keep_their_disk_copy(tmp_path, policy):
     assert store.disk.volume() <= store.disk.budget_bytes
     assert store.stats()["swap_outs"] >= 1  # the disk had dropped it: written again when memory did
     store.close()
+
+
+def test_background_writer_runs_every_job_and_leaves_no_idle_thread():
+    """An idle worker that has run torch ops slows the request thread down (its own OpenMP team):
+    the writer's worker exits when the queue is empty, and no job is stranded by that."""
+    from kvrag.engine.writeback import BackgroundWriter
+
+    w = BackgroundWriter()
+    done: list[int] = []
+    submitters = [threading.Thread(target=lambda i=i: [w.submit(lambda j=j: done.append(j)) for j in range(i, 400, 4)])
+                  for i in range(4)]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join()
+    w.flush()
+    assert sorted(done) == list(range(400))
+    assert not any(t.name == "kvrag-writeback" for t in threading.enumerate())
+    w.submit(lambda: 1 / 0)  # a failing job is logged, the next one still runs
+    w.submit(lambda: done.append(-1))
+    w.close()
+    assert done[-1] == -1

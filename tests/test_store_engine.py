@@ -267,7 +267,7 @@ def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(tiny_mode
     eng.store.memory.clear()
     eng.store.meter.add(1, 10**6)  # now a very slow one: recompute everything while waiting
     slow = eng.generate(docs, PREFIX, SUFFIX, recompute_ratio=0.15)
-    assert slow.stats.recompute_ratio > 0.15 and eng.loading.last["t_load"] > 0
+    assert slow.stats.recompute_ratio > 0.15 and eng.costs.loading.last["t_load"] > 0
     eng.close()
 
 

@@ -62,10 +62,13 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-questions", type=int, default=None, help="questions whose passages form the "
                    "stream's pool (default: --n)")
     p.add_argument("--stream-budget-bytes", type=int, default=None, help="store budget of the stream")
+    p.add_argument("--stream-disk-budget-bytes", type=int, default=None, help="disk tier budget of the stream, "
+                   "with --config disk_tier=true (default: the memory budget)")
     p.add_argument("--stream-budget-frac", type=float, default=d.stream_budget_frac,
                    help="store budget as a share of the pool's KV bytes (when no byte budget is given)")
     p.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of passage popularity")
-    p.add_argument("--eviction-policy", default=d.eviction_policy, help="the stream store's policy (lru, pgdsf)")
+    p.add_argument("--eviction-policy", default=d.eviction_policy, help="the stream store's eviction policy; "
+                   "a comma list (lru,pgdsf) runs each store-using method once per policy, side by side")
     p.add_argument("--conv-turns", type=int, default=d.conv_turns, help="turns per conversation (workload c)")
     p.add_argument("--conv-top-k", type=int, default=d.conv_top_k, help="passages per turn (workload c)")
     p.add_argument("--conv-methods", default=d.conv_methods, help="methods of workload c (conv: blend with "
@@ -94,6 +97,7 @@ def _run(argv: list[str]) -> int:
         max_new_tokens=a.max_new_tokens, score=a.score, workloads=a.workloads, stream_requests=a.stream_requests,
         stream_methods=a.stream_methods, stream_max_new_tokens=a.stream_max_new_tokens,
         stream_questions=a.stream_questions, stream_budget_bytes=a.stream_budget_bytes,
+        stream_disk_budget_bytes=a.stream_disk_budget_bytes,
         stream_budget_frac=a.stream_budget_frac, zipf=a.zipf, eviction_policy=a.eviction_policy, windows=a.windows,
         conv_turns=a.conv_turns, conv_top_k=a.conv_top_k, conv_methods=a.conv_methods,
         conv_max_new_tokens=a.conv_max_new_tokens,

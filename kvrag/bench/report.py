@@ -185,6 +185,22 @@ def _windows(records: list[dict], method: str, n_windows: int) -> list[dict]:
     return out
 
 
+def _steady(windows: list[dict], mine: list[dict]) -> dict:
+    """Speed-up (1 / paired TTFT ratio) of the last window against the second, and the most bytes
+    each tier held against its budget along the stream."""
+    out: dict = {}
+    if len(windows) >= 3 and windows[1]["ttft_ratio_full_median"] and windows[-1]["ttft_ratio_full_median"]:
+        second, last = 1 / windows[1]["ttft_ratio_full_median"], 1 / windows[-1]["ttft_ratio_full_median"]
+        out.update(speedup_second=second, speedup_last=last, last_over_second=last / second)
+    for tier in ("memory", "disk"):
+        held = [r[f"{tier}_bytes"] for r in mine if r.get(f"{tier}_bytes") is not None]
+        budgets = [r[f"{tier}_budget_bytes"] for r in mine if r.get(f"{tier}_budget_bytes") is not None]
+        if held and budgets:
+            out[f"{tier}_max_bytes"], out[f"{tier}_budget_bytes"] = max(held), min(budgets)
+            out[f"{tier}_within_budget"] = max(held) <= min(budgets)
+    return out
+
+
 def _turns(records: list[dict], method: str) -> list[dict]:
     out = []
     for t in sorted({r["turn"] for r in records if "turn" in r}):
@@ -227,6 +243,8 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
             out[wl]["full_over_hf"] = summarize(paired_ratios(rs, "full", "hf"))
         if wl == "stream":
             out[wl]["windows"] = {m: _windows(rs, m, n_windows) for m in methods}
+            out[wl]["steady_state"] = {m: _steady(out[wl]["windows"][m], [r for r in rs if r["method"] == m])
+                                       for m in methods if m != "full"}
         if wl == "conversations":
             out[wl]["turns"] = {m: _turns(rs, m) for m in methods}
     return out
@@ -265,7 +283,7 @@ def markdown_table(summary: dict, workload: str) -> str:
 
 
 def windows_table(summary: dict) -> str:
-    """Hit rate and paired speed-up per window of the stream (markdown)."""
+    """Hit rate and paired speed-up per window of the stream, then steady state per method (markdown)."""
     wins = summary.get("stream", {}).get("windows", {})
     lines = ["| method | window | requests | chunk hit rate | TTFT median (s) | TTFT × full |", "|---|---|---|---|---|---|"]
     for m, ws in wins.items():
@@ -273,6 +291,16 @@ def windows_table(summary: dict) -> str:
             lines.append(f"| {m} | {w['window'] + 1} | {w['requests'][0]}–{w['requests'][1]} | "
                          f"{_fmt(w['hit_rate'], '.0%')} | {_fmt(w['ttft_median_s'])} | "
                          f"{_fmt(w['ttft_ratio_full_median'])} |")
+    steady = summary.get("stream", {}).get("steady_state", {})
+    if steady:
+        mib = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+        lines += ["", "| method | speed-up, 2nd window | speed-up, last window | last / 2nd | memory max / budget (MiB) "
+                  "| disk max / budget (MiB) |", "|---|---|---|---|---|---|"]
+        for m, st in steady.items():
+            lines.append(f"| {m} | {_fmt(st.get('speedup_second'), '.2f')} | {_fmt(st.get('speedup_last'), '.2f')} | "
+                         f"{_fmt(st.get('last_over_second'), '.2f')} | {mib(st.get('memory_max_bytes'))} / "
+                         f"{mib(st.get('memory_budget_bytes'))} | {mib(st.get('disk_max_bytes'))} / "
+                         f"{mib(st.get('disk_budget_bytes'))} |")
     return "\n".join(lines)
 
 

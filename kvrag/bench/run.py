@@ -60,6 +60,7 @@ class BenchOptions:
     stream_max_new_tokens: int = 8
     stream_questions: int | None = None
     stream_budget_bytes: int | None = None
+    stream_disk_budget_bytes: int | None = None
     stream_budget_frac: float = 0.25
     zipf: float = 1.0
     eviction_policy: str = "lru"
@@ -157,7 +158,8 @@ def run_bench(
         settings = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("progress", "plots")}
         settings["dataset"] = os.path.abspath(opts.dataset)
         if "stream" in names:  # a bad store setting fails now, not after workload (a)
-            engine.config.replace(eviction_policy=opts.eviction_policy, **(opts.config or {}))
+            for policy in str(opts.eviction_policy).split(","):
+                engine.config.replace(eviction_policy=policy.strip(), **(opts.config or {}))
         meta = run_metadata(engine, run_id, list(argv or []), settings)
         fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
         options = dict(top_k=opts.top_k, repeat=opts.repeat, order=opts.order, seed=opts.seed,
@@ -165,6 +167,7 @@ def run_bench(
                        stream_requests=opts.stream_requests, stream_methods=stream_methods,
                        stream_max_new_tokens=opts.stream_max_new_tokens, zipf=opts.zipf,
                        stream_budget_bytes=opts.stream_budget_bytes, stream_budget_frac=opts.stream_budget_frac,
+                       stream_disk_budget_bytes=opts.stream_disk_budget_bytes,
                        eviction_policy=opts.eviction_policy, conv_turns=opts.conv_turns, conv_top_k=opts.conv_top_k,
                        conv_methods=conv_methods, conv_max_new_tokens=opts.conv_max_new_tokens)
         ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress))

@@ -59,11 +59,16 @@ def ordered(methods: list[Method]) -> list[Method]:
     return full + rest + [m for m in methods if m.exact_prefix_writer and m.name != "full"]
 
 
-def make_record(run_id: str, req: Request, method: Method, out: Outcome, ref: Outcome | None) -> dict:
-    """One result row: timings, engine facts, fidelity against ``ref`` (full) and the gold answers."""
+def make_record(
+    run_id: str, req: Request, method: Method, out: Outcome, ref: Outcome | None, *, name: str | None = None
+) -> dict:
+    """One result row: timings, engine facts, fidelity against ``ref`` (full) and the gold answers.
+
+    ``name`` files the row under another name than the method's (a stream's ``blend/pgdsf``).
+    """
     rec = {
         "run_id": run_id, "workload": req.workload, "request": req.request, "repeat": req.repeat,
-        "method": method.name, "question": req.question, "order": req.order,
+        "method": name or method.name, "question": req.question, "order": req.order,
         "ttft_s": out.ttft_s, "total_s": out.total_s, "text": out.text, "completion_tokens": len(out.token_ids),
         "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
         "recomputed_tokens": out.recomputed_tokens,
@@ -203,13 +208,18 @@ def zipf_requests(items: list[QAItem], n_requests: int, top_k: int, s: float, se
 
 
 def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
-    """Workload (b): a Zipf stream against a bounded store; hit rate and speed-up over time."""
+    """Workload (b): a Zipf stream against a bounded store; hit rate and speed-up over time.
+
+    ``--eviction-policy lru,pgdsf`` runs every store-using method once per policy, side by side on
+    the same requests (rows filed as ``blend/lru``, ``blend/pgdsf``), each with its own store.
+    """
     from kvrag import Engine
 
     base = ctx.engine
     methods = ordered(ctx.opt("stream_methods") or ctx.methods)
     if not any(m.name == "full" for m in methods):
         raise InvalidRequestError("the stream workload needs 'full' among its methods (ratios are against it)")
+    policies = [p.strip() for p in str(ctx.opt("eviction_policy", "lru")).split(",") if p.strip()]
     top_k, n_req = ctx.opt("top_k", 6), ctx.opt("stream_requests", 30)
     reqs, pool = zipf_requests(items, n_req, top_k, ctx.opt("zipf", 1.0), ctx.opt("seed", 0))
     per_token = kv_bytes_per_token(base)
@@ -217,20 +227,29 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     pool_bytes = sum(tokens) * per_token
     touched = {p for _, picks in reqs for p in picks}
     budget = ctx.opt("stream_budget_bytes") or int(pool_bytes * ctx.opt("stream_budget_frac", 0.25))
-    overrides = dict(memory_budget_bytes=int(budget), eviction_policy=ctx.opt("eviction_policy", "lru"))
+    overrides = dict(memory_budget_bytes=int(budget))
+    if base.config.disk_tier:  # bounded too: as many bytes as memory (at fp16 rest: twice the tokens)
+        overrides["disk_budget_bytes"] = int(ctx.opt("stream_disk_budget_bytes") or budget)
+    runners: list[tuple[str, Method, object]] = []  # (row name, method, engine) in run order
     engines = {}
     scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-") if base.config.disk_tier else None
     try:
         for m in methods:
-            if m.uses_store:
-                own = dict(overrides)
+            if not m.uses_store:
+                runners.append((m.name, m, base))
+                continue
+            for policy in policies:
+                name = m.name if len(policies) == 1 else f"{m.name}/{policy}"
+                own = dict(overrides, eviction_policy=policy)
                 if scratch is not None:  # a disk tier of its own: methods never share cache entries
-                    own["cache_dir"] = os.path.join(scratch.name, m.name)
-                engines[m.name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**own))
+                    own["cache_dir"] = os.path.join(scratch.name, name.replace("/", "-"))
+                engines[name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**own))
+                runners.append((name, m, engines[name]))
         ctx.extras["stream"] = {
             "requests": n_req, "pool_passages": len(pool["pool"]), "pool_kv_bytes": pool_bytes,
             "working_set_passages": len(touched), "working_set_kv_bytes": sum(tokens[p] for p in touched) * per_token,
-            "kv_bytes_per_token": per_token, "zipf_s": ctx.opt("zipf", 1.0), "store": overrides,
+            "kv_bytes_per_token": per_token, "zipf_s": ctx.opt("zipf", 1.0),
+            "store": dict(overrides, eviction_policy=",".join(policies), disk_tier=bool(base.config.disk_tier)),
             "store_types": {k: type(e.store).__name__ for k, e in engines.items()},
         }
         out: list[dict] = []
@@ -242,14 +261,13 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                           f"{ctx.fmt.question_head}{item.question}{ctx.fmt.tail}", item.question, item.answers,
                           order=picks)
             outcomes = {}
-            for m in methods:
-                eng = engines.get(m.name, base)
-                outcomes[m.name] = m.run(eng, req, max_new_tokens=max_new)
+            for name, m, eng in runners:
+                outcomes[name] = m.run(eng, req, max_new_tokens=max_new)
                 eng.flush()
-            for m in methods:
-                rec = make_record(ctx.run_id, req, m, outcomes[m.name], outcomes["full"])
-                if m.name in engines:
-                    rec["store_stats"] = _jsonable(engines[m.name].store.stats())
+            for name, m, eng in runners:
+                rec = make_record(ctx.run_id, req, m, outcomes[name], outcomes["full"], name=name)
+                if name in engines:
+                    rec.update(store_usage(eng.store.stats()))
                 out.append(rec)
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(_postfix(outcomes))
@@ -262,8 +280,16 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             scratch.cleanup()
 
 
-def _jsonable(d: dict) -> dict:
-    return {str(k): (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in d.items()}
+def store_usage(stats: dict) -> dict:
+    """Bytes held and budgets of a store's tiers, from its stats (memory-only or tiered)."""
+    mem = stats.get("memory", stats)
+    disk = stats.get("disk") or {}
+    out = {"memory_bytes": mem.get("bytes"), "memory_budget_bytes": mem.get("budget_bytes"),
+           "memory_evictions": mem.get("evictions")}
+    if disk:
+        out.update(disk_bytes=disk.get("bytes"), disk_budget_bytes=disk.get("budget_bytes"),
+                   disk_evictions=disk.get("evictions"))
+    return out
 
 
 def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Computing chunk KV for the store, and writing it back off the critical path.
+"""Computing chunk KV for the store.
 
 Where a chunk's KV is computed matters. CacheBlend computes each chunk alone behind the
 attention-sink token. On the bundled SmolLM2-135M that KV is far from what the chunk gets inside
@@ -19,8 +19,6 @@ matter when the chunk is placed elsewhere.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from importlib import resources
 
@@ -28,54 +26,17 @@ import torch
 
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
-from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
+from kvrag.engine.store.base import KVRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_CONTEXTS", "ChunkComputer", "BackgroundWriter"]
+__all__ = ["CHUNK_CONTEXTS", "ChunkComputer"]
 
 #: How chunk KV is computed: behind a neighbouring document, or alone behind the sink token.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 
 #: Most context tokens kept behind a chunk (the tail of the neighbouring document).
 MAX_CONTEXT_TOKENS = 512
-
-
-class BackgroundWriter:
-    """Runs write-back jobs in one daemon thread, in submission order."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="kvrag-writeback", daemon=True)
-                self._thread.start()
-        self._queue.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                job()
-            except Exception:  # a failed write-back only costs a future hit
-                log.warning("kvrag: write-back failed", exc_info=True)
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        """Wait until every submitted job has run."""
-        self._queue.join()
-
-    def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=30)
 
 
 class ChunkComputer:
@@ -135,9 +96,3 @@ class ChunkComputer:
         self._last_doc = list(ids)
         return KVRecord(torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label,
                         meta={"computed": "in-request"})
-
-
-def put_new(store: KVStore, key: StoreKey, record: KVRecord) -> None:
-    """Store a record unless an entry is already there."""
-    if not store.contains(key):
-        store.put(key, record)

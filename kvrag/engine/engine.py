@@ -12,19 +12,20 @@ import torch
 from kvrag.config import EngineConfig
 from kvrag.engine import loading
 from kvrag.engine.conversations import Conversations, check_conversation_id
-from kvrag.engine.fusion import PrefillResult, extend, prefill
+from kvrag.engine.fusion import PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.model import ModelAdapter
-from kvrag.engine.planner import Plan, Planner, Segment
+from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.registry import ChunkRegistry
-from kvrag.engine.requests import Request, check_chunks, check_mode, check_sampling, check_selection, check_text
-from kvrag.engine.runner import KVCapture
-from kvrag.engine.chunks import BackgroundWriter, ChunkComputer, put_new
+from kvrag.engine.requests import (
+    Request, check_chunks, check_dedup, check_mode, check_sampling, check_selection, check_text, request_parts,
+)
+from kvrag.engine.chunks import ChunkComputer
 from kvrag.engine.sampling import TextStream, sample
 from kvrag.engine.store.base import DamagedEntryError, KVStore
-from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
-from kvrag.engine.store.profile import CostProfile
+from kvrag.engine.costs import CostFeedback
 from kvrag.engine.store.tiered import build_store
-from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.writeback import WriteBack
+from kvrag.engine.types import Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,7 @@ class Engine:
         self.adapter = ModelAdapter(hf_model)
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, config.dtype)
         self.store: KVStore = store if store is not None else build_store(config)
-        self.profile = CostProfile()  # this engine's own prefill times (PGDSF costs, loading controller)
-        self.loading = LoadingController(getattr(self.store, "meter", None) or ThroughputMeter())
+        self.costs = CostFeedback(self.store, self.adapter.n_layers, config.loading_controller)
         window = self.adapter.max_positions
         self.context_window = min(window, config.max_context) if config.max_context else window
         bos = tokenizer.bos_token_id
@@ -69,12 +69,11 @@ class Engine:
         self.chunk_computer = ChunkComputer(self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context)
         self.planner.context_label = self.chunk_computer.label
         self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         self.registry = ChunkRegistry()
         self.conversations = Conversations(self.adapter, config.max_conversations)
         self._lock = threading.RLock()
-        self._writer = BackgroundWriter()
-        self._pending: set = set()
+        self.writeback = WriteBack(config, self.store, self.planner, self.chunk_computer, self._lock)
         self._closed = False
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -110,15 +109,6 @@ class Engine:
         loading.check_architecture(hf_model.config)
         hf_model.eval()
         return cls(hf_model, tokenizer, config, weights_digest=loading.state_dict_digest(hf_model), store=store)
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        for src in (self.tokenizer.eos_token_id, getattr(getattr(self.hf_model, "generation_config", None), "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, (list, tuple)):
-                ids.update(int(x) for x in src)
-        return ids
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -289,19 +279,18 @@ class Engine:
                 logits.append(extend(self.adapter, res.buf, torch.tensor(cont_ids[:-1]), n))
             logp = torch.log_softmax(torch.cat(logits), dim=-1)
         per_token = logp[torch.arange(len(cont_ids)), torch.tensor(cont_ids)].tolist()
-        stats = self._stats(plan, res, time.perf_counter() - t0)
+        stats = generation_stats(plan, res, self.adapter.n_layers, time.perf_counter() - t0)
         return ScoreResult(float(sum(per_token)), len(cont_ids), per_token, stats)
 
     def flush(self) -> None:
         """Wait until background write-back (KV of chunks seen for the first time) is stored."""
-        self._writer.flush()
+        self.writeback.flush()
 
     def close(self) -> None:
         """Finish pending write-back and release the store."""
         if self._closed:
             return
-        self._writer.flush()
-        self._writer.close()
+        self.writeback.close()
         self.store.close()
         self._closed = True
 
@@ -323,17 +312,9 @@ class Engine:
     ) -> Request:
         self._check_open()
         cfg = self.config
-        chunks = check_chunks(chunks)
-        prefix, suffix = check_text("prefix", prefix), check_text("suffix", suffix)
-        if prompt is not None:
-            if chunks or prefix or suffix:
-                raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
-            parts = self.split_prompt(prompt)
-        else:
-            parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+        parts = request_parts(chunks, prefix, suffix, prompt, self.split_prompt)
         conversation = check_conversation_id(conversation_id)
-        if dedup is not None and not isinstance(dedup, bool):
-            raise InvalidRequestError(f"dedup must be True, False or None, got {dedup!r}")
+        check_dedup(dedup)
         deduplicated = 0
         if conversation is not None and (cfg.conversation_dedup if dedup is None else dedup):
             parts, deduplicated = self.conversations.dedup(conversation, parts)
@@ -363,7 +344,7 @@ class Engine:
             attempts += 1
             if req.conversation is not None and mode != "full" and not (mode == "blend" and req.ratio >= 1.0):
                 req.conversation_spans = self.conversations.attach(plan, req.conversation)
-            self._control_loading(plan)
+            self.costs.adjust(plan)
             capture_end = 0
             if use_prefix and mode != "full" and not (plan.mode == "blend" and plan.ratio >= 1.0):
                 # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
@@ -376,53 +357,15 @@ class Engine:
                     check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
                     selection=req.selection,
                     capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
-                    capture_chunks=self._chunks_to_capture(plan),
+                    capture_chunks=self.writeback.captures(plan),
                 )
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
                 if mode == "full":
                     raise
                 log.debug("kvrag: a cached entry was damaged; re-planning the request", exc_info=True)
                 continue
-            self._observe(plan, res, time.perf_counter() - t0)
+            self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0)
             return plan, res
-
-    def _control_loading(self, plan: Plan) -> None:
-        """CacheBlend's loading controller: raise the ratio while recompute hides under loading."""
-        if not self.config.loading_controller or plan.mode != "blend" or plan.ratio >= 1.0:
-            return
-        pending = sum(r.pending_bytes() for _, r in plan.chunk_records if hasattr(r, "pending_bytes"))
-        if pending:
-            t_full = self.profile.full_prefill(plan.num_tokens, self.adapter.n_layers)
-            plan.ratio = self.loading.ratio(plan.ratio, pending, t_full, self.adapter.n_layers)
-
-    def _observe(self, plan: Plan, res: PrefillResult, seconds: float) -> None:
-        """Feed the cost profile, and tell the store what its misses cost (PGDSF)."""
-        cached = plan.cached_tokens
-        self.profile.record(cached, plan.num_tokens - cached, seconds, res.trace.token_layers)
-        if plan.mode in ("blend", "reuse"):
-            missed = [c.key for c in plan.chunks if c.source == "computed"]
-            per_token = self.profile.seconds_per_token(cached, plan.num_tokens - cached)
-            if missed and per_token:
-                self.store.record_cost(missed, per_token)
-
-    def _stats(self, plan: Plan, res: PrefillResult, prefill_s: float) -> GenerationStats:
-        n = plan.num_tokens
-        infos = [ChunkInfo(c.start, c.length, c.hit, c.source, c.tier) for c in plan.chunks]
-        full_work = n * self.adapter.n_layers
-        return GenerationStats(
-            mode=plan.mode,
-            recompute_ratio=plan.ratio,
-            prompt_tokens=n,
-            cached_tokens=plan.cached_tokens,
-            prefix_tokens=plan.prefix_len,
-            recomputed_tokens=res.recomputed_tokens,
-            computed_tokens=res.computed_tokens,
-            compute_fraction=res.trace.token_layers / full_work if full_work else 0.0,
-            chunk_hits=sum(c.hit for c in plan.chunks),
-            chunk_misses=sum(not c.hit for c in plan.chunks),
-            chunks=infos,
-            prefill_s=prefill_s,
-        )
 
     def _run(self, req: Request) -> Iterator[str]:
         t0 = time.perf_counter()
@@ -437,11 +380,11 @@ class Engine:
             logits = self.adapter.logits(res.last_hidden)[0]
         token = sample(logits, sp.temperature, sp.top_p, generator)
         ttft = time.perf_counter() - t0
-        stats = self._stats(plan, res, ttft)
+        stats = generation_stats(plan, res, self.adapter.n_layers, ttft)
         stats.conversation_spans = list(req.conversation_spans or [])
         stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
         stats.deduplicated_chunks = req.deduplicated
-        self._schedule_writeback(plan, res)
+        self.writeback.schedule(plan, res)
         text = TextStream(self.tokenizer, sp.stop)
         finish = "length"
         pos = n
@@ -475,45 +418,3 @@ class Engine:
         stats.completion_tokens = len(generated)
         stats.decode_s = total - ttft
         return Generation(text.text, generated, finish, ttft, total, stats)
-
-    # -- write-back ---------------------------------------------------------------------------------
-
-    def _chunks_to_capture(self, plan: Plan) -> tuple[int, ...]:
-        """Segments of missed chunks whose KV this request computes and can keep (neighbor context)."""
-        if not self.config.write_back or plan.mode not in ("blend", "reuse") or self.chunk_computer.context != "neighbor":
-            return ()
-        return tuple(u.index for u in plan.chunks if not u.hit and u.length >= self.config.chunk_min_tokens)
-
-    def _schedule_writeback(self, plan: Plan, res: PrefillResult) -> None:
-        """After the first token: keep the exact prefix blocks and the KV of chunks seen first."""
-        capture = res.capture
-        if capture is not None:
-            prompt_ids, bounds = plan.ids.tolist(), plan.boundaries
-            self._writer.submit(
-                lambda: self.planner.prefix_cache.insert(
-                    prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds
-                )
-            )
-        if not self.config.write_back or plan.mode not in ("blend", "reuse"):
-            return
-        for use in plan.chunks:
-            if use.hit or use.key in self._pending or use.length < self.config.chunk_min_tokens:
-                continue
-            self._pending.add(use.key)
-            self._writer.submit(
-                lambda key=use.key, ids=list(plan.segments[use.index].ids), cap=res.chunk_captures.get(use.index):
-                self._write_chunk(key, ids, cap)
-            )
-
-    def _write_chunk(self, key, ids: list[int], capture: KVCapture | None) -> None:
-        try:
-            if self.store.contains(key):
-                return
-            if capture is not None:
-                record = self.chunk_computer.record_from_capture(ids, capture)
-            else:
-                with self._lock:
-                    record = self.chunk_computer.compute(ids)
-            put_new(self.store, key, record)
-        finally:
-            self._pending.discard(key)

@@ -10,8 +10,9 @@ from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, SpanSource
 from kvrag.engine.runner import KVBuffer, KVCapture, Trace, forward
 from kvrag.engine.selection import HKVDSelector, keep_schedule, recency_window
+from kvrag.engine.types import ChunkInfo, GenerationStats
 
-__all__ = ["PrefillResult", "prefill", "extend"]
+__all__ = ["PrefillResult", "prefill", "extend", "generation_stats"]
 
 
 @dataclass(slots=True)
@@ -104,3 +105,23 @@ def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) 
     pos = torch.arange(start, start + t, device=adapter.device)
     h, _ = forward(adapter, buf, ids.to(adapter.device), pos, start + t)
     return adapter.logits(h)
+
+
+def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: float) -> GenerationStats:
+    """What a prefill did, for :attr:`Generation.stats`."""
+    n = plan.num_tokens
+    full_work = n * n_layers
+    return GenerationStats(
+        mode=plan.mode,
+        recompute_ratio=plan.ratio,
+        prompt_tokens=n,
+        cached_tokens=plan.cached_tokens,
+        prefix_tokens=plan.prefix_len,
+        recomputed_tokens=res.recomputed_tokens,
+        computed_tokens=res.computed_tokens,
+        compute_fraction=res.trace.token_layers / full_work if full_work else 0.0,
+        chunk_hits=sum(c.hit for c in plan.chunks),
+        chunk_misses=sum(not c.hit for c in plan.chunks),
+        chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier) for c in plan.chunks],
+        prefill_s=prefill_s,
+    )

@@ -31,6 +31,7 @@ __all__ = [
     "load_model",
     "check_architecture",
     "fingerprint_model",
+    "eos_ids",
 ]
 
 #: Name of the bundled default model.
@@ -292,3 +293,15 @@ def fingerprint_model(weights_digest: str, tokenizer, dtype: str) -> str:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def eos_ids(tokenizer, hf_model) -> set[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    gen = getattr(hf_model, "generation_config", None)
+    for src in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return ids

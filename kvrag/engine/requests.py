@@ -12,7 +12,10 @@ from kvrag.config import MODES, EngineConfig, check_ratio
 from kvrag.engine.planner import Segment
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["Request", "Sampling", "check_text", "check_chunks", "check_sampling", "check_mode", "check_selection"]
+__all__ = [
+    "Request", "Sampling", "check_text", "check_chunks", "check_sampling", "check_mode", "check_selection",
+    "check_dedup", "request_parts",
+]
 
 
 @dataclass(slots=True)
@@ -96,3 +99,20 @@ def check_sampling(cfg: EngineConfig, max_new_tokens, temperature, top_p, stop, 
         if not all(isinstance(s, str) for s in stops):
             raise InvalidRequestError("stop must be a string or a list of strings")
     return Sampling(max_new, temperature, top_p, stops, cfg.seed if seed is None else seed)
+
+
+def request_parts(chunks, prefix, suffix, prompt, split_prompt) -> list[tuple[str, str]]:
+    """The request as ("text" | "chunk", text) parts: from prefix/chunks/suffix, or from a whole
+    ``prompt`` split by ``split_prompt`` (registered documents become chunks)."""
+    chunks = check_chunks(chunks)
+    prefix, suffix = check_text("prefix", prefix), check_text("suffix", suffix)
+    if prompt is not None:
+        if chunks or prefix or suffix:
+            raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
+        return split_prompt(prompt)
+    return [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+
+
+def check_dedup(dedup) -> None:
+    if dedup is not None and not isinstance(dedup, bool):
+        raise InvalidRequestError(f"dedup must be True, False or None, got {dedup!r}")

@@ -63,6 +63,12 @@ def attention_ref(
             )[0]
         if tq == 1:
             return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa)[0]
+        if first <= tq:  # a short cached prefix before the rows: pad the queries to a square causal
+            # call (its fast path skips masked blocks); wastes first^2/2 of work, less than masking
+            padded = torch.cat((q.new_zeros(q.shape[0], first, q.shape[2]), q), dim=1)
+            return F.scaled_dot_product_attention(
+                padded[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
+            )[0, :, first:]
     out = torch.empty_like(q)
     keys = torch.arange(s, device=q.device)
     for start in range(0, tq, block):

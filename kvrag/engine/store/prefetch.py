@@ -247,7 +247,7 @@ class Prefetcher:
             if self._closed:
                 return
             self._active.append(rec)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvrag-prefetch", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -262,8 +262,11 @@ class Prefetcher:
                     pending = [r for r in self._active if r.next_layer() < r.num_layers]
                     if pending:
                         break
+                    if not self._active:  # exit when idle: see BackgroundWriter on idle torch threads
+                        self._thread = None
+                        return
                     # records whose last layers are being read by their consumers finish on their own
-                    self._cond.wait(0.05 if self._active else None)
+                    self._cond.wait(0.05)
                 # layer-major across records: whoever is furthest behind goes first
                 rec = min(pending, key=StreamedRecord.next_layer)
             layer = rec.claim_next()
@@ -274,8 +277,9 @@ class Prefetcher:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
         for rec in list(self._active):  # finish what is in flight on this thread
             try:
                 rec.wait()

@@ -82,7 +82,7 @@ class CostProfile:
     def full_prefill(self, tokens: int, n_layers: int) -> float | None:
         """Seconds of a full prefill of ``tokens`` tokens: from the grid where full prefills of that
         size were seen, else from the mean time per token-layer of every prefill seen."""
-        (i, fa), (j, fb) = self._cell(0), self._cell(tokens)
+        j, fb = self._cell(tokens)
         with self._lock:
             if self._w[0][j] > 0 and self._w[0][j + 1] > 0:
                 return (1 - fb) * self._sum[0][j] / self._w[0][j] + fb * self._sum[0][j + 1] / self._w[0][j + 1]

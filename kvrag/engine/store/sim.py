@@ -81,7 +81,7 @@ def measure(engine, texts: list[str], k: int, question: str, cache_dir: str, rep
             eng.store.memory.clear()
         g = eng.generate(chunks, "", question, max_new_tokens=1)
         print(f"  profile: {hits}/{k} hits, {g.stats.prompt_tokens} tokens, {g.ttft_s:.2f} s", flush=True)
-    out = {"profile": eng.profile.to_dict(), "throughput": eng.store.meter.throughput(),
+    out = {"profile": eng.costs.profile.to_dict(), "throughput": eng.store.meter.throughput(),
            "kv_bytes_per_token": engine.adapter.kv_bytes_per_token * eng.store.dtype.itemsize
            // engine.adapter.embed_weight.element_size()}
     eng.close()
