@@ -27,8 +27,12 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# The README's benchmark table (workload a, ~15 min here); DATASET is the MuSiQue dev file.
+DATASET ?= ../shared/data/musique_dev.json
+BENCH_OUT ?= bench-results
 bench: install
-	$(PY) -m kvrag.bench --dataset ../shared/data/musique_dev.json --n 20 --top-k 6
+	$(PY) -m kvrag.bench --dataset $(DATASET) --n 20 --top-k 6 --workloads a --score auto \
+		--methods hf,full,prefix,reuse,hkvd@0.15,recency@0.15,recency@0.1 --out $(BENCH_OUT)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(BENCH_OUT)

@@ -152,6 +152,9 @@ def _method_summary(records: list[dict], all_records: list[dict], method: str) -
         "f1_gold": _mean(r.get("f1_gold") for r in rs),
         "rouge_l_gold": _mean(r.get("rouge_l_gold") for r in rs),
         "delta_logprob_full": summarize(r.get("delta_logprob_full") for r in rs),
+        "abs_delta_logprob_full": summarize(
+            abs(r["delta_logprob_full"]) for r in rs if r.get("delta_logprob_full") is not None
+        ),
         "recompute_fraction": _mean(r.get("recompute_fraction") for r in rs),
         "compute_fraction": _mean(r.get("compute_fraction") for r in rs),
         "chunk_hit_rate": hits / chunks if chunks else None,
@@ -259,7 +262,7 @@ def markdown_table(summary: dict, workload: str) -> str:
     methods = summary[workload]["methods"]
     head = ("| method | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | total (s) | "
             "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
-            "Δ log p(gold) vs full | recomputed | chunk hits |")
+            "mean abs Δ log p(gold) vs full | recomputed | chunk hits |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, s in methods.items():
         name = key
@@ -272,7 +275,7 @@ def markdown_table(summary: dict, workload: str) -> str:
             _fmt(s["total_s"]["median"]), _fmt(s["rouge_l_full"]) if name != "full" else "ref",
             _fmt(s["first_word_agree_full"], ".0%") if name != "full" else "ref", ident,
             _fmt(s["f1_gold"]), _fmt(s["rouge_l_gold"]),
-            _fmt(s["delta_logprob_full"]["mean"], "+.3f") if name != "full" else "ref",
+            _fmt(s["abs_delta_logprob_full"]["mean"], ".3f") if name != "full" else "ref",
             _fmt(s["recompute_fraction"], ".0%"), _fmt(s["chunk_hit_rate"], ".0%"),
         ]) + " |")
     fh = summary[workload].get("full_over_hf")
