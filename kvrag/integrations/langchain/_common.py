@@ -131,6 +131,20 @@ class EngineSettings(BaseModel):
     def ls_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {"model": kwargs.get("model"), "temperature": kwargs.get("temperature", self.temperature)}
 
+    # LangChain does not hand the run config to ``_stream`` (langchain-core 1.7 calls it without a
+    # run manager): read the conversation id from the config here, on the way in.
+    def invoke(self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Any:
+        return super().invoke(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Any:
+        return await super().ainvoke(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Iterator[Any]:
+        return super().stream(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    def astream(self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AsyncIterator[Any]:
+        return super().astream(input, config, stop=stop, **with_conversation(config, kwargs))
+
 
 def conversation_from_config(config: RunnableConfig | None = None, run_manager: Any = None) -> str | None:
     """The conversation a call belongs to, from its run config.

@@ -6,11 +6,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict
 
 from kvrag.errors import InvalidRequestError
@@ -20,7 +19,6 @@ from kvrag.integrations.langchain._common import (
     iterate_in_thread,
     metadata,
     usage,
-    with_conversation,
 )
 
 __all__ = ["KVCachedLLM", "to_chat_messages"]
@@ -104,19 +102,6 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         if stops:
             params["ls_stop"] = stops
         return params
-
-    # LangChain does not hand the run config to ``_stream``: read the conversation here.
-    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AIMessage:
-        return super().invoke(input, config, stop=stop, **with_conversation(config, kwargs))
-
-    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AIMessage:
-        return await super().ainvoke(input, config, stop=stop, **with_conversation(config, kwargs))
-
-    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Iterator[AIMessageChunk]:
-        return super().stream(input, config, stop=stop, **with_conversation(config, kwargs))
-
-    def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
-        return super().astream(input, config, stop=stop, **with_conversation(config, kwargs))
 
     def _stream(
         self,

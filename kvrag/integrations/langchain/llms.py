@@ -6,9 +6,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LanguageModelInput
+from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import GenerationChunk, LLMResult
-from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict
 
 from kvrag.integrations.langchain._common import (
@@ -17,7 +16,6 @@ from kvrag.integrations.langchain._common import (
     iterate_in_thread,
     metadata,
     usage,
-    with_conversation,
 )
 
 __all__ = ["KVCachedTextLLM"]
@@ -51,18 +49,6 @@ class KVCachedTextLLM(EngineSettings, BaseLLM):
         params["ls_provider"] = "kvrag"
         params["ls_model_name"] = self.model_label(kwargs.get("model"))
         return params
-
-    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> str:
-        return super().invoke(input, config, stop=stop, **with_conversation(config, kwargs))
-
-    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> str:
-        return await super().ainvoke(input, config, stop=stop, **with_conversation(config, kwargs))
-
-    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Iterator[str]:
-        return super().stream(input, config, stop=stop, **with_conversation(config, kwargs))
-
-    def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AsyncIterator[str]:
-        return super().astream(input, config, stop=stop, **with_conversation(config, kwargs))
 
     def _render(self, prompt: str):
         if not self.chat_template:
