@@ -76,7 +76,14 @@ class KVCapture:
         self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
 
-    def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous: bool = False) -> None:
+        if contiguous:  # rows are positions [p0, p0 + R): slice, no masks
+            p0 = int(pos[0])
+            a, b = max(self.start, p0), min(self.end, p0 + pos.numel())
+            if a < b:
+                self.k[layer, :, a - self.start : b - self.start] = k[:, a - p0 : b - p0]
+                self.v[layer, :, a - self.start : b - self.start] = v[:, a - p0 : b - p0]
+            return
         sel = (pos >= self.start) & (pos < self.end)
         if bool(sel.all()) and _is_contiguous(pos):
             a, b = int(pos[0]) - self.start, int(pos[-1]) + 1 - self.start
@@ -140,7 +147,7 @@ def forward(
             source.fill(layer, buf)
         q, k, v = adapter.qkv(layer, h)
         for cap in capture:
-            cap.take(layer, pos, k, v)
+            cap.take(layer, pos, k, v, contiguous)
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
