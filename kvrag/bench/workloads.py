@@ -1,8 +1,9 @@
 """Workloads: how requests are made and which methods run them, interleaved per request.
 
 (a) ``questions``: one request per dataset question, its top-k passages pre-warmed (the CacheBlend
-    setting) in dataset order, then asked in the request's order (shuffled by default). Every method runs on a request before the next request starts, so each method's
-    figures pair with ``full``'s on the same request.
+    setting) in dataset order, then asked in the request's order (shuffled by default). Every
+    method runs on a request before the next request starts, so each method's figures pair with
+    ``full``'s on the same request.
 (b) ``stream``: a pooled Zipf stream over all passages of the questions, against a store bounded
     below the working set. No pre-warming: misses are computed and written back as a server would.
     Each method that uses the store gets its own engine (same weights) and store, so one method's
