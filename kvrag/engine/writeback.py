@@ -26,9 +26,10 @@ __all__ = ["BackgroundWriter", "WriteBack"]
 class BackgroundWriter:
     """Runs write-back jobs in a daemon thread, in submission order.
 
-    The thread exits as soon as the queue is empty and a new one starts with the next job. A
-    thread that has run torch ops keeps an OpenMP team of its own; kept alive, that slowed the
-    next prefills on the request thread by ~20% here (2 cores), so no worker outlives its work.
+    The thread exits as soon as the queue is empty and a new one starts with the next job: a
+    thread that has run torch ops and stays alive, even idle, slowed the next prefills on the
+    request thread by ~20% here (2 cores); one that has exited does not. So no worker outlives
+    its work.
     """
 
     def __init__(self) -> None:
