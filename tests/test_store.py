@@ -292,7 +292,7 @@ def test_a_pinned_batch_never_evicts_its_own_members(policy):
         kept = [m.contains(k) for k in batch]
         assert all(kept) == (pin or policy == "lru"), (pin, kept)  # value-aware policies need the pin
     assert all(m.contains(k) for k in batch)
-    with m.pinned([key(20), *batch]):  # a batch larger than the tier: the oldest pin goes after all
+    with m.pinned([key(20), *batch]):  # a batch larger than the tier: a pinned entry goes after all
         for i in range(2):
             m.put(key(20 + i), record(20 + i))
     assert m.stats()["bytes"] <= m.budget_bytes and m.contains(key(21))

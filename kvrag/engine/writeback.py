@@ -40,7 +40,7 @@ class BackgroundWriter:
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
             self._queue.put(job)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="kvrag-writeback", daemon=True)
                 self._thread.start()
 

@@ -32,7 +32,7 @@ class MemoryStore(KVStore):
 
     @contextmanager
     def pinned(self, keys):
-        """Keep ``keys`` out of eviction while the block runs (unless nothing else is left).
+        """Keep ``keys`` out of eviction while the block runs (unless only pinned entries are left).
 
         ``warm(chunks)`` pins its batch, so a policy that favours old frequent entries (PGDSF) cannot
         evict one freshly warmed chunk to make room for the next.
@@ -73,7 +73,7 @@ class MemoryStore(KVStore):
             self._drop(key)
             while self._items and self._bytes + size > self.budget_bytes:
                 victim = self.policy.victim(self._pins.keys()) if self._pins else self.policy.victim()
-                if victim is None:  # only pinned entries left: the oldest pin goes after all
+                if victim is None:  # only pinned entries left: one goes after all (the policy's pick)
                     victim = self.policy.victim()
                 if victim is None or victim not in self._items:  # policy out of step: fall back to any
                     victim = next(iter(self._items))

@@ -247,7 +247,7 @@ class Prefetcher:
             if self._closed:
                 return
             self._active.append(rec)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="kvrag-prefetch", daemon=True)
                 self._thread.start()
             self._cond.notify()
