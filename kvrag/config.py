@@ -13,13 +13,18 @@ from pathlib import Path
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["EngineConfig", "MODES", "default_cache_dir"]
+__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "default_cache_dir"]
 
 #: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
 #: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
 #: ``blend``: CacheBlend fusion of cached chunk KV with HKVD recompute. ``reuse``: cached chunk KV
 #: used as is (recompute ratio 0).
 MODES = ("full", "prefix", "blend", "reuse")
+#: Which cached tokens ``blend`` recomputes: CacheBlend's high-KV-deviation tokens by gradual
+#: filtering, or the cached tokens nearest the question (recomputed in full, no check layer).
+SELECTIONS = ("hkvd", "recency")
+#: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
+CHUNK_CONTEXTS = ("neighbor", "sink")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVIATIONS = ("k", "v", "kv")
@@ -136,10 +141,10 @@ class EngineConfig:
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_ratio(self.recompute_ratio)
-        if self.chunk_context not in ("neighbor", "sink"):
-            raise InvalidRequestError(f"chunk_context must be 'neighbor' or 'sink', got {self.chunk_context!r}")
-        if self.selection not in ("hkvd", "recency"):
-            raise InvalidRequestError(f"selection must be 'hkvd' or 'recency', got {self.selection!r}")
+        if self.chunk_context not in CHUNK_CONTEXTS:
+            raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {self.chunk_context!r}")
+        if self.selection not in SELECTIONS:
+            raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.deviation not in _DEVIATIONS:
             raise InvalidRequestError(f"deviation must be one of {_DEVIATIONS}, got {self.deviation!r}")
         if self.check_layer < 1:

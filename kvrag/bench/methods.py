@@ -223,11 +223,15 @@ def _engine_mode(mode: str) -> Factory:
     return make
 
 
+def _ratio_arg(spec: MethodSpec) -> float | None:
+    if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
+        raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
+    return spec.arg
+
+
 def _blend(selection: str | None) -> Factory:
     def make(spec: MethodSpec) -> Method:
-        if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
-            raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
-        return EngineMethod(spec.name, "blend", spec.arg, selection)
+        return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection)
 
     return make
 
@@ -238,9 +242,7 @@ def _hf(spec: MethodSpec) -> Method:
 
 
 def _conv(spec: MethodSpec) -> Method:
-    if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
-        raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
-    return ConversationMethod(spec.name, "blend", spec.arg)
+    return ConversationMethod(spec.name, "blend", _ratio_arg(spec))
 
 
 register_method("hf", _hf, description="transformers' own forward on the same token ids (TTFT only)")

@@ -24,19 +24,22 @@ from importlib import resources
 
 import torch
 
+from kvrag.config import CHUNK_CONTEXTS
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.store.base import KVRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_CONTEXTS", "ChunkComputer"]
-
-#: How chunk KV is computed: behind a neighbouring document, or alone behind the sink token.
-CHUNK_CONTEXTS = ("neighbor", "sink")
+__all__ = ["CHUNK_CONTEXTS", "ChunkComputer", "context_label"]
 
 #: Most context tokens kept behind a chunk (the tail of the neighbouring document).
 MAX_CONTEXT_TOKENS = 512
+
+
+def context_label(context: str, sink_ids: list[int]) -> str:
+    """The context kind in every chunk key, so records computed differently never mix."""
+    return "doc-v1" if context == "neighbor" else "sink:" + ",".join(map(str, sink_ids))
 
 
 class ChunkComputer:
@@ -56,8 +59,7 @@ class ChunkComputer:
         self.tokenize = tokenize
         self.sink_ids = list(sink_ids)
         self.context = context
-        #: the context kind in every chunk key (records computed differently never mix)
-        self.label = "doc-v1" if context == "neighbor" else "sink:" + ",".join(map(str, sink_ids))
+        self.label = context_label(context, sink_ids)
         self._last_doc: list[int] | None = None
         self._builtin: list[int] | None = None
 

@@ -19,7 +19,7 @@ from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.requests import (
     Request, check_chunks, check_dedup, check_mode, check_sampling, check_selection, check_text, request_parts,
 )
-from kvrag.engine.chunks import ChunkComputer
+from kvrag.engine.chunks import ChunkComputer, context_label
 from kvrag.engine.sampling import TextStream, sample
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.costs import CostFeedback
@@ -65,9 +65,11 @@ class Engine:
         bos = tokenizer.bos_token_id
         sink = bos if bos is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
-        self.planner = Planner(tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens)
+        self.planner = Planner(
+            tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens,
+            context_label(config.chunk_context, self.sink_ids),
+        )
         self.chunk_computer = ChunkComputer(self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context)
-        self.planner.context_label = self.chunk_computer.label
         self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         self.registry = ChunkRegistry()

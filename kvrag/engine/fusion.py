@@ -79,10 +79,9 @@ def prefill(
     rows = all_pos >= plan.prefix_len
     selector = None
     blend = plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records
-    if blend and selection == "recency":
+    if blend and selection == "recency":  # the window is recomputed in full, the other candidates reused
         last_chunk_end = max(start + rec.num_tokens for start, rec in plan.chunk_records)
-        candidates &= ~recency_window(candidates, plan.ratio, last_chunk_end)
-        rows &= ~candidates
+        rows &= ~(candidates & ~recency_window(candidates, plan.ratio, last_chunk_end))
     elif blend:
         schedule = keep_schedule(plan.ratio, check_layer, filter_schedule, adapter.n_layers)
         selector = HKVDSelector(candidates, plan.ratio, schedule, deviation)
@@ -90,7 +89,7 @@ def prefill(
         rows &= ~candidates
     pos = all_pos[rows]
     h, pos = forward(adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace)
-    recomputed = int(plan.candidates()[pos.cpu()].sum())
+    recomputed = int(candidates[pos].sum())
     return PrefillResult(buf, h[-1:], trace, recomputed, int(pos.numel()), capture, chunk_caps)
 
 

@@ -116,7 +116,7 @@ class Planner:
     """Tokenises segments and looks up cached KV for them."""
 
     def __init__(
-        self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, context_label: str = "doc-v1"
+        self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, context_label: str
     ):
         self.tokenizer = tokenizer
         self.store = store

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.config import MODES, EngineConfig, check_ratio
+from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
 from kvrag.engine.planner import Segment
 from kvrag.errors import InvalidRequestError
 
@@ -72,8 +72,6 @@ def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | None) -> tupl
 
 
 def check_selection(cfg: EngineConfig, selection: str | None) -> str:
-    from kvrag.engine.selection import SELECTIONS
-
     selection = cfg.selection if selection is None else selection
     if selection not in SELECTIONS:
         raise InvalidRequestError(f"unknown selection {selection!r}; use one of {', '.join(SELECTIONS)}")

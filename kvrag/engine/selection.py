@@ -16,15 +16,12 @@ import math
 
 import torch
 
+from kvrag.config import SELECTIONS
 from kvrag.engine.runner import KVBuffer
 from kvrag.kernels import kv_deviation, topk
 
 __all__ = ["HKVDSelector", "keep_schedule", "recency_window", "SELECTIONS"]
 
-#: Token selection policies. ``hkvd``: CacheBlend's high-KV-deviation tokens by gradual filtering.
-#: ``recency``: the cached tokens nearest the question (a window just before it) are recomputed in
-#: full, the rest reused as is, with no check layer.
-SELECTIONS = ("hkvd", "recency")
 
 
 def recency_window(candidates: torch.Tensor, ratio: float, before: int) -> torch.Tensor:

@@ -85,11 +85,17 @@ class WriteBack:
         self._writer = BackgroundWriter()
         self._pending: set = set()
 
+    def _kept_misses(self, plan: Plan) -> list:
+        """The plan's missed chunks whose KV is worth keeping."""
+        if not self.config.write_back or plan.mode not in ("blend", "reuse"):
+            return []
+        return [u for u in plan.chunks if not u.hit and u.length >= self.config.chunk_min_tokens]
+
     def captures(self, plan: Plan) -> tuple[int, ...]:
         """Segments of missed chunks whose KV the request computes and can keep (neighbor context)."""
-        if not self.config.write_back or plan.mode not in ("blend", "reuse") or self.computer.context != "neighbor":
+        if self.computer.context != "neighbor":
             return ()
-        return tuple(u.index for u in plan.chunks if not u.hit and u.length >= self.config.chunk_min_tokens)
+        return tuple(u.index for u in self._kept_misses(plan))
 
     def schedule(self, plan: Plan, res) -> None:
         """After the first token: keep the exact prefix blocks and the KV of chunks seen first."""
@@ -101,10 +107,8 @@ class WriteBack:
                     prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds
                 )
             )
-        if not self.config.write_back or plan.mode not in ("blend", "reuse"):
-            return
-        for use in plan.chunks:
-            if use.hit or use.key in self._pending or use.length < self.config.chunk_min_tokens:
+        for use in self._kept_misses(plan):
+            if use.key in self._pending:
                 continue
             self._pending.add(use.key)
             self._writer.submit(
@@ -131,5 +135,4 @@ class WriteBack:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.flush()
         self._writer.close()
