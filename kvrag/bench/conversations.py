@@ -7,7 +7,8 @@ assistant's answer. All methods see the same prompts: the history holds ``full``
 ratios and fidelity pair per turn. ``conv`` keeps its own previous turn's KV (prompt + its own
 answer); where its answer differed from ``full``'s, reuse stops at the first differing token, so
 the setting is conservative for it. Passages are registered with the engine so that the segmenter
-finds them (as chunks) in the rendered prompts; the chunks of each turn are pre-warmed.
+finds them (as chunks) in the rendered prompts; the chunks of each turn are pre-warmed in dataset
+order, as in workload (a).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 
 from kvrag.bench.data import QAItem, Request
 from kvrag.bench.methods import Outcome
-from kvrag.bench.workloads import RunContext, _postfix, make_record, ordered
+from kvrag.bench.workloads import RunContext, _postfix, _request_order, make_record, ordered, warm_in_dataset_order
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["run_conversations"]
@@ -48,12 +49,10 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     for c, conv in enumerate(convs):
         history: list[dict] = []
         for t, item in enumerate(conv):
-            order = list(range(min(top_k, len(item.passages))))
-            rng.shuffle(order)
+            order = _request_order(len(item.passages), top_k, True, rng)
             chunks = [item.passages[i] for i in order]
             engine.register(chunks)
-            engine.warm(chunks)
-            engine.flush()
+            warm_in_dataset_order(engine, item, order)
             hint = f"\n{ctx.fmt.answer_hint}" if ctx.fmt.answer_hint else ""
             user = f"{ctx.fmt.instructions}\n\n{''.join(chunks)}Question: {item.question}{hint}"
             prompt = engine.apply_chat_template(_messages(ctx, history, user))

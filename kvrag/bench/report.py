@@ -127,14 +127,13 @@ def signature(meta: dict) -> dict:
 
 
 def _mean(values) -> float | None:
-    vals = [float(v) for v in values if v is not None]
-    return sum(vals) / len(vals) if vals else None
+    return summarize(values)["mean"]
 
 
-def _method_summary(records: list[dict], all_records: list[dict], method: str) -> dict:
+def _method_summary(records: list[dict], method: str) -> dict:
     rs = [r for r in records if r["method"] == method]
-    ratios = paired_ratios(all_records, method, "full", "ttft_s") if method != "full" else []
-    totals = paired_ratios(all_records, method, "full", "total_s") if method != "full" else []
+    ratios = paired_ratios(records, method, "full", "ttft_s") if method != "full" else []
+    totals = paired_ratios(records, method, "full", "total_s") if method != "full" else []
     hits = sum(r.get("chunk_hits", 0) for r in rs)
     chunks = sum(r.get("chunks", 0) for r in rs)
     ident = [r["identical_full"] for r in rs if "identical_full" in r]
@@ -241,7 +240,7 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
     out = {}
     for wl, rs in by_workload.items():
         methods = list(dict.fromkeys(r["method"] for r in rs))
-        out[wl] = {"methods": {m: _method_summary(rs, rs, m) for m in methods}}
+        out[wl] = {"methods": {m: _method_summary(rs, m) for m in methods}}
         if "hf" in methods:  # our full prefill against transformers' own forward, paired per request
             out[wl]["full_over_hf"] = summarize(paired_ratios(rs, "full", "hf"))
         if wl == "stream":

@@ -100,6 +100,17 @@ def _request_order(n_passages: int, top_k: int, shuffle: bool, rng: random.Rando
     return order
 
 
+def warm_in_dataset_order(engine, item: QAItem, order: list[int]):
+    """Warm a request's passages in retrieval (dataset) order; the request asks them in ``order``.
+
+    A chunk's cached KV is then computed behind whichever passage preceded it when first seen, not
+    behind its neighbour in the prompt (which would flatter the fusion).
+    """
+    warm = engine.warm([item.passages[i] for i in sorted(order)])
+    engine.flush()
+    return warm
+
+
 def _warmup(ctx: RunContext) -> None:
     """Run every method once on a throw-away request (first-call allocations are not measured)."""
     item = QAItem(-1, "What does this text do?", ["warms up"], [WARMUP_TEXT])
@@ -136,10 +147,7 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             order = _request_order(len(item.passages), top_k, shuffle, rng)
         used.add((item.index, tuple(order)))
         req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
-        # warmed in retrieval (dataset) order, asked in the request's order: a chunk's cached KV was
-        # computed behind whichever passage preceded it when first seen, not behind its prompt neighbour
-        warm = engine.warm([item.passages[i] for i in sorted(order)])
-        engine.flush()
+        warm = warm_in_dataset_order(engine, item, order)
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float | None] = {}
         for m in methods:
