@@ -9,6 +9,7 @@ import pytest
 
 from kvrag import InvalidRequestError
 from kvrag.bench import BenchOptions, MixedRunsError, paired_ratios, parse_methods, run_bench
+from kvrag.bench.workloads import answer_drift
 from kvrag.bench.__main__ import main as bench_main
 from kvrag.bench.data import PromptFormat, load_dataset, make_synthetic_dataset
 from kvrag.bench.metrics import (
@@ -67,6 +68,13 @@ def test_summaries():
 
 def _rec(run, req, method, ttft, workload="questions"):
     return {"run_id": run, "workload": workload, "request": req, "repeat": 0, "method": method, "ttft_s": ttft}
+
+
+def test_answer_drift():
+    assert answer_drift([-1.0, -2.0], [-1.5, -1.0]) == pytest.approx(0.75)
+    assert answer_drift([-0.5], [-0.5]) == 0.0
+    with pytest.raises(ValueError):
+        answer_drift([-1.0], [-1.0, -2.0])
 
 
 def test_ratios_pair_within_one_run_only():
@@ -180,6 +188,10 @@ def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
     assert all(r["prompt_tokens_match_full"] for r in rows if r["method"] == "hf")  # same token ids
     assert all(abs(r["delta_logprob_full"]) < 1e-4 for r in rows if r["method"] == "prefix")  # exact reuse
     assert all(r["delta_logprob_full"] == 0.0 for r in rows if r["method"] == "full")
+    # teacher-forced drift on full's own answer: none for an exact prefix, some for reuse
+    assert all(r["answer_drift_full"] < 1e-4 for r in rows if r["method"] == "prefix")
+    assert a["reuse"]["answer_drift_full"] > a["prefix"]["answer_drift_full"]
+    assert "answer_drift_full" not in next(r for r in rows if r["method"] == "full")
     b = doc["summary"]["stream"]
     assert b["methods"]["blend"]["n"] == 5 and len(b["windows"]["blend"]) == 5
     assert doc["extras"]["stream"]["store"]["memory_budget_bytes"] < doc["extras"]["stream"]["pool_kv_bytes"]

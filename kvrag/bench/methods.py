@@ -80,9 +80,14 @@ class Method:
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
         raise NotImplementedError
 
+    def score_tokens(self, engine, req, continuation: str) -> list[float] | None:
+        """Per-token log-likelihoods of ``continuation`` after the request's prompt (None: not supported)."""
+        return None
+
     def score(self, engine, req, continuation: str) -> float | None:
         """Log-likelihood of ``continuation`` after the request's prompt (None: not supported)."""
-        return None
+        per_token = self.score_tokens(engine, req, continuation)
+        return None if per_token is None else float(sum(per_token))
 
     def end(self, engine, conversation: str) -> None:
         """A conversation is over (methods that keep per-conversation state free it here)."""
@@ -120,7 +125,7 @@ class EngineMethod(Method):
                    "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0)},
         )
 
-    def score(self, engine, req, continuation: str) -> float | None:
+    def score_tokens(self, engine, req, continuation: str) -> list[float] | None:
         if req.prompt is not None:
             res = engine.score(
                 continuation, prompt=req.prompt, mode=self.mode, recompute_ratio=self.ratio, selection=self.selection
@@ -130,7 +135,7 @@ class EngineMethod(Method):
                 continuation, req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio,
                 selection=self.selection,
             )
-        return res.logprob
+        return res.token_logprobs
 
 
 class ConversationMethod(EngineMethod):

@@ -154,6 +154,7 @@ def _method_summary(records: list[dict], method: str) -> dict:
         "abs_delta_logprob_full": summarize(
             abs(r["delta_logprob_full"]) for r in rs if r.get("delta_logprob_full") is not None
         ),
+        "answer_drift_full": _mean(r.get("answer_drift_full") for r in rs),
         "recompute_fraction": _mean(r.get("recompute_fraction") for r in rs),
         "compute_fraction": _mean(r.get("compute_fraction") for r in rs),
         "chunk_hit_rate": hits / chunks if chunks else None,
@@ -261,7 +262,7 @@ def markdown_table(summary: dict, workload: str) -> str:
     methods = summary[workload]["methods"]
     head = ("| method | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | total (s) | "
             "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
-            "mean abs Δ log p(gold) vs full | recomputed | chunk hits |")
+            "mean abs Δ log p(gold) vs full | answer drift vs full (nats/token) | recomputed | chunk hits |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, s in methods.items():
         name = key
@@ -275,6 +276,7 @@ def markdown_table(summary: dict, workload: str) -> str:
             _fmt(s["first_word_agree_full"], ".0%") if name != "full" else "ref", ident,
             _fmt(s["f1_gold"]), _fmt(s["rouge_l_gold"]),
             _fmt(s["abs_delta_logprob_full"]["mean"], ".3f") if name != "full" else "ref",
+            _fmt(s["answer_drift_full"], ".3f") if name != "full" else "ref",
             _fmt(s["recompute_fraction"], ".0%"), _fmt(s["chunk_hit_rate"], ".0%"),
         ]) + " |")
     fh = summary[workload].get("full_over_hf")

@@ -31,7 +31,9 @@ from kvrag.bench.methods import Method, Outcome
 from kvrag.bench.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["RunContext", "WORKLOADS", "run_questions", "run_stream", "ordered", "make_record", "WARMUP_TEXT"]
+__all__ = [
+    "RunContext", "WORKLOADS", "run_questions", "run_stream", "ordered", "make_record", "answer_drift", "WARMUP_TEXT",
+]
 
 WARMUP_TEXT = ("This text warms the benchmark up; it is not part of any dataset. " * 12) + "\n\n"
 
@@ -150,11 +152,14 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         warm = warm_in_dataset_order(engine, item, order)
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float | None] = {}
+        drifts: dict[str, list[float] | None] = {}
         for m in methods:
             outcomes[m.name] = m.run(engine, req, max_new_tokens=max_new)
             engine.flush()  # write-back off the clock, before the next method is timed
             if m.answers and m.name in score_set:
                 scores[m.name] = m.score(engine, req, req.answers[0])
+                if outcomes["full"].text and outcomes["full"].text.strip():
+                    drifts[m.name] = m.score_tokens(engine, req, outcomes["full"].text)
                 engine.flush()
         ref = outcomes["full"]
         for m in methods:
@@ -164,11 +169,24 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                 rec["gold_logprob"] = scores[m.name]
                 if scores.get("full") is not None and scores[m.name] is not None:
                     rec["delta_logprob_full"] = scores[m.name] - scores["full"]
+            if m.name != "full" and drifts.get(m.name) and drifts.get("full"):
+                rec["answer_drift_full"] = answer_drift(drifts[m.name], drifts["full"])
             out.append(rec)
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(_postfix(outcomes))
     ctx.records.extend(out)
     return out
+
+
+def answer_drift(got: list[float], ref: list[float]) -> float:
+    """Mean |Δ log p| per token of the full prefill's answer, teacher-forced, against full's own.
+
+    More sensitive than ROUGE-L: two methods whose greedy answers read the same can still differ
+    in how sure they are of every token, and one flipped token no longer hides the rest.
+    """
+    if len(got) != len(ref) or not ref:
+        raise ValueError("log-probabilities of different continuations")
+    return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
 
 
 def _postfix(outcomes: dict[str, Outcome]) -> str:
