@@ -9,7 +9,6 @@ import pytest
 
 from kvrag import InvalidRequestError
 from kvrag.bench import BenchOptions, MixedRunsError, paired_ratios, parse_methods, run_bench
-from kvrag.bench.workloads import answer_drift
 from kvrag.bench.__main__ import main as bench_main
 from kvrag.bench.data import PromptFormat, load_dataset, make_synthetic_dataset
 from kvrag.bench.metrics import (
@@ -23,7 +22,7 @@ from kvrag.bench.metrics import (
     summarize,
 )
 from kvrag.bench.report import compare_table, merge_results
-from kvrag.bench.workloads import ordered, zipf_requests
+from kvrag.bench.workloads import answer_drift, ordered, zipf_requests
 
 # -- metrics on known inputs ------------------------------------------------------------------------
 
