@@ -164,6 +164,8 @@ def test_stop_sequences_and_call_arguments(lc_engine):
         assert cut_at not in stopped.content and full.content.startswith(stopped.content)
     assert llm.invoke("hello the river", max_tokens=2).usage_metadata["output_tokens"] <= 2
     assert llm.invoke("hello the river", mode="full").response_metadata["mode"] == "full"
+    with pytest.raises(InvalidRequestError, match="unknown selection"):  # handed to the engine per call
+        llm.invoke("hello the river", selection="oracle")
     with pytest.raises(InvalidRequestError, match="unknown argument"):
         llm.invoke("hello", frequency_penalty=1.0)
     with pytest.raises(InvalidRequestError, match="text messages only"):
@@ -179,8 +181,23 @@ def test_constructor_is_cheap_and_strict():
         KVCachedTextLLM(top_k=3)
     with pytest.raises(ValueError, match="engine_config"):
         KVCachedLLM(engine_config={"recompute_ratio": 0.3})
+    with pytest.raises(ValueError, match="engine_config"):  # per call, not a second engine
+        KVCachedLLM(engine_config={"selection": "recency"})
+    with pytest.raises(ValueError, match="selection"):
+        KVCachedLLM(selection="oracle")
     with pytest.raises(ValueError, match="recompute_ratio"):
         KVCachedLLM(recompute_ratio=1.5)
+
+
+def test_selection_reaches_the_engine(lc_engine, monkeypatch):
+    seen = []
+    original = lc_engine.stream
+    monkeypatch.setattr(lc_engine, "stream", lambda *a, **k: seen.append(k["selection"]) or original(*a, **k))
+    llm = KVCachedLLM(engine=lc_engine, max_tokens=2, selection="attention")
+    llm.invoke("hello the river")
+    llm.invoke("hello the river", selection="recency")
+    KVCachedTextLLM(engine=lc_engine, max_tokens=2, selection="recency").invoke("hello")
+    assert seen == ["attention", "recency", "recency"]
 
 
 def test_context_window_error_names_the_limit(lc_engine):

@@ -128,6 +128,17 @@ def test_per_call_arguments_and_errors(llm, tiny_engine):
         llm.complete("river", temprature=0.5)
     with pytest.raises(InvalidRequestError, match="unknown mode"):
         llm.complete("river", mode="fast")
+    with pytest.raises(InvalidRequestError, match="unknown selection"):  # handed to the engine per call
+        llm.complete("river", selection="oracle")
+    seen = []
+    original = tiny_engine.stream
+    tiny_engine.stream = lambda *a, **k: seen.append(k["selection"]) or original(*a, **k)
+    try:
+        llm.complete("river", max_tokens=1, selection="recency")
+        KVCachedLLM(engine=tiny_engine, selection="attention").complete("river", max_tokens=1)
+    finally:
+        del tiny_engine.stream
+    assert seen == ["recency", "attention"]
     long = " ".join(["river"] * (tiny_engine.context_window + 10))
     with pytest.raises(ContextLengthError, match=str(tiny_engine.context_window)):
         llm.complete(long)

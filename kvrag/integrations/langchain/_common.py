@@ -25,15 +25,17 @@ CONVERSATION_KEYS = ("conversation_id", "session_id", "thread_id")
 
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.bind(...)``).
 CALL_KWARGS = frozenset(
-    {"max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "dedup", "conversation_id", "model"}
+    {"max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "selection", "dedup", "conversation_id",
+     "model"}
 )
 
 # Request settings are fields of the LLM and per-call arguments; in ``engine_config`` they would
 # create a separate engine (another copy of the model) per value.
-_PER_CALL_FIELDS = {"mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "model"}
+_PER_CALL_FIELDS = {"mode", "recompute_ratio", "selection", "max_new_tokens", "temperature", "top_p", "seed", "model"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - _PER_CALL_FIELDS
 
 Mode = Literal["full", "prefix", "blend", "reuse"]
+Selection = Literal["hkvd", "attention", "recency"]
 
 
 class EngineSettings(BaseModel):
@@ -57,6 +59,8 @@ class EngineSettings(BaseModel):
     """Prefill mode; ``None`` = the engine's default (``blend``). ``full`` is the no-reuse baseline."""
     recompute_ratio: float | None = None
     """Share of cached chunk tokens recomputed in ``blend`` (0..1); ``None`` = engine default."""
+    selection: Selection | None = None
+    """Which cached tokens ``blend`` recomputes (``hkvd``, ``attention``, ``recency``); ``None`` = engine default."""
     max_tokens: int | None = None
     """Most tokens to generate; ``None`` = engine default."""
     temperature: float | None = None
@@ -123,6 +127,7 @@ class EngineSettings(BaseModel):
             "seed": get("seed"),
             "mode": get("mode"),
             "recompute_ratio": get("recompute_ratio"),
+            "selection": get("selection"),
             "dedup": get("dedup"),
             "stop": stops or None,
             "conversation_id": kwargs.get("conversation_id"),

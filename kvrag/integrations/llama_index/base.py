@@ -46,6 +46,7 @@ _CALL_KWARGS = {
     "seed": "seed",
     "mode": "mode",
     "recompute_ratio": "recompute_ratio",
+    "selection": "selection",
     "dedup": "dedup",
 }
 
@@ -104,7 +105,7 @@ class KVCachedLLM(LLM):
         engine: an :class:`~kvrag.Engine` to use instead of the shared one.
         model: the model (``None`` = bundled SmolLM2-135M-Instruct; or a local directory / ``.gguf``).
         engine_config: :class:`~kvrag.EngineConfig` fields for the shared engine (dtype, ...).
-        mode, recompute_ratio, max_new_tokens, temperature, top_p, stop, seed: generation
+        mode, recompute_ratio, selection, max_new_tokens, temperature, top_p, stop, seed: generation
             defaults (``None`` = the engine config's); each can be overridden per call.
         conversation_id: conversation of this LLM's chat calls (multi-turn KV reuse, see below).
         dedup: in a conversation, drop chunks an earlier turn already placed in the prompt
@@ -125,6 +126,9 @@ class KVCachedLLM(LLM):
     engine_config: dict = Field(default_factory=dict, description="EngineConfig fields of the shared engine.")
     mode: str | None = Field(default=None, description="Prefill mode: full | prefix | blend | reuse.")
     recompute_ratio: float | None = Field(default=None, description="Share of cached tokens recomputed (blend).")
+    selection: str | None = Field(
+        default=None, description="Which cached tokens blend recomputes: hkvd | attention | recency."
+    )
     max_new_tokens: int | None = Field(default=None, description="Generation length limit.")
     temperature: float | None = Field(default=None, description="0 = greedy decoding.")
     top_p: float | None = Field(default=None, description="Nucleus sampling threshold.")
@@ -226,7 +230,7 @@ class KVCachedLLM(LLM):
         req = {
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "stop": self.stop, "seed": self.seed, "mode": self.mode, "recompute_ratio": self.recompute_ratio,
-            "dedup": self.dedup,
+            "selection": self.selection, "dedup": self.dedup,
         }
         for name, value in kwargs.items():
             if name in _CALL_KWARGS:
