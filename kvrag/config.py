@@ -21,9 +21,8 @@ __all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "default_cac
 #: used as is (recompute ratio 0).
 MODES = ("full", "prefix", "blend", "reuse")
 #: Which cached tokens ``blend`` recomputes: CacheBlend's high-KV-deviation tokens by gradual
-#: filtering, the same filtering ranked by the question's attention, or the cached tokens nearest
-#: the question (recomputed in full, no check layer).
-SELECTIONS = ("hkvd", "attention", "recency")
+#: filtering, or the cached tokens nearest the question (recomputed in full, no check layer).
+SELECTIONS = ("hkvd", "recency")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 
@@ -57,10 +56,8 @@ class EngineConfig:
         mode: default prefill mode, one of :data:`MODES`.
         recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
         selection: which cached tokens ``blend`` recomputes: ``hkvd`` (CacheBlend's high-KV-deviation
-            tokens, gradual filtering from ``check_layer``), ``attention`` (the same filtering, tokens
-            ranked by the attention the question pays them on each filtering layer instead of by
-            K/V deviation) or ``recency`` (the cached tokens nearest the question, recomputed in
-            full; no check layer).
+            tokens, gradual filtering from ``check_layer``) or ``recency`` (the cached tokens
+            nearest the question, recomputed in full; no check layer).
         check_layer: the layer on which HKVD selection starts (every token's KV is recomputed there
             and compared with the cached KV). Layer 0's KV does not depend on context, so 1.
         filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached

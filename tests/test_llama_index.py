@@ -135,10 +135,10 @@ def test_per_call_arguments_and_errors(llm, tiny_engine):
     tiny_engine.stream = lambda *a, **k: seen.append(k["selection"]) or original(*a, **k)
     try:
         llm.complete("river", max_tokens=1, selection="recency")
-        KVCachedLLM(engine=tiny_engine, selection="attention").complete("river", max_tokens=1)
+        KVCachedLLM(engine=tiny_engine, selection="hkvd").complete("river", max_tokens=1)
     finally:
         del tiny_engine.stream
-    assert seen == ["recency", "attention"]
+    assert seen == ["recency", "hkvd"]
     long = " ".join(["river"] * (tiny_engine.context_window + 10))
     with pytest.raises(ContextLengthError, match=str(tiny_engine.context_window)):
         llm.complete(long)

@@ -197,8 +197,8 @@ class Engine:
             seed: sampling seed.
             mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (default from the config).
             recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
-            selection: which cached tokens ``blend`` recomputes, ``hkvd``, ``attention`` or
-                ``recency`` (default from the config; see :class:`~kvrag.config.EngineConfig`).
+            selection: which cached tokens ``blend`` recomputes, ``hkvd`` or ``recency`` (default
+                from the config; see :class:`~kvrag.config.EngineConfig`).
             conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
                 answer) is reused where the new prompt repeats it (exact prefix, and shifted
                 history runs in blend/reuse), and this turn is kept for the next one. See

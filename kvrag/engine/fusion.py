@@ -79,16 +79,12 @@ def prefill(
     rows = all_pos >= plan.prefix_len
     selector = None
     blend = plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records
-    last_chunk_end = max((start + rec.num_tokens for start, rec in plan.chunk_records), default=n)
     if blend and selection == "recency":  # the window is recomputed in full, the other candidates reused
+        last_chunk_end = max(start + rec.num_tokens for start, rec in plan.chunk_records)
         rows &= ~(candidates & ~recency_window(candidates, plan.ratio, last_chunk_end))
     elif blend:
         schedule = keep_schedule(plan.ratio, check_layer, filter_schedule, adapter.n_layers)
-        selector = HKVDSelector(
-            candidates, plan.ratio, schedule, deviation,
-            rank="attention" if selection == "attention" else "deviation",
-            question=rows & (all_pos >= last_chunk_end), scale=adapter.scale,
-        )
+        selector = HKVDSelector(candidates, plan.ratio, schedule, deviation)
     else:  # prefix mode has no candidates; reuse never recomputes them
         rows &= ~candidates
     pos = all_pos[rows]

@@ -8,12 +8,6 @@ layer of the schedule only the kept tokens are recomputed and compared again, ke
 
 The budget can be split per chunk (``per_span=True``) so each chunk keeps its own share; the
 default ranks all cached tokens of the request together, as CacheBlend does.
-
-``rank="attention"`` keeps the same schedule but ranks the cached tokens by the attention the
-question pays them on that layer (mean over heads and question rows) instead of by their K/V
-deviation. The answer is read through the question's attention: a deviation the question does not
-look at changes little, and the tokens it does look at are the ones worth fixing (Cache-Craft
-ranks the tokens to fix by attention too, with statistics stored at caching time).
 """
 
 from __future__ import annotations
@@ -26,10 +20,8 @@ from kvrag.config import SELECTIONS
 from kvrag.engine.runner import KVBuffer
 from kvrag.kernels import kv_deviation, topk
 
-__all__ = ["HKVDSelector", "keep_schedule", "recency_window", "question_attention", "SELECTIONS", "RANKS"]
+__all__ = ["HKVDSelector", "keep_schedule", "recency_window", "SELECTIONS"]
 
-#: What gradual filtering ranks cached tokens by: K/V deviation (CacheBlend) or question attention.
-RANKS = ("deviation", "attention")
 
 
 def recency_window(candidates: torch.Tensor, ratio: float, before: int) -> torch.Tensor:
@@ -40,36 +32,6 @@ def recency_window(candidates: torch.Tensor, ratio: float, before: int) -> torch
     if k:
         window[cand_pos[cand_pos.numel() - k :]] = True
     return window
-
-
-def question_attention(
-    q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Mean attention probability that the query rows ``rows`` pay each position.
-
-    Args:
-        q: [H, R, D] queries of the computed rows (RoPE applied).
-        pos: [R] positions of the computed rows, increasing.
-        k: [Hkv, R, D] fresh keys of the computed rows (RoPE applied).
-        keys: [Hkv, S, D] this layer's keys of the whole sequence (cached where not computed).
-        rows: [Q] indices into the computed rows of the querying rows (the question).
-        scale: softmax scale.
-
-    Returns:
-        [S] float32, causal: a row attends to positions up to its own.
-    """
-    n = int(pos[rows[-1]]) + 1
-    full = keys[:, :n].clone()
-    inside = pos < n
-    full[:, pos[inside]] = k[:, inside]  # the fresh keys where the rows were computed
-    hkv, group = full.shape[0], q.shape[0] // full.shape[0]
-    qq = q[:, rows].float().reshape(hkv, group * rows.numel(), -1)  # query head h reads KV head h // group
-    logits = torch.einsum("gqd,gsd->gqs", qq, full.float()) * scale
-    qpos = pos[rows].repeat(group)
-    logits.masked_fill_(torch.arange(n, device=q.device)[None, None, :] > qpos[None, :, None], float("-inf"))
-    probs = torch.zeros(keys.shape[1], dtype=torch.float32, device=q.device)
-    probs[:n] = logits.softmax(-1).mean(dim=(0, 1))
-    return probs
 
 
 def keep_schedule(ratio: float, check_layer: int, multipliers: tuple[float, ...], n_layers: int) -> dict[int, float]:
@@ -94,10 +56,6 @@ class HKVDSelector:
         deviation: ``k``, ``v`` or ``kv``.
         span_ids: optional [N] int64 chunk index of each position (-1 elsewhere); with it, each
             chunk keeps its own share of its tokens.
-        rank: ``deviation`` (CacheBlend) or ``attention`` (the question's attention; see the module).
-        question: [N] bool, the positions of the question (computed rows after the last cached
-            chunk); needed by ``rank="attention"``, which falls back to deviation without any.
-        scale: attention softmax scale (``rank="attention"``).
     """
 
     def __init__(
@@ -107,22 +65,13 @@ class HKVDSelector:
         schedule: dict[int, float],
         deviation: str = "kv",
         span_ids: torch.Tensor | None = None,
-        *,
-        rank: str = "deviation",
-        question: torch.Tensor | None = None,
-        scale: float = 1.0,
     ) -> None:
-        if rank not in RANKS:
-            raise ValueError(f"rank must be one of {RANKS}, got {rank!r}")
         self.candidates = candidates
         self.n_candidates = int(candidates.sum())
         self.ratio = ratio
         self.schedule = schedule
         self.deviation = deviation
         self.span_ids = span_ids
-        self.rank = rank
-        self.question = question
-        self.scale = scale
         self.selected: torch.Tensor | None = None  # positions kept after the last step
 
     def wants(self, layer: int) -> bool:
@@ -137,13 +86,9 @@ class HKVDSelector:
         if cand_rows.numel() == 0:
             return None
         cpos = pos[cand_rows]
-        asking = self.question[pos].nonzero().squeeze(1) if self.question is not None else None
-        if self.rank == "attention" and asking is not None and asking.numel():
-            dev = question_attention(q, pos, k, buf.k[layer], asking, self.scale)[cpos]
-        else:
-            dev = kv_deviation(
-                k[:, cand_rows], buf.k[layer][:, cpos], v[:, cand_rows], buf.v[layer][:, cpos], self.deviation
-            )
+        dev = kv_deviation(
+            k[:, cand_rows], buf.k[layer][:, cpos], v[:, cand_rows], buf.v[layer][:, cpos], self.deviation
+        )
         if self.span_ids is None:
             chosen = cand_rows[topk(dev, math.ceil(share * self.n_candidates))]
         else:

@@ -35,7 +35,7 @@ _PER_CALL_FIELDS = {"mode", "recompute_ratio", "selection", "max_new_tokens", "t
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - _PER_CALL_FIELDS
 
 Mode = Literal["full", "prefix", "blend", "reuse"]
-Selection = Literal["hkvd", "attention", "recency"]
+Selection = Literal["hkvd", "recency"]
 
 
 class EngineSettings(BaseModel):
@@ -60,7 +60,7 @@ class EngineSettings(BaseModel):
     recompute_ratio: float | None = None
     """Share of cached chunk tokens recomputed in ``blend`` (0..1); ``None`` = engine default."""
     selection: Selection | None = None
-    """Which cached tokens ``blend`` recomputes (``hkvd``, ``attention``, ``recency``); ``None`` = engine default."""
+    """Which cached tokens ``blend`` recomputes (``hkvd`` or ``recency``); ``None`` = engine default."""
     max_tokens: int | None = None
     """Most tokens to generate; ``None`` = engine default."""
     temperature: float | None = None
