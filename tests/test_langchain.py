@@ -189,6 +189,15 @@ def test_constructor_is_cheap_and_strict():
         KVCachedLLM(recompute_ratio=1.5)
 
 
+def test_field_literals_name_the_engine_choices():
+    from typing import get_args
+
+    from kvrag.config import MODES, SELECTIONS
+    from kvrag.integrations.langchain._common import Mode, Selection
+
+    assert set(get_args(Mode)) == set(MODES) and set(get_args(Selection)) == set(SELECTIONS)
+
+
 def test_selection_reaches_the_engine(lc_engine, monkeypatch):
     seen = []
     original = lc_engine.stream

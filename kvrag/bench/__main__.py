@@ -52,8 +52,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--repeat", type=int, default=d.repeat, help="requests per question (fresh order each)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--score", default=d.score, help="methods whose gold-answer log-likelihood is measured: "
-                   "auto (all but blend@1.0, which is the full prefill), all, none or names")
+    p.add_argument("--score", default=d.score, help="methods whose gold-answer log-likelihood and "
+                   "answer drift (full's answer, teacher-forced) are measured: auto (all but blend@1.0, which "
+                   "is the full prefill), all, none or names; each costs a prefill per request")
     p.add_argument("--workloads", default=d.workloads, help="a (per question, pre-warmed), b (Zipf stream, "
                    "bounded store), c (multi-turn conversations)")
     p.add_argument("--stream-requests", type=int, default=d.stream_requests)

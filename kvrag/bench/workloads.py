@@ -158,8 +158,9 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             engine.flush()  # write-back off the clock, before the next method is timed
             if m.answers and m.name in score_set:
                 scores[m.name] = m.score(engine, req, req.answers[0])
-                if outcomes["full"].text and outcomes["full"].text.strip():
-                    drifts[m.name] = m.score_tokens(engine, req, outcomes["full"].text)
+                full_answer = outcomes["full"].text  # full runs first (see ordered)
+                if full_answer and full_answer.strip():
+                    drifts[m.name] = m.score_tokens(engine, req, full_answer)
                 engine.flush()
         ref = outcomes["full"]
         for m in methods:
