@@ -53,16 +53,21 @@ def index(nodes):
     return VectorStoreIndex(nodes, embed_model=BowEmbedding())
 
 
-def spy_prompts(engine) -> list[str]:
-    prompts: list[str] = []
+def spy_calls(engine, argument: str) -> list:
+    """Records one keyword argument of every ``engine.stream`` call (for this test's engine)."""
+    seen: list = []
     original = engine.stream
 
     def stream(*args, **kwargs):
-        prompts.append(kwargs["prompt"])
+        seen.append(kwargs[argument])
         return original(*args, **kwargs)
 
     engine.stream = stream
-    return prompts
+    return seen
+
+
+def spy_prompts(engine) -> list[str]:
+    return spy_calls(engine, "prompt")
 
 
 # -- the LLM -------------------------------------------------------------------------------------
@@ -130,14 +135,9 @@ def test_per_call_arguments_and_errors(llm, tiny_engine):
         llm.complete("river", mode="fast")
     with pytest.raises(InvalidRequestError, match="unknown selection"):  # handed to the engine per call
         llm.complete("river", selection="oracle")
-    seen = []
-    original = tiny_engine.stream
-    tiny_engine.stream = lambda *a, **k: seen.append(k["selection"]) or original(*a, **k)
-    try:
-        llm.complete("river", max_tokens=1, selection="recency")
-        KVCachedLLM(engine=tiny_engine, selection="hkvd").complete("river", max_tokens=1)
-    finally:
-        del tiny_engine.stream
+    seen = spy_calls(tiny_engine, "selection")
+    llm.complete("river", max_tokens=1, selection="recency")
+    KVCachedLLM(engine=tiny_engine, selection="hkvd").complete("river", max_tokens=1)
     assert seen == ["recency", "hkvd"]
     long = " ".join(["river"] * (tiny_engine.context_window + 10))
     with pytest.raises(ContextLengthError, match=str(tiny_engine.context_window)):
