@@ -87,9 +87,10 @@ class EngineConfig:
             PGDSF is the default: on a Zipf stream over the dev passages it keeps more hits than
             LRU with the same budgets (``python -m kvrag.engine.store.sim``).
         namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
-        chunk_context: what a chunk's KV is computed behind: ``neighbor`` (another document — its
-            neighbour in ``warm``, its real context when a request computes it) or ``sink`` (alone
-            behind the attention-sink token, as CacheBlend does). See :mod:`kvrag.engine.chunks`.
+        chunk_context: what a chunk's KV is computed behind: ``neighbor`` (other documents — the
+            ones before it in ``warm``'s list, its real context when a request computes it) or
+            ``sink`` (alone behind the attention-sink token, as CacheBlend does). See
+            :mod:`kvrag.engine.chunks`.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         write_back: after a request, precompute and store the KV of chunks it missed.
         max_new_tokens: default generation length.

@@ -9,7 +9,7 @@ import torch
 
 from kvrag import ContextLengthError, Engine, InvalidRequestError
 from kvrag.engine.fusion import prefill
-from kvrag.engine.runner import KVBuffer, forward
+from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from tests.helpers import make_docs
 
 PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
@@ -104,6 +104,78 @@ def test_warm_then_hits(tiny_engine, docs):
     assert hot.stats.cached_tokens >= sum(tiny_engine.count_tokens(d) for d in docs)
     assert 0 < hot.stats.recomputed_tokens < hot.stats.cached_tokens
     assert hot.stats.compute_fraction < 0.7
+
+
+def chunk_kv_in_stream(engine, context: list[int], stream: list[list[int]]):
+    """The KV a plain prefill of context + stream computes for the stream's last document."""
+    ids = context + [t for d in stream for t in d]
+    n = len(ids)
+    buf = KVBuffer(engine.adapter, n)
+    cap = KVCapture(engine.adapter, n - len(stream[-1]), n)
+    forward(engine.adapter, buf, torch.tensor(ids), torch.arange(n), n, capture=[cap])
+    return cap
+
+
+def stored(engine, text):
+    ids = engine.planner.tokenize(text)
+    return engine.store.get(engine.planner.chunk_key(ids), ids)
+
+
+def flat(docs):
+    return [t for d in docs for t in d]
+
+
+def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
+    """chunk_context='neighbor': warm() computes its list as one stream behind the tail of the
+    list's last documents; each chunk keeps the KV it has in that stream."""
+    docs = make_docs(4, words=150, seed=3)
+    w = tiny_engine.warm(docs)
+    assert (w.computed, w.cached) == (len(docs), 0)
+    ids = [tiny_engine.planner.tokenize(d) for d in docs]
+    budget = tiny_engine.chunk_computer.context_tokens
+    assert budget == tiny_engine.context_window // 4 < len(flat(ids[1:]))  # a quarter of the window
+    context = tiny_engine.sink_ids + flat(ids[1:])[-budget:]
+    for i in (0, len(docs) - 1):
+        want = chunk_kv_in_stream(tiny_engine, context, ids[: i + 1])
+        rec = stored(tiny_engine, docs[i])
+        torch.testing.assert_close(rec.k, want.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rec.v, want.v, rtol=1e-5, atol=1e-5)
+    # only what is missing is stored, with the KV it has in the whole stream; a repeat is no work
+    assert (tiny_engine.warm(docs + docs[:1]).computed, tiny_engine.warm(docs[::-1]).computed) == (0, 0)
+    tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
+    w = tiny_engine.warm(docs)
+    assert (w.computed, w.cached) == (1, len(docs) - 1)
+    want = chunk_kv_in_stream(tiny_engine, context, ids[:3])
+    torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_splits_long_lists_into_windows(tiny_engine, docs, monkeypatch):
+    cc = tiny_engine.chunk_computer
+    ids = [tiny_engine.planner.tokenize(d) for d in docs]
+    head = len(cc.sink_ids) + cc.context_tokens
+    two = head + len(ids[0]) + len(ids[1])
+    assert cc.windows(ids, two) == [[0, 1], [2, 3]]
+    assert cc.windows(ids, 1) == [[0], [1], [2], [3]]  # a chunk longer than the window is alone
+    assert cc.windows(ids, 10**6) == [[0, 1, 2, 3]]
+    # a window starts behind the documents before it, round the list
+    import kvrag.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_STREAM_TOKENS", two)
+    tiny_engine.warm(docs)
+    context = cc.sink_ids + flat(ids[3:] + ids[:2])[-cc.context_tokens :]
+    want = chunk_kv_in_stream(tiny_engine, context, ids[2:3])
+    torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
+
+
+def test_sink_context_computes_each_chunk_alone(tiny_model, tiny_tokenizer, docs):
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, chunk_context="sink")
+    try:
+        assert engine.warm(docs).computed == len(docs)
+        ids = engine.planner.tokenize(docs[1])
+        want = chunk_kv_in_stream(engine, engine.sink_ids, [ids])
+        torch.testing.assert_close(stored(engine, docs[1]).k, want.k, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
 
 
 def test_write_back_makes_misses_hits(tiny_engine, docs):

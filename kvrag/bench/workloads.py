@@ -105,8 +105,8 @@ def _request_order(n_passages: int, top_k: int, shuffle: bool, rng: random.Rando
 def warm_in_dataset_order(engine, item: QAItem, order: list[int]):
     """Warm a request's passages in retrieval (dataset) order; the request asks them in ``order``.
 
-    A chunk's cached KV is then computed behind whichever passage preceded it when first seen, not
-    behind its neighbour in the prompt (which would flatter the fusion).
+    A chunk's cached KV is then computed behind the passages before it in retrieval order (and the
+    list's last ones), not behind its neighbours in the prompt (which would flatter the fusion).
     """
     warm = engine.warm([item.passages[i] for i in sorted(order)])
     engine.flush()

@@ -6,10 +6,19 @@ a real prompt, and a small recompute budget cannot close the gap; the same chunk
 another document (its KV kept, the document's dropped) is much closer (README, "Fidelity"). So by
 default (``chunk_context="neighbor"``):
 
-- ``warm(chunks)`` computes each chunk behind its neighbour in the list (the first behind the last;
-  a lone chunk behind the previous document this engine computed, or a built-in passage);
+- ``warm(chunks)`` computes the chunks it lacks as one stream, in list order, so that each is
+  computed behind the documents before it in the list (one pass per window of up to
+  :data:`MAX_STREAM_TOKENS`); a window starts behind up to :data:`MAX_CONTEXT_TOKENS` of the
+  documents before its first chunk, taken round the list (the first window's: the list's last
+  documents). A lone chunk goes behind the documents this engine computed last, or a built-in
+  passage;
 - a chunk a request missed is kept with the KV the request computed for it, in its real context,
   at no extra cost (captured during the prefill).
+
+More documents before a chunk bring its KV closer to what it gets deep inside a prompt: on the
+bundled model, 20 MuSiQue questions with six shuffled passages, one preceding document per chunk
+gave ROUGE-L 0.77 against the full prefill at HKVD 15%, the warm list as one stream 0.83, the
+stream behind three more documents 0.87 (README, "Fidelity").
 
 ``chunk_context="sink"`` restores CacheBlend's behaviour. Keys carry the context kind, so caches
 computed both ways never mix. Keys are stored without RoPE, so the context's length does not
@@ -19,7 +28,7 @@ matter when the chunk is placed elsewhere.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 
 import torch
@@ -33,13 +42,18 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CHUNK_CONTEXTS", "ChunkComputer", "context_label"]
 
-#: Most context tokens kept behind a chunk (the tail of the neighbouring document).
-MAX_CONTEXT_TOKENS = 512
+#: Most context tokens a chunk is computed behind, besides the sink (the tail of the documents
+#: before it); at most a quarter of the model's context window.
+MAX_CONTEXT_TOKENS = 1536
+
+#: Most tokens ``warm()`` computes in one pass (context and chunks); longer lists take several.
+#: Longer streams put more documents behind each chunk, but hold the engine longer per pass.
+MAX_STREAM_TOKENS = 4096
 
 
 def context_label(context: str, sink_ids: list[int]) -> str:
     """The context kind in every chunk key, so records computed differently never mix."""
-    return "doc-v1" if context == "neighbor" else "sink:" + ",".join(map(str, sink_ids))
+    return "doc-v2" if context == "neighbor" else "sink:" + ",".join(map(str, sink_ids))
 
 
 class ChunkComputer:
@@ -50,9 +64,13 @@ class ChunkComputer:
         tokenize: text -> token ids (no special tokens).
         sink_ids: the attention-sink token(s) every context starts with.
         context: one of :data:`CHUNK_CONTEXTS`.
+        window: the model's context window (bounds the context put behind a chunk).
     """
 
-    def __init__(self, adapter: ModelAdapter, tokenize: Callable[[str], list[int]], sink_ids: list[int], context: str):
+    def __init__(
+        self, adapter: ModelAdapter, tokenize: Callable[[str], list[int]], sink_ids: list[int], context: str,
+        window: int,
+    ):
         if context not in CHUNK_CONTEXTS:
             raise ValueError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {context!r}")
         self.adapter = adapter
@@ -60,7 +78,9 @@ class ChunkComputer:
         self.sink_ids = list(sink_ids)
         self.context = context
         self.label = context_label(context, sink_ids)
-        self._last_doc: list[int] | None = None
+        #: most tokens of other documents behind a chunk (0 with the sink context)
+        self.context_tokens = 0 if context == "sink" else min(MAX_CONTEXT_TOKENS, window // 4)
+        self._recent: list[int] = []  # the tail of the documents computed last
         self._builtin: list[int] | None = None
 
     def _builtin_doc(self) -> list[int]:
@@ -69,32 +89,62 @@ class ChunkComputer:
             self._builtin = self.tokenize(text)
         return self._builtin
 
-    def context_ids(self, neighbor: list[int] | None) -> list[int]:
-        """Tokens a chunk is computed behind (their KV is dropped)."""
+    def _remember(self, ids: list[int]) -> None:
+        self._recent = (self._recent + list(ids))[-self.context_tokens :] if self.context_tokens else []
+
+    def context_ids(self, before: Sequence[list[int]] | None = None) -> list[int]:
+        """Tokens a chunk is computed behind (their KV is dropped): the sink, then the tail of the
+        documents ``before`` it (none given: the documents computed last, or a built-in passage)."""
         if self.context == "sink":
             return list(self.sink_ids)
-        doc = neighbor or self._last_doc or self._builtin_doc()
-        return self.sink_ids + list(doc[-MAX_CONTEXT_TOKENS:])
+        docs = [t for doc in before or () for t in doc] or self._recent or self._builtin_doc()
+        return self.sink_ids + docs[-self.context_tokens :]
 
     def max_chunk_tokens(self, window: int) -> int:
         """Longest chunk that fits the context window behind its context."""
-        extra = len(self.sink_ids) + (0 if self.context == "sink" else MAX_CONTEXT_TOKENS)
-        return window - extra - 1
+        return window - len(self.sink_ids) - self.context_tokens - 1
 
-    def compute(self, ids: list[int], neighbor: list[int] | None = None) -> KVRecord:
+    def compute(self, ids: list[int], before: Sequence[list[int]] | None = None) -> KVRecord:
         """KV record of a chunk computed behind its context (call under the engine's lock)."""
-        ctx = self.context_ids(neighbor)
-        s = len(ctx)
-        full = torch.tensor(ctx + list(ids), dtype=torch.long)
-        n = int(full.shape[0])
-        buf = KVBuffer(self.adapter, n)
-        cap = KVCapture(self.adapter, s, n)
-        forward(self.adapter, buf, full, torch.arange(n), n, capture=[cap])
-        self._last_doc = list(ids)
-        return KVRecord(torch.tensor(ids), cap.k, cap.v, kind="chunk", context=self.label)
+        return self.compute_window([ids], before)[0]
+
+    def windows(self, docs: Sequence[list[int]], max_tokens: int = MAX_STREAM_TOKENS) -> list[list[int]]:
+        """Indices of ``docs`` computed together: consecutive runs of at most ``max_tokens`` tokens
+        behind their context (a chunk longer than that is a window on its own); with
+        ``chunk_context="sink"``, one chunk each."""
+        if self.context == "sink":
+            return [[i] for i in range(len(docs))]
+        head = len(self.sink_ids) + self.context_tokens
+        out: list[list[int]] = []
+        total = 0
+        for i, ids in enumerate(docs):
+            if out and total + len(ids) <= max_tokens:
+                out[-1].append(i)
+                total += len(ids)
+            else:
+                out.append([i])
+                total = head + len(ids)
+        return out
+
+    def compute_window(self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None) -> list[KVRecord]:
+        """KV records of chunks computed in one pass, each behind the ones before it in ``docs``, the
+        first behind :meth:`context_ids` of ``before``; call under the engine's lock."""
+        if self.context == "sink" and len(docs) > 1:
+            raise ValueError("chunk_context='sink' computes each chunk alone")
+        ids = self.context_ids(before)
+        caps, pos = [], len(ids)
+        for doc in docs:
+            caps.append(KVCapture(self.adapter, pos, pos + len(doc)))
+            ids += doc
+            pos += len(doc)
+        buf = KVBuffer(self.adapter, pos)
+        forward(self.adapter, buf, torch.tensor(ids, dtype=torch.long), torch.arange(pos), pos, capture=caps)
+        for doc in docs:
+            self._remember(doc)
+        return [KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label) for doc, cap in zip(docs, caps)]
 
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""
-        self._last_doc = list(ids)
+        self._remember(ids)
         return KVRecord(torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label,
                         meta={"computed": "in-request"})

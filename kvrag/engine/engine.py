@@ -19,7 +19,7 @@ from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.requests import (
     Request, check_chunks, check_dedup, check_mode, check_sampling, check_selection, check_text, request_parts,
 )
-from kvrag.engine.chunks import ChunkComputer, context_label
+from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label
 from kvrag.engine.sampling import TextStream, sample
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.costs import CostFeedback
@@ -69,7 +69,9 @@ class Engine:
             tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens,
             context_label(config.chunk_context, self.sink_ids),
         )
-        self.chunk_computer = ChunkComputer(self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context)
+        self.chunk_computer = ChunkComputer(
+            self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context, self.context_window
+        )
         self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         self.registry = ChunkRegistry()
@@ -139,9 +141,11 @@ class Engine:
     def warm(self, chunks: Sequence[str]) -> WarmResult:
         """Precompute and store the KV of chunks that are not cached yet.
 
-        With ``chunk_context="neighbor"`` (default) each chunk is computed behind its neighbour in
-        this list (the first behind the last), closer to how it will appear inside prompts; with
-        ``"sink"`` each is computed alone behind the attention-sink token (CacheBlend).
+        With ``chunk_context="neighbor"`` (default) the list is computed as one stream in this order
+        (windows of up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are
+        cached), each chunk behind the documents before it, the first behind the list's last ones:
+        closer to how they will appear inside prompts. With ``"sink"`` each is computed alone
+        behind the attention-sink token (CacheBlend).
         """
         self._check_open()
         chunks = check_chunks(chunks)
@@ -151,19 +155,30 @@ class Engine:
         for ids in docs:
             if len(ids) > limit:
                 raise ContextLengthError(len(ids), limit, "a single chunk behind its context")
-        computed = cached = 0
         keys = [self.planner.chunk_key(ids) for ids in docs]
+        unique, seen = [], set()  # the first occurrence of each chunk
+        for i, key in enumerate(keys):
+            if key not in seen:
+                seen.add(key)
+                unique.append(i)
+        window_tokens = min(MAX_STREAM_TOKENS, self.context_window)
+        computed = 0
         with self.store.pinned(keys):  # a batch never evicts its own members
-            for i, (ids, key) in enumerate(zip(docs, keys)):
-                if self.store.contains(key):
-                    cached += 1
+            # windows are cut from the whole list, so a chunk's KV never depends on what was cached
+            for window in self.chunk_computer.windows([docs[i] for i in unique], window_tokens):
+                members = [unique[w] for w in window]
+                missing = {i for i in members if not self.store.contains(keys[i])}
+                if not missing:
                     continue
-                neighbor = docs[i - 1] if len(docs) > 1 else None
+                first = members[0]
+                before = docs[first + 1 :] + docs[:first]  # round the list, ending just before it
                 with self._lock:
-                    record = self.chunk_computer.compute(ids, neighbor)
-                self.store.put(key, record)
-                computed += 1
-        return WarmResult(computed, cached, sum(len(d) for d in docs), time.perf_counter() - t0)
+                    records = self.chunk_computer.compute_window([docs[i] for i in members], before)
+                for i, record in zip(members, records):
+                    if i in missing:
+                        self.store.put(keys[i], record)
+                computed += len(missing)
+        return WarmResult(computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0)
 
     def generate(
         self,
