@@ -126,15 +126,17 @@ def flat(docs):
 
 
 def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
-    """chunk_context='neighbor': warm() computes its list as one stream behind the tail of the
-    list's last documents; each chunk keeps the KV it has in that stream."""
+    """chunk_context='neighbor': warm() computes its list as one stream; each chunk keeps the KV it
+    has in that stream. A list that fits one window goes behind a built-in passage (no other
+    documents are known to a fresh engine)."""
     docs = make_docs(4, words=150, seed=3)
     w = tiny_engine.warm(docs)
     assert (w.computed, w.cached) == (len(docs), 0)
+    cc = tiny_engine.chunk_computer
     ids = [tiny_engine.planner.tokenize(d) for d in docs]
-    budget = tiny_engine.chunk_computer.context_tokens
-    assert budget == tiny_engine.context_window // 4 < len(flat(ids[1:]))  # a quarter of the window
-    context = tiny_engine.sink_ids + flat(ids[1:])[-budget:]
+    assert cc.windows(ids, tiny_engine.context_window) == [[0, 1, 2, 3]]
+    assert cc.context_tokens == tiny_engine.context_window // 4 < len(cc._builtin_doc())  # a quarter of the window
+    context = cc.sink_ids + cc._builtin_doc()[-cc.context_tokens :]
     for i in (0, len(docs) - 1):
         want = chunk_kv_in_stream(tiny_engine, context, ids[: i + 1])
         rec = stored(tiny_engine, docs[i])
@@ -145,7 +147,8 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
     w = tiny_engine.warm(docs)
     assert (w.computed, w.cached) == (1, len(docs) - 1)
-    want = chunk_kv_in_stream(tiny_engine, context, ids[:3])
+    recent = flat(ids)[-cc.context_tokens :]  # now the engine has computed documents: behind those
+    want = chunk_kv_in_stream(tiny_engine, cc.sink_ids + recent, ids[:3])
     torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
 
 
@@ -157,14 +160,15 @@ def test_warm_splits_long_lists_into_windows(tiny_engine, docs, monkeypatch):
     assert cc.windows(ids, two) == [[0, 1], [2, 3]]
     assert cc.windows(ids, 1) == [[0], [1], [2], [3]]  # a chunk longer than the window is alone
     assert cc.windows(ids, 10**6) == [[0, 1, 2, 3]]
-    # a window starts behind the documents before it, round the list
+    # a window goes behind the other documents of the list, round it, ending just before the window
     import kvrag.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "MAX_STREAM_TOKENS", two)
     tiny_engine.warm(docs)
-    context = cc.sink_ids + flat(ids[3:] + ids[:2])[-cc.context_tokens :]
-    want = chunk_kv_in_stream(tiny_engine, context, ids[2:3])
-    torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
+    for members, others in (([0, 1], [2, 3]), ([2, 3], [0, 1])):
+        context = cc.sink_ids + flat(ids[j] for j in others)[-cc.context_tokens :]
+        want = chunk_kv_in_stream(tiny_engine, context, [ids[j] for j in members])
+        torch.testing.assert_close(stored(tiny_engine, docs[members[-1]]).k, want.k, rtol=1e-5, atol=1e-5)
 
 
 def test_sink_context_computes_each_chunk_alone(tiny_model, tiny_tokenizer, docs):

@@ -6,19 +6,20 @@ a real prompt, and a small recompute budget cannot close the gap; the same chunk
 another document (its KV kept, the document's dropped) is much closer (README, "Fidelity"). So by
 default (``chunk_context="neighbor"``):
 
-- ``warm(chunks)`` computes the chunks it lacks as one stream, in list order, so that each is
+- ``warm(chunks)`` computes its list as one stream, in list order, so that each chunk is
   computed behind the documents before it in the list (one pass per window of up to
-  :data:`MAX_STREAM_TOKENS`); a window starts behind up to :data:`MAX_CONTEXT_TOKENS` of the
-  documents before its first chunk, taken round the list (the first window's: the list's last
-  documents). A lone chunk goes behind the documents this engine computed last, or a built-in
-  passage;
+  :data:`MAX_STREAM_TOKENS`; windows whose chunks are all cached are skipped). A window starts
+  behind up to :data:`MAX_CONTEXT_TOKENS` of the list's other documents, taken round the list up
+  to its first chunk (the first window's: the list's last documents), never a copy of a document
+  inside the window. With no other documents (a list that fits one window, a lone chunk) it goes
+  behind the documents this engine computed last, or a built-in passage;
 - a chunk a request missed is kept with the KV the request computed for it, in its real context,
   at no extra cost (captured during the prefill).
 
-More documents before a chunk bring its KV closer to what it gets deep inside a prompt: on the
-bundled model, 20 MuSiQue questions with six shuffled passages, one preceding document per chunk
-gave ROUGE-L 0.77 against the full prefill at HKVD 15%, the warm list as one stream 0.83, the
-stream behind three more documents 0.87 (README, "Fidelity").
+More documents before a chunk bring its KV closer to what it gets deep inside a prompt. On the
+bundled model, 20 MuSiQue questions, six passages warmed in retrieval order and asked shuffled,
+HKVD at 15%: ROUGE-L 0.77 against the full prefill with one preceding document per chunk, 0.87
+with the stream (README, "Fidelity").
 
 ``chunk_context="sink"`` restores CacheBlend's behaviour. Keys carry the context kind, so caches
 computed both ways never mix. Keys are stored without RoPE, so the context's length does not

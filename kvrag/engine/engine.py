@@ -144,8 +144,9 @@ class Engine:
         With ``chunk_context="neighbor"`` (default) the list is computed as one stream in this order
         (windows of up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are
         cached), each chunk behind the documents before it, the first behind the list's last ones:
-        closer to how they will appear inside prompts. With ``"sink"`` each is computed alone
-        behind the attention-sink token (CacheBlend).
+        closer to how they will appear inside prompts. Requests from other threads wait while a
+        window computes (one prefill of up to ``MAX_STREAM_TOKENS`` tokens). With ``"sink"`` each
+        chunk is computed alone behind the attention-sink token (CacheBlend).
         """
         self._check_open()
         chunks = check_chunks(chunks)
@@ -170,8 +171,9 @@ class Engine:
                 missing = {i for i in members if not self.store.contains(keys[i])}
                 if not missing:
                     continue
-                first = members[0]
-                before = docs[first + 1 :] + docs[:first]  # round the list, ending just before it
+                first, inside = members[0], {keys[i] for i in members}
+                ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
+                before = [docs[j] for j in ring if keys[j] not in inside]  # never a copy of a member
                 with self._lock:
                     records = self.chunk_computer.compute_window([docs[i] for i in members], before)
                 for i, record in zip(members, records):
