@@ -142,7 +142,8 @@ class ChunkComputer:
         forward(self.adapter, buf, torch.tensor(ids, dtype=torch.long), torch.arange(pos), pos, capture=caps)
         for doc in docs:
             self._remember(doc)
-        return [KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label) for doc, cap in zip(docs, caps)]
+        label = self.label
+        return [KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=label) for doc, cap in zip(docs, caps)]
 
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""

@@ -165,7 +165,7 @@ class Engine:
         window_tokens = min(MAX_STREAM_TOKENS, self.context_window)
         computed = 0
         with self.store.pinned(keys):  # a batch never evicts its own members
-            # windows are cut from the whole list, so a chunk's KV never depends on what was cached
+            # windows are cut from the whole list, cached chunks included: what was cached never moves them
             for window in self.chunk_computer.windows([docs[i] for i in unique], window_tokens):
                 members = [unique[w] for w in window]
                 missing = {i for i in members if not self.store.contains(keys[i])}
