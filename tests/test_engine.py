@@ -106,9 +106,13 @@ def test_warm_then_hits(tiny_engine, docs):
     assert hot.stats.compute_fraction < 0.7
 
 
+def flat(docs):
+    return [t for d in docs for t in d]
+
+
 def chunk_kv_in_stream(engine, context: list[int], stream: list[list[int]]):
     """The KV a plain prefill of context + stream computes for the stream's last document."""
-    ids = context + [t for d in stream for t in d]
+    ids = context + flat(stream)
     n = len(ids)
     buf = KVBuffer(engine.adapter, n)
     cap = KVCapture(engine.adapter, n - len(stream[-1]), n)
@@ -119,10 +123,6 @@ def chunk_kv_in_stream(engine, context: list[int], stream: list[list[int]]):
 def stored(engine, text):
     ids = engine.planner.tokenize(text)
     return engine.store.get(engine.planner.chunk_key(ids), ids)
-
-
-def flat(docs):
-    return [t for d in docs for t in d]
 
 
 def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
