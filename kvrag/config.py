@@ -21,8 +21,9 @@ __all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "default_cac
 #: used as is (recompute ratio 0).
 MODES = ("full", "prefix", "blend", "reuse")
 #: Which cached tokens ``blend`` recomputes: CacheBlend's high-KV-deviation tokens by gradual
-#: filtering, or the cached tokens nearest the question (recomputed in full, no check layer).
-SELECTIONS = ("hkvd", "recency")
+#: filtering; the chunks a deep-layer probe finds most changed (HKVD inside the last one reached);
+#: or the cached tokens nearest the question (recomputed in full, no check layer).
+SELECTIONS = ("hkvd", "probe", "recency")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 
@@ -56,8 +57,14 @@ class EngineConfig:
         mode: default prefill mode, one of :data:`MODES`.
         recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
         selection: which cached tokens ``blend`` recomputes: ``hkvd`` (CacheBlend's high-KV-deviation
-            tokens, gradual filtering from ``check_layer``) or ``recency`` (the cached tokens
-            nearest the question, recomputed in full; no check layer).
+            tokens, gradual filtering from ``check_layer``), ``probe`` (a probe computes every
+            ``probe_stride``-th token of each cached chunk up to ``probe_layer``; whole chunks are
+            recomputed in order of their KV deviation there until the budget is spent, HKVD
+            ranking tokens inside the last one) or ``recency`` (the cached tokens nearest the
+            question, recomputed in full; no check layer).
+        probe_layer: the layer the ``probe`` selection compares; ``None``: a quarter of the depth
+            plus one (layer 8 of SmolLM2's 30).
+        probe_stride: the ``probe`` selection samples one token in this many of each chunk.
         check_layer: the layer on which HKVD selection starts (every token's KV is recomputed there
             and compared with the cached KV). Layer 0's KV does not depend on context, so 1.
         filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached
@@ -115,6 +122,8 @@ class EngineConfig:
     check_layer: int = 1
     filter_schedule: tuple[float, ...] = (2.0, 1.5)
     deviation: str = "kv"
+    probe_layer: int | None = None
+    probe_stride: int = 16
     prefix_block_tokens: int = 16
     prefix_cache: bool = True
     memory_budget_bytes: int = 2 * 1024**3
@@ -150,6 +159,10 @@ class EngineConfig:
             raise InvalidRequestError(f"deviation must be one of {_DEVIATIONS}, got {self.deviation!r}")
         if self.check_layer < 1:
             raise InvalidRequestError("check_layer must be >= 1 (layer 0's KV does not depend on context)")
+        if self.probe_layer is not None and (isinstance(self.probe_layer, bool) or self.probe_layer < 1):
+            raise InvalidRequestError("probe_layer must be >= 1 (layer 0's KV does not depend on context)")
+        if isinstance(self.probe_stride, bool) or not isinstance(self.probe_stride, int) or self.probe_stride < 1:
+            raise InvalidRequestError("probe_stride must be an integer >= 1")
         self.filter_schedule = tuple(float(x) for x in self.filter_schedule)
         if any(x < 1.0 for x in self.filter_schedule) or list(self.filter_schedule) != sorted(
             self.filter_schedule, reverse=True
@@ -184,6 +197,11 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown EngineConfig field(s): {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes)
+
+    def resolved_probe_layer(self, n_layers: int) -> int:
+        """The layer the ``probe`` selection compares, for a model of ``n_layers`` layers."""
+        layer = self.probe_layer if self.probe_layer is not None else n_layers // 4 + 1
+        return max(1, min(layer, n_layers - 1))
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

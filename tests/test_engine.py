@@ -21,8 +21,8 @@ def prompt_ids(engine: Engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Te
     return engine.planner.segment(parts)[1]
 
 
-def last_logits(engine, chunks, mode, ratio=None, **kw):
-    req = engine._request(chunks, PREFIX, SUFFIX, 0, 0.0, 1.0, None, None, mode, ratio)
+def last_logits(engine, chunks, mode, ratio=None, selection=None):
+    req = engine._request(chunks, PREFIX, SUFFIX, 0, 0.0, 1.0, None, None, mode, ratio, selection=selection)
     _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
     return engine.adapter.logits(res.last_hidden)[0]
 

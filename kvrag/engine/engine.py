@@ -377,6 +377,7 @@ class Engine:
                     selection=req.selection,
                     capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
                     capture_chunks=self.writeback.captures(plan),
+                    probe_layer=cfg.resolved_probe_layer(self.adapter.n_layers), probe_stride=cfg.probe_stride,
                 )
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
                 if mode == "full":

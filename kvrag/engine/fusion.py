@@ -9,7 +9,7 @@ import torch
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, SpanSource
 from kvrag.engine.runner import KVBuffer, KVCapture, Trace, forward
-from kvrag.engine.selection import HKVDSelector, keep_schedule, recency_window
+from kvrag.engine.selection import ChunkProbe, HKVDSelector, chunk_quotas, keep_schedule, probe_sample, recency_window
 from kvrag.engine.types import ChunkInfo, GenerationStats
 
 __all__ = ["PrefillResult", "prefill", "extend", "generation_stats"]
@@ -38,6 +38,8 @@ def prefill(
     capture_end: int = 0,
     capture_block: int = 16,
     capture_chunks: tuple[int, ...] = (),
+    probe_layer: int = 8,
+    probe_stride: int = 16,
 ) -> PrefillResult:
     """Compute the KV of a plan's prompt into a new buffer of ``capacity`` positions.
 
@@ -82,6 +84,14 @@ def prefill(
     if blend and selection == "recency":  # the window is recomputed in full, the other candidates reused
         last_chunk_end = max(start + rec.num_tokens for start, rec in plan.chunk_records)
         rows &= ~(candidates & ~recency_window(candidates, plan.ratio, last_chunk_end))
+    elif blend and selection == "probe":
+        quotas = _probe_quotas(
+            adapter, plan, buf, ids, rows, candidates, source, trace, probe_layer, probe_stride, deviation
+        )
+        spans = plan.span_ids().to(adapter.device)
+        rows &= ~candidates | torch.isin(spans, torch.tensor(list(quotas), dtype=torch.long, device=adapter.device))
+        schedule = keep_schedule(plan.ratio, check_layer, (), adapter.n_layers)  # one step, inside the chunks
+        selector = HKVDSelector(candidates, plan.ratio, schedule, deviation, spans, quotas)
     elif blend:
         schedule = keep_schedule(plan.ratio, check_layer, filter_schedule, adapter.n_layers)
         selector = HKVDSelector(candidates, plan.ratio, schedule, deviation)
@@ -91,6 +101,22 @@ def prefill(
     h, pos = forward(adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace)
     recomputed = int(candidates[pos].sum())
     return PrefillResult(buf, h[-1:], trace, recomputed, int(pos.numel()), capture, chunk_caps)
+
+
+def _probe_quotas(adapter, plan, buf, ids, rows, candidates, source, trace, layer, stride, deviation) -> dict[int, int]:
+    """Recompute budget per cached chunk, from a probe pass (see :mod:`kvrag.engine.selection`).
+
+    The pass computes every ``stride``-th cached token and the uncached rows before the last of
+    them up to ``layer`` (the main pass then computes them again, overwriting their KV).
+    """
+    n = plan.num_tokens
+    spans = [(start, start + rec.num_tokens) for start, rec in plan.chunk_records]
+    sample = probe_sample(spans, n, stride).to(adapter.device)
+    probe = ChunkProbe(plan.span_ids().to(adapter.device), sample, min(layer, adapter.n_layers - 1), deviation)
+    all_pos = torch.arange(n, device=adapter.device)
+    pos = all_pos[(rows & ~candidates & (all_pos < max(b for _, b in spans))) | sample]
+    forward(adapter, buf, ids[pos], pos, n, source=source, selector=probe, trace=trace)
+    return chunk_quotas([b - a for a, b in spans], probe.deviation, plan.ratio)
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -136,6 +136,8 @@ def forward(
     Positions [0, seq_len) not among the rows must have their KV in ``buf`` already or be filled
     by ``source``. Rows attend causally to every position before them.
 
+    A selector that keeps no rows ends the pass after writing that layer's KV (a probe).
+
     Returns:
         (hidden [R', E], pos [R']) of the rows still computed after the last layer.
     """
@@ -153,6 +155,8 @@ def forward(
         keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
         _write(buf.k[layer], pos, k, contiguous)
         _write(buf.v[layer], pos, v, contiguous)
+        if keep is not None and keep.numel() == 0:  # no row goes on: the pass ends at this layer's KV
+            return h[:0], pos[:0]
         if keep is not None and keep.numel() != pos.numel():
             q, h, pos, cos, sin = q[:, keep], h[keep], pos[keep], cos[keep], sin[keep]
             contiguous = _is_contiguous(pos)

@@ -35,7 +35,7 @@ _PER_CALL_FIELDS = {"mode", "recompute_ratio", "selection", "max_new_tokens", "t
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - _PER_CALL_FIELDS
 
 Mode = Literal["full", "prefix", "blend", "reuse"]
-Selection = Literal["hkvd", "recency"]
+Selection = Literal["hkvd", "probe", "recency"]
 
 
 class EngineSettings(BaseModel):

@@ -126,7 +126,7 @@ class KVCachedLLM(LLM):
     engine_config: dict = Field(default_factory=dict, description="EngineConfig fields of the shared engine.")
     mode: str | None = Field(default=None, description="Prefill mode: full | prefix | blend | reuse.")
     recompute_ratio: float | None = Field(default=None, description="Share of cached tokens recomputed (blend).")
-    selection: str | None = Field(default=None, description="Which cached tokens blend recomputes: hkvd | recency.")
+    selection: str | None = Field(default=None, description="Which cached tokens blend recomputes: hkvd | probe | recency.")
     max_new_tokens: int | None = Field(default=None, description="Generation length limit.")
     temperature: float | None = Field(default=None, description="0 = greedy decoding.")
     top_p: float | None = Field(default=None, description="Nucleus sampling threshold.")
