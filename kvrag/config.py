@@ -56,12 +56,12 @@ class EngineConfig:
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         mode: default prefill mode, one of :data:`MODES`.
         recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
-        selection: which cached tokens ``blend`` recomputes: ``hkvd`` (CacheBlend's high-KV-deviation
-            tokens, gradual filtering from ``check_layer``), ``probe`` (a probe computes every
+        selection: which cached tokens ``blend`` recomputes: ``probe`` (default; a probe computes every
             ``probe_stride``-th token of each cached chunk up to ``probe_layer``; whole chunks are
             recomputed in order of their KV deviation there until the budget is spent, HKVD
-            ranking tokens inside the last one) or ``recency`` (the cached tokens nearest the
-            question, recomputed in full; no check layer).
+            ranking tokens inside the last one), ``hkvd`` (CacheBlend's high-KV-deviation tokens,
+            gradual filtering from ``check_layer``, all cached tokens ranked together) or
+            ``recency`` (the cached tokens nearest the question, recomputed in full; no check layer).
         probe_layer: the layer the ``probe`` selection compares; ``None``: a quarter of the depth
             plus one (layer 8 of SmolLM2's 30).
         probe_stride: the ``probe`` selection samples one token in this many of each chunk.
@@ -118,7 +118,7 @@ class EngineConfig:
     num_threads: int | None = None
     mode: str = "blend"
     recompute_ratio: float = 0.15
-    selection: str = "hkvd"
+    selection: str = "probe"
     check_layer: int = 1
     filter_schedule: tuple[float, ...] = (2.0, 1.5)
     deviation: str = "kv"

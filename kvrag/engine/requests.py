@@ -34,7 +34,7 @@ class Request:
     mode: str
     ratio: float
     sampling: Sampling
-    selection: str = "hkvd"
+    selection: str = "probe"
     conversation: str | None = None
     deduplicated: int = 0
     conversation_spans: list | None = None

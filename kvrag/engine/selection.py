@@ -151,7 +151,7 @@ class ChunkProbe:
 
 
 def probe_sample(spans: list[tuple[int, int]], n: int, stride: int) -> torch.Tensor:
-    """[N] bool: every ``stride``-th token of each span (from its middle offset; at least one each)."""
+    """[N] bool: every ``stride``-th token of each span from offset ``stride // 2`` (one at least)."""
     sample = torch.zeros(n, dtype=torch.bool)
     for start, end in spans:
         sample[start + min(stride // 2, end - start - 1) : end : stride] = True
@@ -161,8 +161,7 @@ def probe_sample(spans: list[tuple[int, int]], n: int, stride: int) -> torch.Ten
 def chunk_quotas(sizes: list[int], deviation: dict[int, float], ratio: float) -> dict[int, int]:
     """Recompute budget per chunk: whole chunks in order of deviation until ``ratio`` of all is spent.
 
-    The last chunk reached gets what is left; chunks of zero deviation (cached in this very
-    context) get nothing.
+    The last chunk reached gets what is left; chunks of zero deviation get nothing.
     """
     budget = math.ceil(ratio * sum(sizes))
     quotas: dict[int, int] = {}
