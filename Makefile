@@ -32,7 +32,7 @@ DATASET ?= ../shared/data/musique_dev.json
 BENCH_OUT ?= bench-results
 bench: install
 	$(PY) -m kvrag.bench --dataset $(DATASET) --n 20 --top-k 6 --workloads a --score auto \
-		--methods hf,full,prefix,reuse,hkvd@0.15,recency@0.15,recency@0.1 --out $(BENCH_OUT)
+		--methods hf,full,prefix,reuse,probe@0.15,hkvd@0.15,recency@0.15 --out $(BENCH_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(BENCH_OUT)
