@@ -78,14 +78,15 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(tiny_engin
         torch.testing.assert_close(res.buf.v[0, :, start:end], buf.v[0, :, start:end], rtol=1e-5, atol=1e-5)
 
 
-def test_deviation_from_full_shrinks_as_ratio_grows(tiny_engine):
+@pytest.mark.parametrize("selection", ["hkvd", "probe"])
+def test_deviation_from_full_shrinks_as_ratio_grows(tiny_engine, selection):
     errors = {r: 0.0 for r in (0.0, 0.2, 0.5, 1.0)}
     for seed in range(3):
         chunks = make_docs(4, seed=seed + 10)
         tiny_engine.warm(chunks)
         ref = torch.log_softmax(last_logits(tiny_engine, chunks, "full"), -1)
         for r in errors:
-            got = torch.log_softmax(last_logits(tiny_engine, chunks, "blend", r), -1)
+            got = torch.log_softmax(last_logits(tiny_engine, chunks, "blend", r, selection), -1)
             errors[r] += float((ref.exp() * (ref - got)).sum())  # KL(full || blend)
     assert errors[1.0] == 0.0
     assert errors[0.0] > errors[0.2] > errors[0.5] > errors[1.0]

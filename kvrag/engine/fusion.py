@@ -45,7 +45,8 @@ def prefill(
 
     ``capture_end`` > 0 asks to keep the exact pre-RoPE KV of [aligned prefix_len, capture_end)
     for the prefix cache; ``capture_chunks`` (segment indices of chunks computed in full) asks to
-    keep those chunks' KV as computed in this prompt.
+    keep those chunks' KV as computed in this prompt. ``probe_layer`` and ``probe_stride`` set the
+    probe of ``selection="probe"`` (see :mod:`kvrag.engine.selection`).
     """
     n = plan.num_tokens
     buf = KVBuffer(adapter, capacity)
