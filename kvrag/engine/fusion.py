@@ -83,13 +83,17 @@ def prefill(
     selector = None
     blend = plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records
     if blend and selection == "recency":  # the window is recomputed in full, the other candidates reused
-        last_chunk_end = max(start + rec.num_tokens for start, rec in plan.chunk_records)
-        rows &= ~(candidates & ~recency_window(candidates, plan.ratio, last_chunk_end))
+        rows &= ~(candidates & ~recency_window(candidates, plan.ratio, max(b for _, b in cached_spans)))
     elif blend and selection == "probe":
-        quotas = _probe_quotas(
-            adapter, plan, buf, ids, rows, candidates, source, trace, probe_layer, probe_stride, deviation
-        )
+        # the probe pass: every probe_stride-th cached token, and the uncached rows before the last
+        # chunk, up to probe_layer; the main pass computes them again (see kvrag.engine.selection)
         spans = plan.span_ids().to(adapter.device)
+        sample = probe_sample(cached_spans, n, probe_stride).to(adapter.device)
+        probe = ChunkProbe(spans, sample, min(probe_layer, adapter.n_layers - 1), deviation)
+        before_last = all_pos < max(b for _, b in cached_spans)
+        probe_pos = all_pos[(rows & ~candidates & before_last) | sample]
+        forward(adapter, buf, ids[probe_pos], probe_pos, n, source=source, selector=probe, trace=trace)
+        quotas = chunk_quotas([b - a for a, b in cached_spans], probe.deviation, plan.ratio)
         rows &= ~candidates | torch.isin(spans, torch.tensor(list(quotas), dtype=torch.long, device=adapter.device))
         schedule = keep_schedule(plan.ratio, check_layer, (), adapter.n_layers)  # one step, inside the chunks
         selector = HKVDSelector(candidates, plan.ratio, schedule, deviation, spans, quotas)
@@ -102,22 +106,6 @@ def prefill(
     h, pos = forward(adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace)
     recomputed = int(candidates[pos].sum())
     return PrefillResult(buf, h[-1:], trace, recomputed, int(pos.numel()), capture, chunk_caps)
-
-
-def _probe_quotas(adapter, plan, buf, ids, rows, candidates, source, trace, layer, stride, deviation) -> dict[int, int]:
-    """Recompute budget per cached chunk, from a probe pass (see :mod:`kvrag.engine.selection`).
-
-    The pass computes every ``stride``-th cached token and the uncached rows before the last of
-    them up to ``layer`` (the main pass then computes them again, overwriting their KV).
-    """
-    n = plan.num_tokens
-    spans = [(start, start + rec.num_tokens) for start, rec in plan.chunk_records]
-    sample = probe_sample(spans, n, stride).to(adapter.device)
-    probe = ChunkProbe(plan.span_ids().to(adapter.device), sample, min(layer, adapter.n_layers - 1), deviation)
-    all_pos = torch.arange(n, device=adapter.device)
-    pos = all_pos[(rows & ~candidates & (all_pos < max(b for _, b in spans))) | sample]
-    forward(adapter, buf, ids[pos], pos, n, source=source, selector=probe, trace=trace)
-    return chunk_quotas([b - a for a, b in spans], probe.deviation, plan.ratio)
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:
