@@ -21,8 +21,8 @@ __all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "default_cac
 #: used as is (recompute ratio 0).
 MODES = ("full", "prefix", "blend", "reuse")
 #: Which cached tokens ``blend`` recomputes: CacheBlend's high-KV-deviation tokens by gradual
-#: filtering; the chunks a deep-layer probe finds most changed (HKVD inside the last one reached);
-#: or the cached tokens nearest the question (recomputed in full, no check layer).
+#: filtering; the blocks of chunk tokens a deep-layer probe finds most changed; or the cached
+#: tokens nearest the question (recomputed in full, no check layer).
 SELECTIONS = ("hkvd", "probe", "recency")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
@@ -56,15 +56,15 @@ class EngineConfig:
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         mode: default prefill mode, one of :data:`MODES`.
         recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
-        selection: which cached tokens ``blend`` recomputes: ``probe`` (default; a probe computes every
-            ``probe_stride``-th token of each cached chunk up to ``probe_layer``; whole chunks are
-            recomputed in order of their KV deviation there until the budget is spent, HKVD
-            ranking tokens inside the last one), ``hkvd`` (CacheBlend's high-KV-deviation tokens,
+        selection: which cached tokens ``blend`` recomputes: ``probe`` (default; cached chunks are cut
+            into blocks of ``probe_stride`` tokens, a probe computes each block's middle token up
+            to ``probe_layer``, and blocks are recomputed whole in order of that token's KV
+            deviation there until the budget is spent), ``hkvd`` (CacheBlend's high-KV-deviation tokens,
             gradual filtering from ``check_layer``, all cached tokens ranked together) or
             ``recency`` (the cached tokens nearest the question, recomputed in full; no check layer).
         probe_layer: the layer the ``probe`` selection compares; ``None``: a quarter of the depth
             plus one (layer 8 of SmolLM2's 30).
-        probe_stride: the ``probe`` selection samples one token in this many of each chunk.
+        probe_stride: the block size of the ``probe`` selection (one token sampled per block).
         check_layer: the layer on which HKVD selection starts (every token's KV is recomputed there
             and compared with the cached KV). Layer 0's KV does not depend on context, so 1.
         filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached

@@ -50,6 +50,22 @@ def test_all_positions_match_transformers(tiny_engine, docs):
         torch.testing.assert_close(buf.v[layer, :, :n], cache.layers[layer].values[0], rtol=1e-4, atol=1e-5)
 
 
+def test_a_pass_resumed_from_hidden_states_equals_one_pass(tiny_engine, docs):
+    """forward over layers [0, L) then [L, end) from the hidden states equals one pass; with
+    last_row_only the KV is the same and the last row's output too."""
+    ad = tiny_engine.adapter
+    ids = prompt_ids(tiny_engine, docs)
+    n = int(ids.shape[0])
+    one, split = KVBuffer(ad, n), KVBuffer(ad, n)
+    h_one, _ = forward(ad, one, ids, torch.arange(n), n)
+    h_mid, pos = forward(ad, split, ids, torch.arange(n), n, layers=(0, 2))
+    assert h_mid.shape == h_one.shape and split.length == 0  # the buffer is not complete yet
+    h_split, pos = forward(ad, split, None, pos, n, hidden=h_mid, layers=(2, ad.n_layers), last_row_only=True)
+    assert torch.equal(split.k[:, :, :n], one.k[:, :, :n]) and torch.equal(split.v[:, :, :n], one.v[:, :, :n])
+    assert h_split.shape[0] == 1 and pos.numel() == n and split.length == n
+    torch.testing.assert_close(h_split, h_one[-1:], rtol=1e-5, atol=1e-5)
+
+
 def test_ratio_one_is_exactly_full(tiny_engine, docs):
     tiny_engine.warm(docs)
     full = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=12)

@@ -341,3 +341,7 @@ def test_attention_reference_paths_match_dense_softmax(first):
         scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos[:, None], float("-inf"))
         want = torch.softmax(scores, dim=-1) @ vv
         torch.testing.assert_close(R.attention_ref(q, q_pos, k, v, 0.25, block=8), want, rtol=1e-5, atol=1e-5)
+        masks: dict = {}  # kept across calls with the same rows (the layers of a pass): same output
+        first_call = R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks)
+        assert torch.equal(R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks), first_call)
+        torch.testing.assert_close(first_call, want, rtol=1e-5, atol=1e-5)

@@ -5,33 +5,35 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import kvrag.engine.fusion as fusion
 from kvrag import InvalidRequestError
 from kvrag.config import EngineConfig
-from kvrag.engine.selection import chunk_quotas, probe_sample
+from kvrag.engine.selection import probe_blocks, probe_sample
 from tests.helpers import make_docs
 from tests.test_engine import PREFIX, SUFFIX
 
 
-def test_chunk_quotas_spend_the_budget_on_whole_chunks_by_deviation():
-    sizes = [100, 80, 120, 60]
-    deviation = {0: 0.5, 1: 3.0, 2: 1.0, 3: 2.0}
-    # budget ceil(0.5 * 360) = 180: chunk 1 (80) whole, chunk 3 (60) whole, 40 of chunk 2, none of 0
-    assert chunk_quotas(sizes, deviation, 0.5) == {1: 80, 3: 60, 2: 40}
-    assert sum(chunk_quotas(sizes, deviation, 0.15).values()) == math.ceil(0.15 * 360)
-    assert chunk_quotas(sizes, deviation, 1.0) == dict(enumerate(sizes))
+def test_probe_blocks_spend_the_budget_on_whole_blocks_by_deviation():
+    spans = [(0, 40), (40, 60)]  # blocks of 16: [0,16) [16,32) [32,40) | [40,56) [56,60)
+    sample = probe_sample(spans, 64, 16)
+    positions = sample.nonzero().squeeze(1)
+    assert positions.tolist() == [8, 24, 36, 48, 58]  # each block's middle token
+    deviation = torch.tensor([0.5, 3.0, 1.0, 2.0, 0.0])
+    # budget ceil(0.5 * 60) = 30: [16,32) whole (16), then the first 14 of [40,56)
+    chosen = probe_blocks(spans, 64, 16, positions, deviation, 0.5)
+    assert chosen.nonzero().squeeze(1).tolist() == list(range(16, 32)) + list(range(40, 54))
+    assert int(probe_blocks(spans, 64, 16, positions, deviation, 0.15).sum()) == math.ceil(0.15 * 60)
+    # all of it: every block that changed at all; never the zero-deviation one (KV cached in this
+    # very context)
+    everything = probe_blocks(spans, 64, 16, positions, deviation, 1.0)
+    assert everything.nonzero().squeeze(1).tolist() == list(range(0, 56))
 
 
-def test_chunk_quotas_give_nothing_to_unchanged_chunks():
-    # a chunk cached in this very context has zero deviation: nothing to fix there
-    assert chunk_quotas([50, 50], {0: 0.0, 1: 0.2}, 0.9) == {1: 50}
-    assert chunk_quotas([50, 50], {0: 0.0, 1: 0.0}, 0.5) == {}
-
-
-def test_probe_sample_takes_every_stride_th_token_and_one_of_each_short_chunk():
+def test_probe_sample_takes_the_middle_of_every_block_short_ones_too():
     sample = probe_sample([(2, 40), (40, 43)], 50, 16)
-    assert sample.nonzero().squeeze(1).tolist() == [10, 26, 42]  # offsets 8, 24 in the first; the last of a 3-token one
+    assert sample.nonzero().squeeze(1).tolist() == [10, 26, 37, 41]  # [2,18) [18,34) [34,40) | [40,43)
 
 
 def test_probe_layer_defaults_to_a_quarter_of_the_depth_and_is_validated():
@@ -44,25 +46,31 @@ def test_probe_layer_defaults_to_a_quarter_of_the_depth_and_is_validated():
         EngineConfig(probe_stride=0)
 
 
-def test_probe_recomputes_whole_chunks_in_order_of_their_probed_deviation(tiny_engine, monkeypatch):
+def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monkeypatch):
     chunks = make_docs(4, seed=3)
     tiny_engine.warm(chunks)
     seen = []
-    original = fusion.chunk_quotas
+    original = fusion.probe_blocks
 
-    def spy(sizes, deviation, ratio):
-        quotas = original(sizes, deviation, ratio)
-        seen.append((sizes, deviation, quotas))
-        return quotas
+    def spy(spans, n, stride, positions, deviation, ratio):
+        chosen = original(spans, n, stride, positions, deviation, ratio)
+        seen.append((spans, positions, deviation, chosen))
+        return chosen
 
-    monkeypatch.setattr(fusion, "chunk_quotas", spy)
+    monkeypatch.setattr(fusion, "probe_blocks", spy)
     order = [chunks[i] for i in (2, 0, 3, 1)]
     g = tiny_engine.generate(order, PREFIX, SUFFIX, selection="probe", recompute_ratio=0.3, max_new_tokens=1)
-    (sizes, deviation, quotas), = seen
-    assert set(deviation) == set(range(4)) and all(d > 0 for d in deviation.values())
-    ranked = sorted(deviation, key=deviation.get, reverse=True)
-    budget = math.ceil(0.3 * sum(sizes))
-    assert g.stats.recomputed_tokens == sum(quotas.values()) == budget
-    assert quotas[ranked[0]] == min(sizes[ranked[0]], budget)  # the most changed chunk first, whole
-    assert list(quotas) == ranked[: len(quotas)]
-
+    (spans, positions, deviation, chosen), = seen
+    cached = sum(b - a for a, b in spans)
+    assert positions.numel() == sum(math.ceil((b - a) / 16) for a, b in spans)  # one per block, all measured
+    assert bool((deviation > 0).all())
+    assert g.stats.recomputed_tokens == int(chosen.sum()) == math.ceil(0.3 * cached)
+    assert bool(chosen[int(positions[deviation.argmax()])])  # the most changed block is recomputed
+    # no row is computed twice: the uncached rows and the chosen blocks once through every layer,
+    # the sample up to the probe layer
+    layers = tiny_engine.adapter.n_layers
+    probe_layer = tiny_engine.config.resolved_probe_layer(layers)
+    uncached = g.stats.prompt_tokens - g.stats.cached_tokens
+    assert round(g.stats.compute_fraction * g.stats.prompt_tokens * layers) == (
+        (uncached + int(chosen.sum())) * layers + positions.numel() * probe_layer
+    )

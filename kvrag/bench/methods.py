@@ -256,8 +256,8 @@ register_method("prefix", _engine_mode("prefix"), description="exact reuse of th
 register_method("reuse", _engine_mode("reuse"), description="cached chunk KV as is (recompute ratio 0)")
 register_method("blend", _blend(None), description="fusion with the configured selection; blend@r sets the ratio")
 register_method("hkvd", _blend("hkvd"), description="fusion recomputing CacheBlend's HKVD tokens; hkvd@r sets the ratio")
-register_method("probe", _blend("probe"), description="fusion recomputing the chunks a deep-layer probe finds most "
-                "changed (HKVD inside the last); probe@r sets the ratio")
+register_method("probe", _blend("probe"), description="fusion recomputing the blocks of chunk tokens a deep-layer "
+                "probe finds most changed; probe@r sets the ratio")
 register_method("recency", _blend("recency"), description="fusion recomputing the tokens nearest the question; recency@r")
 register_method("conv", _conv, description="blend within a conversation (kept KV of earlier turns, dedup); "
                 "workload c; elsewhere it is plain blend")

@@ -139,7 +139,8 @@ class ChunkComputer:
             ids += doc
             pos += len(doc)
         buf = KVBuffer(self.adapter, pos)
-        forward(self.adapter, buf, torch.tensor(ids, dtype=torch.long), torch.arange(pos), pos, capture=caps)
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, last_row_only=True)  # output unused
         for doc in docs:
             self._remember(doc)
         label = self.label

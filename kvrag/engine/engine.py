@@ -214,8 +214,8 @@ class Engine:
             seed: sampling seed.
             mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (default from the config).
             recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
-            selection: which cached tokens ``blend`` recomputes, ``hkvd`` or ``recency`` (default
-                from the config; see :class:`~kvrag.config.EngineConfig`).
+            selection: which cached tokens ``blend`` recomputes, ``probe``, ``hkvd`` or ``recency``
+                (default from the config; see :class:`~kvrag.config.EngineConfig`).
             conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
                 answer) is reused where the new prompt repeats it (exact prefix, and shifted
                 history runs in blend/reuse), and this turn is kept for the next one. See
@@ -255,13 +255,15 @@ class Engine:
         """Like :meth:`generate`, but yields text pieces as they are decoded.
 
         The request is validated before this returns; ``.generation`` holds the result once the
-        stream is exhausted.
+        stream is exhausted. Its TTFT counts from this call (segmenting and tokenising the prompt
+        included).
         """
+        t0 = time.perf_counter()
         req = self._request(
             chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, prompt,
             conversation_id, dedup, selection,
         )
-        return GenerationStream(self._run(req))
+        return GenerationStream(self._run(req, t0))
 
     def end_conversation(self, conversation_id: str) -> bool:
         """Forget a conversation's kept KV and chunk set; False if it was not live."""
@@ -387,8 +389,7 @@ class Engine:
             self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0)
             return plan, res
 
-    def _run(self, req: Request) -> Iterator[str]:
-        t0 = time.perf_counter()
+    def _run(self, req: Request, t0: float) -> Iterator[str]:
         n = int(req.ids.shape[0])
         sp = req.sampling
         budget = min(sp.max_new_tokens, self.context_window - n)

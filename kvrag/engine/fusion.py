@@ -9,7 +9,7 @@ import torch
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, SpanSource
 from kvrag.engine.runner import KVBuffer, KVCapture, Trace, forward
-from kvrag.engine.selection import ChunkProbe, HKVDSelector, chunk_quotas, keep_schedule, probe_sample, recency_window
+from kvrag.engine.selection import BlockProbe, HKVDSelector, keep_schedule, probe_blocks, probe_sample, recency_window
 from kvrag.engine.types import ChunkInfo, GenerationStats
 
 __all__ = ["PrefillResult", "prefill", "extend", "generation_stats"]
@@ -73,7 +73,7 @@ def prefill(
 
     full = plan.mode == "full" or (plan.mode == "blend" and plan.ratio >= 1.0)
     if full or (plan.prefix_len == 0 and not plan.chunk_records):
-        h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, trace=trace)
+        h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, trace=trace, last_row_only=True)
         return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps)
 
     cos, sin = adapter.rope(all_pos)
@@ -85,27 +85,66 @@ def prefill(
     if blend and selection == "recency":  # the window is recomputed in full, the other candidates reused
         rows &= ~(candidates & ~recency_window(candidates, plan.ratio, max(b for _, b in cached_spans)))
     elif blend and selection == "probe":
-        # the probe pass: every probe_stride-th cached token, and the uncached rows before the last
-        # chunk, up to probe_layer; the main pass computes them again (see kvrag.engine.selection)
-        spans = plan.span_ids().to(adapter.device)
-        sample = probe_sample(cached_spans, n, probe_stride).to(adapter.device)
-        probe = ChunkProbe(spans, sample, min(probe_layer, adapter.n_layers - 1), deviation)
-        before_last = all_pos < max(b for _, b in cached_spans)
-        probe_pos = all_pos[(rows & ~candidates & before_last) | sample]
-        forward(adapter, buf, ids[probe_pos], probe_pos, n, source=source, selector=probe, trace=trace)
-        quotas = chunk_quotas([b - a for a, b in cached_spans], probe.deviation, plan.ratio)
-        rows &= ~candidates | torch.isin(spans, torch.tensor(list(quotas), dtype=torch.long, device=adapter.device))
-        schedule = keep_schedule(plan.ratio, check_layer, (), adapter.n_layers)  # one step, inside the chunks
-        selector = HKVDSelector(candidates, plan.ratio, schedule, deviation, spans, quotas)
+        h, pos = _probe_prefill(
+            adapter, plan, buf, ids, all_pos, rows, candidates, cached_spans, source, captures, trace,
+            deviation, probe_layer, probe_stride,
+        )
+        return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), int(pos.numel()), capture, chunk_caps)
     elif blend:
         schedule = keep_schedule(plan.ratio, check_layer, filter_schedule, adapter.n_layers)
         selector = HKVDSelector(candidates, plan.ratio, schedule, deviation)
     else:  # prefix mode has no candidates; reuse never recomputes them
         rows &= ~candidates
     pos = all_pos[rows]
-    h, pos = forward(adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace)
-    recomputed = int(candidates[pos].sum())
-    return PrefillResult(buf, h[-1:], trace, recomputed, int(pos.numel()), capture, chunk_caps)
+    h, pos = forward(
+        adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace,
+        last_row_only=True,
+    )
+    return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), int(pos.numel()), capture, chunk_caps)
+
+
+def _probe_prefill(
+    adapter, plan, buf, ids, all_pos, rows, candidates, cached_spans, source, captures, trace,
+    deviation, probe_layer, probe_stride,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``selection="probe"`` in three passes that compute nothing twice (see :mod:`kvrag.engine.selection`).
+
+    1. The uncached rows before the last cached chunk ("early": what follows them depends on them)
+       and the middle token of every ``probe_stride``-token block of the cached chunks, layers
+       [0, L); then the sample alone on layer L, where :class:`BlockProbe` compares its fresh KV
+       with the cached KV.
+    2. The blocks chosen by that deviation (:func:`probe_blocks`) and the uncached rows after the
+       last chunk, layers [0, L).
+    3. Both row sets, joined in position order, layers [L, end).
+
+    Against one pass over all of them, the early rows' first L layers see the cached (not the
+    recomputed) KV of chosen blocks before them.
+
+    Returns:
+        (hidden, pos) after the last layer; hidden holds the last row only.
+    """
+    n, n_layers = plan.num_tokens, adapter.n_layers
+    layer = min(probe_layer, n_layers - 1)
+    sample = probe_sample(cached_spans, n, probe_stride).to(adapter.device)
+    early = rows & ~candidates & (all_pos < max(b for _, b in cached_spans))
+    a_pos = all_pos[early | sample]
+    h_a, _ = forward(adapter, buf, ids[a_pos], a_pos, n, source=source, capture=captures, trace=trace, layers=(0, layer))
+    probe = BlockProbe(sample, layer, deviation)
+    sampled = sample[a_pos]
+    forward(adapter, buf, None, a_pos[sampled], n, hidden=h_a[sampled], source=source, selector=probe,
+            layers=(layer, layer + 1))
+
+    chosen = probe_blocks(cached_spans, n, probe_stride, probe.positions, probe.deviation, plan.ratio)
+    b_pos = all_pos[chosen.to(adapter.device) | (rows & ~candidates & ~early)]
+    h_b, b_pos = forward(adapter, buf, ids[b_pos], b_pos, n, source=source, capture=captures, trace=trace,
+                         layers=(0, layer))
+    joined = early[a_pos]
+    pos, order = torch.sort(torch.cat((a_pos[joined], b_pos)))
+    h = torch.cat((h_a[joined], h_b))[order]
+    return forward(
+        adapter, buf, None, pos, n, hidden=h, source=source, capture=captures, trace=trace,
+        layers=(layer, n_layers), last_row_only=True,
+    )
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:

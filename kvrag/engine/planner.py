@@ -81,12 +81,6 @@ class Plan:
             mask[start : start + rec.num_tokens] = True
         return mask
 
-    def span_ids(self) -> torch.Tensor:
-        ids = torch.full((self.num_tokens,), -1, dtype=torch.long)
-        for i, (start, rec) in enumerate(self.chunk_records):
-            ids[start : start + rec.num_tokens] = i
-        return ids
-
     def exact_end(self) -> int:
         """Positions [0, exact_end) get exact KV (first cached chunk starts the approximation)."""
         return min((s for s, _ in self.chunk_records), default=self.num_tokens)

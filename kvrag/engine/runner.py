@@ -122,7 +122,7 @@ def _write(dst: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, contiguous: 
 def forward(
     adapter: ModelAdapter,
     buf: KVBuffer,
-    ids: torch.Tensor,
+    ids: torch.Tensor | None,
     pos: torch.Tensor,
     seq_len: int,
     *,
@@ -130,21 +130,34 @@ def forward(
     selector: Selector | None = None,
     capture: list[KVCapture] | tuple = (),
     trace: Trace | None = None,
+    hidden: torch.Tensor | None = None,
+    layers: tuple[int, int] | None = None,
+    last_row_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run all layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
+    """Run layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
 
     Positions [0, seq_len) not among the rows must have their KV in ``buf`` already or be filled
     by ``source``. Rows attend causally to every position before them.
 
     A selector that keeps no rows ends the pass after writing that layer's KV (a probe).
 
+    Args:
+        hidden: [R, E] the rows' hidden state entering the first layer of ``layers``, instead of
+            embedding ``ids`` (a pass that resumes another one).
+        layers: (first, stop) the layers run; all of them by default.
+        last_row_only: on the model's last layer compute every row's KV but only the last row's
+            output (a prefill needs only the last token's logits; nothing reads the other rows').
+
     Returns:
-        (hidden [R', E], pos [R']) of the rows still computed after the last layer.
+        (hidden [R', E], pos [R']) of the rows still computed, entering layer ``stop`` (after the
+        model's last layer: its output; with ``last_row_only`` hidden is the last row's [1, E]).
     """
-    h = adapter.embed(ids)
+    first, stop = layers if layers is not None else (0, adapter.n_layers)
+    h = adapter.embed(ids) if hidden is None else hidden
     cos, sin = adapter.rope(pos)
     contiguous = _is_contiguous(pos)
-    for layer in range(adapter.n_layers):
+    masks: dict = {}  # attention masks of the current rows, shared by the layers
+    for layer in range(first, stop):
         if source is not None:
             source.fill(layer, buf)
         q, k, v = adapter.qkv(layer, h)
@@ -159,10 +172,14 @@ def forward(
             return h[:0], pos[:0]
         if keep is not None and keep.numel() != pos.numel():
             q, h, pos, cos, sin = q[:, keep], h[keep], pos[keep], cos[keep], sin[keep]
-            contiguous = _is_contiguous(pos)
+            contiguous, masks = _is_contiguous(pos), {}
         if trace is not None:
             trace.rows_per_layer.append(int(pos.numel()))
-        out = attention(q, pos, buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len], adapter.scale)
+        q_pos = pos
+        if last_row_only and layer == adapter.n_layers - 1:
+            q, h, q_pos, masks = q[:, -1:], h[-1:], pos[-1:], {}
+        out = attention(q, q_pos, buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len], adapter.scale, masks)
         h = adapter.finish_layer(layer, h, out)
-    buf.length = max(buf.length, seq_len)
+    if stop == adapter.n_layers:
+        buf.length = max(buf.length, seq_len)
     return h, pos

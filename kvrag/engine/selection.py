@@ -6,12 +6,12 @@ layer of the schedule only the kept tokens are recomputed and compared again, ke
 ``s_i = m_i * r`` (non-increasing), until the share reaches the target ratio ``r`` (CacheBlend
 §4.3, Fig. 9). Tokens without cached KV (uncached text, the question) are always computed.
 
-By default all cached tokens of the request are ranked together, as CacheBlend does. With
-per-chunk quotas (``selection="probe"``) the budget is first given to chunks: a probe computes a
-sample of each chunk's tokens up to a deeper layer, where the deviation that changes the answer
-shows (on SmolLM2 the layer-1 ranking missed a chunk whose deviation only grows from layer ~8 on),
-and whole chunks are recomputed in order of their sampled deviation until the budget is spent;
-HKVD ranks tokens only inside the chunk that gets part of the budget.
+All cached tokens of the request are ranked together, as CacheBlend does. ``selection="probe"``
+ranks blocks instead, at a deeper layer: each cached chunk is cut into blocks of ``probe_stride``
+tokens; a probe computes the middle token of every block up to ``probe_layer`` and compares its
+fresh KV with the cached KV there; blocks are recomputed whole in order of that deviation until the
+budget is spent. On SmolLM2 the deviation that changes the answer can stay hidden at layer 1 and
+grow from layer ~8 on (the README's *Why the probe*).
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from kvrag.config import SELECTIONS
 from kvrag.engine.runner import KVBuffer
 from kvrag.kernels import kv_deviation, topk
 
-__all__ = [
-    "HKVDSelector", "ChunkProbe", "chunk_quotas", "probe_sample", "keep_schedule", "recency_window", "SELECTIONS"
-]
+__all__ = ["HKVDSelector", "BlockProbe", "probe_sample", "probe_blocks", "keep_schedule", "recency_window", "SELECTIONS"]
 
 
 def recency_window(candidates: torch.Tensor, ratio: float, before: int) -> torch.Tensor:
@@ -59,10 +57,6 @@ class HKVDSelector:
         ratio: target share of candidates recomputed on the later layers.
         schedule: layer -> share kept after that layer (see :func:`keep_schedule`).
         deviation: ``k``, ``v`` or ``kv``.
-        span_ids: optional [N] int64 chunk index of each position (-1 elsewhere), with ``quotas``.
-        quotas: chunk index -> tokens it keeps at the target ratio (a step keeping ``s`` keeps
-            ``quota * s / ratio``); chunks not listed keep none. Without it the request's cached
-            tokens are ranked together.
     """
 
     def __init__(
@@ -71,18 +65,12 @@ class HKVDSelector:
         ratio: float,
         schedule: dict[int, float],
         deviation: str = "kv",
-        span_ids: torch.Tensor | None = None,
-        quotas: dict[int, int] | None = None,
     ) -> None:
-        if (span_ids is None) != (quotas is None):
-            raise ValueError("span_ids and quotas go together")
         self.candidates = candidates
         self.n_candidates = int(candidates.sum())
         self.ratio = ratio
         self.schedule = schedule
         self.deviation = deviation
-        self.span_ids = span_ids
-        self.quotas = quotas
         self.selected: torch.Tensor | None = None  # positions kept after the last step
 
     def wants(self, layer: int) -> bool:
@@ -100,17 +88,7 @@ class HKVDSelector:
         dev = kv_deviation(
             k[:, cand_rows], buf.k[layer][:, cpos], v[:, cand_rows], buf.v[layer][:, cpos], self.deviation
         )
-        if self.quotas is None:
-            chosen = cand_rows[topk(dev, math.ceil(share * self.n_candidates))]
-        else:
-            spans = self.span_ids[cpos]
-            parts = [cand_rows.new_empty(0)]
-            for sid, quota in self.quotas.items():
-                members = (spans == sid).nonzero().squeeze(1)
-                keep_n = min(members.numel(), math.ceil(quota * share / self.ratio))
-                if keep_n:
-                    parts.append(members[topk(dev[members], keep_n)])
-            chosen = cand_rows[torch.sort(torch.cat(parts)).values]
+        chosen = cand_rows[topk(dev, math.ceil(share * self.n_candidates))]
         keep = torch.ones_like(cand)
         keep[cand_rows] = False
         keep[chosen] = True
@@ -119,55 +97,64 @@ class HKVDSelector:
         return rows
 
 
-class ChunkProbe:
-    """Measures each cached chunk's KV deviation on a sample of its tokens at one layer, then stops.
+class BlockProbe:
+    """Measures the KV deviation of sampled cached tokens on one layer, then ends the pass.
 
-    Run as the selector of a forward pass over the uncached rows and the sample: on ``layer`` it
-    compares the sample's fresh KV with the cached KV, records each chunk's mean deviation in
-    :attr:`deviation` and keeps no rows (the pass ends there).
-
-    Args:
-        span_ids: [N] chunk index of each position (-1 elsewhere).
-        sample: [N] bool, the sampled cached positions.
-        layer: the layer compared.
-        deviation: ``k``, ``v`` or ``kv``.
+    Run as the selector of a pass over the sample (and whatever it attends to): on ``layer`` it
+    compares the sampled rows' fresh KV with the cached KV in the buffer, keeps the result in
+    :attr:`positions` / :attr:`deviation` and keeps no rows.
     """
 
-    def __init__(self, span_ids: torch.Tensor, sample: torch.Tensor, layer: int, deviation: str = "kv") -> None:
-        self.span_ids, self.sample, self.layer, self.what = span_ids, sample, layer, deviation
-        self.deviation: dict[int, float] = {}
+    def __init__(self, sample: torch.Tensor, layer: int, deviation: str = "kv") -> None:
+        self.sample, self.layer, self.what = sample, layer, deviation
+        self.positions: torch.Tensor | None = None  # [S] sampled positions
+        self.deviation: torch.Tensor | None = None  # [S] their deviation on ``layer``
 
     def wants(self, layer: int) -> bool:
         return layer == self.layer
 
     def select(self, layer: int, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
         rows = self.sample[pos].nonzero().squeeze(1)
-        spos = pos[rows]
-        dev = kv_deviation(k[:, rows], buf.k[layer][:, spos], v[:, rows], buf.v[layer][:, spos], self.what)
-        spans = self.span_ids[spos]
-        for sid in torch.unique(spans).tolist():
-            self.deviation[sid] = float(dev[spans == sid].mean())
+        self.positions = pos[rows]
+        self.deviation = kv_deviation(
+            k[:, rows], buf.k[layer][:, self.positions], v[:, rows], buf.v[layer][:, self.positions], self.what
+        )
         return pos.new_empty(0)
 
 
-def probe_sample(spans: list[tuple[int, int]], n: int, stride: int) -> torch.Tensor:
-    """[N] bool: every ``stride``-th token of each span from offset ``stride // 2`` (one at least)."""
-    sample = torch.zeros(n, dtype=torch.bool)
+def _blocks(spans: list[tuple[int, int]], stride: int):
     for start, end in spans:
-        sample[start + min(stride // 2, end - start - 1) : end : stride] = True
+        for a in range(start, end, stride):
+            yield a, min(a + stride, end)
+
+
+def probe_sample(spans: list[tuple[int, int]], n: int, stride: int) -> torch.Tensor:
+    """[N] bool: the middle token of every block of ``stride`` tokens of each span."""
+    sample = torch.zeros(n, dtype=torch.bool)
+    for a, b in _blocks(spans, stride):
+        sample[a + (b - a) // 2] = True
     return sample
 
 
-def chunk_quotas(sizes: list[int], deviation: dict[int, float], ratio: float) -> dict[int, int]:
-    """Recompute budget per chunk: whole chunks in order of deviation until ``ratio`` of all is spent.
+def probe_blocks(
+    spans: list[tuple[int, int]], n: int, stride: int, positions: torch.Tensor, deviation: torch.Tensor, ratio: float
+) -> torch.Tensor:
+    """[N] bool: the blocks to recompute, whole, in order of their middle token's deviation.
 
-    The last chunk reached gets what is left; chunks of zero deviation get nothing.
+    The budget is ``ceil(ratio * cached tokens)``; the last block reached gives its first tokens
+    only, so the budget is never exceeded. Blocks of zero deviation (KV cached in this very
+    context) get nothing.
     """
-    budget = math.ceil(ratio * sum(sizes))
-    quotas: dict[int, int] = {}
-    for sid in sorted(deviation, key=lambda i: (-deviation[i], i)):
-        if budget <= 0 or deviation[sid] <= 0:
+    block_of = {a + (b - a) // 2: (a, b) for a, b in _blocks(spans, stride)}
+    budget = math.ceil(ratio * sum(b - a for a, b in spans))
+    chosen = torch.zeros(n, dtype=torch.bool)
+    order = torch.argsort(deviation, descending=True, stable=True).tolist()
+    dev, pos = deviation.tolist(), positions.tolist()
+    for i in order:
+        if budget <= 0 or dev[i] <= 0:
             break
-        quotas[sid] = min(sizes[sid], budget)
-        budget -= quotas[sid]
-    return quotas
+        a, b = block_of[pos[i]]
+        b = min(b, a + budget)
+        chosen[a:b] = True
+        budget -= b - a
+    return chosen

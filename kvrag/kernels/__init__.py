@@ -111,13 +111,20 @@ def rope_rerotate_(
     return rope_rerotate_ref_(k, old_pos, new_pos, inv_freq, scaling)
 
 
-def attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D]."""
+def attention(
+    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    masks: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D].
+
+    ``masks``: a dict the reference path keeps the rows' attention masks in, to be passed again
+    with the same ``q_pos`` (the Triton kernel needs none).
+    """
     if _triton_for(q):
         from kvrag.kernels.triton_attention import attention_triton
 
         return attention_triton(q, q_pos, k, v, scale)
-    return attention_ref(q, q_pos, k, v, scale)
+    return attention_ref(q, q_pos, k, v, scale, masks=masks)
 
 
 def kv_deviation(k_new, k_old, v_new, v_old, what: str = "kv") -> torch.Tensor:

@@ -37,6 +37,7 @@ def attention_ref(
     v: torch.Tensor,
     scale: float,
     block: int = QUERY_BLOCK,
+    masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows at given positions over a full KV sequence.
 
@@ -47,6 +48,8 @@ def attention_ref(
         v: [Hkv, S, D] values.
         scale: softmax scale.
         block: query rows per block.
+        masks: a cache of the blocks' masks, filled on first use: pass the same dict to calls with
+            the same ``q_pos`` and ``block`` (every layer of a pass) and a new one when they change.
 
     Returns:
         [H, Tq, D]; row i attends to keys 0..q_pos[i].
@@ -69,12 +72,17 @@ def attention_ref(
             return F.scaled_dot_product_attention(
                 padded[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
             )[0, :, first:]
+    masks = {} if masks is None else masks
     out = torch.empty_like(q)
-    keys = torch.arange(s, device=q.device)
     for start in range(0, tq, block):
-        pos = q_pos[start : start + block]
-        end = int(pos[-1]) + 1
-        mask = keys[None, :end] <= pos[:, None]  # [b, end]
+        mask = masks.get(start)
+        if mask is None or mask.dtype != q.dtype:  # additive: SDPA would convert a bool mask on every call
+            pos = q_pos[start : start + block]
+            keys = torch.arange(int(pos[-1]) + 1, device=q.device)
+            mask = torch.zeros((pos.numel(), keys.numel()), dtype=q.dtype, device=q.device)
+            mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+            masks[start] = mask
+        end = mask.shape[1]
         out[:, start : start + block] = F.scaled_dot_product_attention(
             q[None, :, start : start + block], k[None, :, :end], v[None, :, :end],
             attn_mask=mask, scale=scale, enable_gqa=gqa,
