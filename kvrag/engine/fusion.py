@@ -128,7 +128,9 @@ def _probe_prefill(
     sample = probe_sample(cached_spans, n, probe_stride).to(adapter.device)
     early = rows & ~candidates & (all_pos < max(b for _, b in cached_spans))
     a_pos = all_pos[early | sample]
-    h_a, _ = forward(adapter, buf, ids[a_pos], a_pos, n, source=source, capture=captures, trace=trace, layers=(0, layer))
+    h_a, _ = forward(
+        adapter, buf, ids[a_pos], a_pos, n, source=source, capture=captures, trace=trace, layers=(0, layer)
+    )
     probe = BlockProbe(sample, layer, deviation)
     sampled = sample[a_pos]
     forward(adapter, buf, None, a_pos[sampled], n, hidden=h_a[sampled], source=source, selector=probe,

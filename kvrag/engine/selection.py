@@ -24,7 +24,9 @@ from kvrag.config import SELECTIONS
 from kvrag.engine.runner import KVBuffer
 from kvrag.kernels import kv_deviation, topk
 
-__all__ = ["HKVDSelector", "BlockProbe", "probe_sample", "probe_blocks", "keep_schedule", "recency_window", "SELECTIONS"]
+__all__ = [
+    "HKVDSelector", "BlockProbe", "probe_sample", "probe_blocks", "keep_schedule", "recency_window", "SELECTIONS"
+]
 
 
 def recency_window(candidates: torch.Tensor, ratio: float, before: int) -> torch.Tensor:
