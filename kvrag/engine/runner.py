@@ -3,6 +3,8 @@
 One function, :func:`forward`, serves every path: full prefill (all rows), exact prefix reuse
 (rows after the cached prefix), CacheBlend fusion (cached chunk KV loaded per layer, rows pruned
 by a selector), full reuse (only uncached rows), decoding (one row) and scoring (a few rows).
+A pass can run a range of layers and another resume from its hidden states: the probe selection
+runs some rows to a middle layer, decides, and joins them with the rows it chose.
 
 The KV of a sequence lives in a preallocated :class:`KVBuffer`; keys there carry RoPE for their
 position. Cached KV enters through a :class:`KVSource`, one layer at a time, just before that
