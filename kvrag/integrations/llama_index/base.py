@@ -28,6 +28,7 @@ from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM, default_completion_to_prompt
 
+from kvrag.config import MODES, SELECTIONS
 from kvrag.engine.engine import Engine
 from kvrag.engine.types import Generation
 from kvrag.errors import InvalidRequestError
@@ -124,9 +125,11 @@ class KVCachedLLM(LLM):
 
     model: str | None = Field(default=None, description="Model: None = bundled SmolLM2-135M-Instruct.")
     engine_config: dict = Field(default_factory=dict, description="EngineConfig fields of the shared engine.")
-    mode: str | None = Field(default=None, description="Prefill mode: full | prefix | blend | reuse.")
+    mode: str | None = Field(default=None, description=f"Prefill mode: {' | '.join(MODES)}.")
     recompute_ratio: float | None = Field(default=None, description="Share of cached tokens recomputed (blend).")
-    selection: str | None = Field(default=None, description="Which cached tokens blend recomputes: hkvd | probe | recency.")
+    selection: str | None = Field(
+        default=None, description=f"Which cached tokens blend recomputes: {' | '.join(SELECTIONS)}."
+    )
     max_new_tokens: int | None = Field(default=None, description="Generation length limit.")
     temperature: float | None = Field(default=None, description="0 = greedy decoding.")
     top_p: float | None = Field(default=None, description="Nucleus sampling threshold.")
