@@ -247,6 +247,33 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
         run_bench(BenchOptions(dataset=str(data), workloads="z", out=str(tmp_path / "z")), engine=tiny_engine)
 
 
+def test_warm_in_other_company(tmp_path, tiny_engine, monkeypatch):
+    """--warm-company other: each passage of a request is warmed on its own, behind passages of other
+    questions only, into an emptied store; the request then finds all its passages cached."""
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(3, passages=3, words=6)))
+    items = load_dataset(data, 3)
+    calls = []
+    real_warm = tiny_engine.warm
+    monkeypatch.setattr(tiny_engine, "warm", lambda docs: calls.append(list(docs)) or real_warm(docs))
+    opts = dict(dataset=str(data), n=3, top_k=2, methods="full,reuse", max_new_tokens=2, workloads="a",
+                plots=False, progress=False, score="none")
+    res = run_bench(BenchOptions(**opts, warm_company="other", warm_others=2, out=str(tmp_path / "o")),
+                    engine=tiny_engine)
+    calls = calls[1:]  # the benchmark's own warm-up request first
+    assert len(calls) == 3 * 2
+    for item, pair in zip(items, (calls[i : i + 2] for i in range(0, len(calls), 2))):
+        mine = set(item.passages[:2])
+        assert sorted(c[-1] for c in pair) == sorted(mine)  # each passage last, behind...
+        assert all(len(c) == 3 and not mine & set(c[:-1]) for c in pair)  # ...two of other questions
+    assert all(r["chunk_hits"] == 2 for r in res["records"] if r["method"] == "reuse")
+    assert res["meta"]["settings"]["warm_company"] == "other"
+    with pytest.raises(InvalidRequestError, match="other questions"):
+        run_bench(BenchOptions(**{**opts, "n": 1}, warm_company="other", out=str(tmp_path / "x")), engine=tiny_engine)
+    with pytest.raises(InvalidRequestError, match="warm-company"):
+        run_bench(BenchOptions(**opts, warm_company="elsewhere", out=str(tmp_path / "y")), engine=tiny_engine)
+
+
 def test_cli_dispatch(capsys):
     from kvrag.cli import main as cli_main
 

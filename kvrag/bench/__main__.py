@@ -49,6 +49,11 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: hf, full, prefix, reuse, blend, "
                    "blend@RATIO, ... (full is always run: it is the reference)")
     p.add_argument("--order", choices=("shuffled", "given"), default=d.order, help="passage order")
+    p.add_argument("--warm-company", choices=("request", "other"), default=d.warm_company,
+                   help="(a): warm a question's passages together (request) or each behind passages of other "
+                   "questions (other: chunk KV first computed for other requests)")
+    p.add_argument("--warm-others", type=int, default=d.warm_others, help="passages behind each one with "
+                   "--warm-company other")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--repeat", type=int, default=d.repeat, help="requests per question (fresh order each)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -95,6 +100,7 @@ def _run(argv: list[str]) -> int:
     a = _run_parser().parse_args(argv)
     opts = BenchOptions(
         dataset=a.dataset, n=a.n, top_k=a.top_k, methods=a.methods, order=a.order, seed=a.seed, repeat=a.repeat,
+        warm_company=a.warm_company, warm_others=a.warm_others,
         max_new_tokens=a.max_new_tokens, score=a.score, workloads=a.workloads, stream_requests=a.stream_requests,
         stream_methods=a.stream_methods, stream_max_new_tokens=a.stream_max_new_tokens,
         stream_questions=a.stream_questions, stream_budget_bytes=a.stream_budget_bytes,

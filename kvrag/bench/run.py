@@ -31,6 +31,9 @@ class BenchOptions:
         top_k: passages per request (the first k of each question's ``ctxs``).
         methods: comma-separated method names (``full`` is always added).
         order: ``shuffled`` (seeded) or ``given`` passage order.
+        warm_company: workload (a)'s pre-warming: ``request`` (a question's passages together, in
+            dataset order) or ``other`` (each passage behind ``warm_others`` passages of other
+            questions: KV first computed for other requests, as in a shared store).
         seed: seed of passage orders and of the stream.
         repeat: requests per question in workload (a), each with a fresh order when shuffled.
         max_new_tokens: answer length limit in workload (a).
@@ -50,6 +53,8 @@ class BenchOptions:
     top_k: int = 6
     methods: str = DEFAULT_METHODS
     order: str = "shuffled"
+    warm_company: str = "request"
+    warm_others: int = 3
     seed: int = 0
     repeat: int = 1
     max_new_tokens: int = 32
@@ -83,6 +88,10 @@ class BenchOptions:
             raise InvalidRequestError("--n, --top-k, --repeat and --stream-requests must be >= 1")
         if self.order not in ("shuffled", "given"):
             raise InvalidRequestError(f"--order must be 'shuffled' or 'given', got {self.order!r}")
+        if self.warm_company not in ("request", "other"):
+            raise InvalidRequestError(f"--warm-company must be 'request' or 'other', got {self.warm_company!r}")
+        if self.warm_others < 1:
+            raise InvalidRequestError("--warm-others must be >= 1")
         if not 0 < self.stream_budget_frac <= 10:
             raise InvalidRequestError("--stream-budget-frac must be in (0, 10]")
         if self.max_new_tokens < 1 or self.stream_max_new_tokens < 1:
@@ -163,6 +172,7 @@ def run_bench(
         meta = run_metadata(engine, run_id, list(argv or []), settings)
         fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
         options = dict(top_k=opts.top_k, repeat=opts.repeat, order=opts.order, seed=opts.seed,
+                       warm_company=opts.warm_company, warm_others=opts.warm_others,
                        max_new_tokens=opts.max_new_tokens, score_methods=score,
                        stream_requests=opts.stream_requests, stream_methods=stream_methods,
                        stream_max_new_tokens=opts.stream_max_new_tokens, zipf=opts.zipf,

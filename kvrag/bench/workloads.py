@@ -1,7 +1,8 @@
 """Workloads: how requests are made and which methods run them, interleaved per request.
 
 (a) ``questions``: one request per dataset question, its top-k passages pre-warmed (the CacheBlend
-    setting) in dataset order, then asked in the request's order (shuffled by default). Every
+    setting) in dataset order, then asked in the request's order (shuffled by default); with
+    ``warm_company="other"`` each passage is pre-warmed behind passages of other questions instead. Every
     method runs on a request before the next request starts, so each method's figures pair with
     ``full``'s on the same request.
 (b) ``stream``: a pooled Zipf stream over all passages of the questions, against a store bounded
@@ -29,6 +30,7 @@ import numpy as np
 from kvrag.bench.data import PromptFormat, QAItem, Request
 from kvrag.bench.methods import Method, Outcome
 from kvrag.bench.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
+from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
@@ -113,6 +115,27 @@ def warm_in_dataset_order(engine, item: QAItem, order: list[int]):
     return warm
 
 
+def warm_in_other_company(engine, item: QAItem, order: list[int], pool: list[str], others: int, rng: random.Random):
+    """Warm each of a request's passages on its own behind ``others`` passages of other questions.
+
+    A shared store fills with chunks first computed for other requests, in other company; this is
+    that case (``--warm-company other``): no passage of the request is behind another of its
+    passages. The store is emptied first, so nothing an earlier request computed is found.
+    """
+    engine.store.clear()
+    mine = set(item.passages)
+    strangers = [p for p in dict.fromkeys(pool) if p not in mine]
+    if len(strangers) < others:
+        raise InvalidRequestError(f"--warm-company other needs {others} passages of other questions; "
+                                  f"the dataset has {len(strangers)} (raise --n or lower --warm-others)")
+    results = [engine.warm(rng.sample(strangers, others) + [item.passages[i]]) for i in sorted(order)]
+    engine.flush()
+    return WarmResult(
+        sum(r.computed for r in results), sum(r.cached for r in results), sum(r.tokens for r in results),
+        sum(r.seconds for r in results),
+    )
+
+
 def _warmup(ctx: RunContext) -> None:
     """Run every method once on a throw-away request (first-call allocations are not measured)."""
     item = QAItem(-1, "What does this text do?", ["warms up"], [WARMUP_TEXT])
@@ -136,6 +159,9 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     score_set = set(ctx.opt("score_methods") or [])
     max_new = ctx.opt("max_new_tokens", 32)
     rng = random.Random(ctx.opt("seed", 0))
+    company, others = ctx.opt("warm_company", "request"), ctx.opt("warm_others", 3)
+    company_rng = random.Random(ctx.opt("seed", 0) + 1)  # the passage orders stay those of company="request"
+    pool = [p for it in items for p in it.passages[:top_k]]
     _warmup(ctx)
     jobs = [(item, r) for item in items for r in range(repeat)]
     out: list[dict] = []
@@ -149,7 +175,10 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             order = _request_order(len(item.passages), top_k, shuffle, rng)
         used.add((item.index, tuple(order)))
         req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
-        warm = warm_in_dataset_order(engine, item, order)
+        if company == "other":
+            warm = warm_in_other_company(engine, item, order, pool, others, company_rng)
+        else:
+            warm = warm_in_dataset_order(engine, item, order)
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float | None] = {}
         drifts: dict[str, list[float] | None] = {}
