@@ -51,7 +51,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=("shuffled", "given"), default=d.order, help="passage order")
     p.add_argument("--warm-company", choices=("request", "other"), default=d.warm_company,
                    help="(a): warm a question's passages together (request) or each behind passages of other "
-                   "questions (other: chunk KV first computed for other requests)")
+                   "questions (other: chunk KV first computed for other requests; empties the store per request)")
     p.add_argument("--warm-others", type=int, default=d.warm_others, help="passages behind each one with "
                    "--warm-company other")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -33,7 +33,8 @@ class BenchOptions:
         order: ``shuffled`` (seeded) or ``given`` passage order.
         warm_company: workload (a)'s pre-warming: ``request`` (a question's passages together, in
             dataset order) or ``other`` (each passage behind ``warm_others`` passages of other
-            questions: KV first computed for other requests, as in a shared store).
+            questions: KV first computed for other requests, as in a shared store; the engine's
+            store is emptied before each request).
         seed: seed of passage orders and of the stream.
         repeat: requests per question in workload (a), each with a fresh order when shuffled.
         max_new_tokens: answer length limit in workload (a).

@@ -2,9 +2,9 @@
 
 (a) ``questions``: one request per dataset question, its top-k passages pre-warmed (the CacheBlend
     setting) in dataset order, then asked in the request's order (shuffled by default); with
-    ``warm_company="other"`` each passage is pre-warmed behind passages of other questions instead. Every
-    method runs on a request before the next request starts, so each method's figures pair with
-    ``full``'s on the same request.
+    ``warm_company="other"`` each passage is pre-warmed behind passages of other questions instead.
+    Every method runs on a request before the next request starts, so each method's figures pair
+    with ``full``'s on the same request.
 (b) ``stream``: a pooled Zipf stream over all passages of the questions, against a store bounded
     below the working set. No pre-warming: misses are computed and written back as a server would.
     Each method that uses the store gets its own engine (same weights) and store, so one method's
