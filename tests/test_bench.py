@@ -249,7 +249,8 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
 
 def test_warm_in_other_company(tmp_path, tiny_engine, monkeypatch):
     """--warm-company other: each passage of a request is warmed on its own, behind passages of other
-    questions only, into an emptied store; the request then finds all its passages cached."""
+    questions only, into an emptied store (the prompt's lead text cached again); the request then
+    finds all its passages cached."""
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(make_synthetic_dataset(3, passages=3, words=6)))
     items = load_dataset(data, 3)
@@ -266,7 +267,10 @@ def test_warm_in_other_company(tmp_path, tiny_engine, monkeypatch):
         mine = set(item.passages[:2])
         assert sorted(c[-1] for c in pair) == sorted(mine)  # each passage last, behind...
         assert all(len(c) == 3 and not mine & set(c[:-1]) for c in pair)  # ...two of other questions
-    assert all(r["chunk_hits"] == 2 for r in res["records"] if r["method"] == "reuse")
+    reuse = [r for r in res["records"] if r["method"] == "reuse"]
+    assert all(r["chunk_hits"] == 2 for r in reuse)
+    # the emptied store gets the prompt's lead text back: reuse (first after full) finds it cached
+    assert all(r["prefix_tokens"] > 0 for r in reuse)
     assert res["meta"]["settings"]["warm_company"] == "other"
     with pytest.raises(InvalidRequestError, match="other questions"):
         run_bench(BenchOptions(**{**opts, "n": 1}, warm_company="other", out=str(tmp_path / "x")), engine=tiny_engine)

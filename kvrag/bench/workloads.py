@@ -115,14 +115,21 @@ def warm_in_dataset_order(engine, item: QAItem, order: list[int]):
     return warm
 
 
-def warm_in_other_company(engine, item: QAItem, order: list[int], pool: list[str], others: int, rng: random.Random):
+def warm_in_other_company(
+    engine, item: QAItem, order: list[int], pool: list[str], others: int, rng: random.Random, prefix: str = ""
+):
     """Warm each of a request's passages on its own behind ``others`` passages of other questions.
 
     A shared store fills with chunks first computed for other requests, in other company; this is
     that case (``--warm-company other``): no passage of the request is behind another of its
-    passages. The store is emptied first, so nothing an earlier request computed is found.
+    passages. The store is emptied first, so nothing an earlier request computed is found; then
+    the prompt's lead text ``prefix`` (instructions, the same in every request) is cached again,
+    as every earlier request leaves it with ``warm_company="request"``. Otherwise the first
+    method after ``full`` would pay for computing it and the later ones would not.
     """
     engine.store.clear()
+    if prefix:
+        engine.generate(prefix=prefix, mode="prefix", max_new_tokens=1)
     mine = set(item.passages)
     strangers = [p for p in dict.fromkeys(pool) if p not in mine]
     if len(strangers) < others:
@@ -176,7 +183,7 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         used.add((item.index, tuple(order)))
         req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
         if company == "other":
-            warm = warm_in_other_company(engine, item, order, pool, others, company_rng)
+            warm = warm_in_other_company(engine, item, order, pool, others, company_rng, req.prefix)
         else:
             warm = warm_in_dataset_order(engine, item, order)
         outcomes: dict[str, Outcome] = {}
