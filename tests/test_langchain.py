@@ -189,6 +189,21 @@ def test_constructor_is_cheap_and_strict():
         KVCachedLLM(recompute_ratio=1.5)
 
 
+def test_tracing_parameters_name_kvrag_and_the_model():
+    """Both LLM kinds report provider and model to LangSmith, and identify by model/mode/ratio."""
+    chat = KVCachedLLM(max_tokens=4, temperature=0.0, stop=["END"], recompute_ratio=0.3)
+    text = KVCachedTextLLM(model="/models/other", mode="full")
+    ls = chat._get_ls_params()
+    assert ls["ls_provider"] == "kvrag" and ls["ls_model_type"] == "chat"
+    assert ls["ls_model_name"] == "SmolLM2-135M-Instruct" and ls["ls_max_tokens"] == 4 and ls["ls_stop"] == ["END"]
+    assert chat._get_ls_params(model="per-call")["ls_model_name"] == "per-call"
+    assert text._get_ls_params()["ls_provider"] == "kvrag" and text._get_ls_params()["ls_model_type"] == "llm"
+    assert text._get_ls_params()["ls_model_name"] == "/models/other"
+    assert chat._identifying_params == {"model": "SmolLM2-135M-Instruct", "mode": None, "recompute_ratio": 0.3}
+    assert text._identifying_params == {"model": "/models/other", "mode": "full", "recompute_ratio": None}
+    assert chat.engine is None and text.engine is None  # none of this loads an engine
+
+
 def test_field_literals_name_the_engine_choices():
     from typing import get_args
 

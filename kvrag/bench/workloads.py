@@ -168,7 +168,7 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     rng = random.Random(ctx.opt("seed", 0))
     company, others = ctx.opt("warm_company", "request"), ctx.opt("warm_others", 3)
     company_rng = random.Random(ctx.opt("seed", 0) + 1)  # the passage orders stay those of company="request"
-    pool = [p for it in items for p in it.passages[:top_k]]
+    pool = [p for it in items for p in it.passages[:top_k]] if company == "other" else []
     _warmup(ctx)
     jobs = [(item, r) for item in items for r in range(repeat)]
     out: list[dict] = []

@@ -111,6 +111,17 @@ class EngineSettings(BaseModel):
             return self.model
         return self.engine.model_name if self.engine is not None else "SmolLM2-135M-Instruct"
 
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_label(), "mode": self.mode, "recompute_ratio": self.recompute_ratio}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        """LangSmith's tracing parameters: provider ``kvrag``, the model's name."""
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvrag"
+        params["ls_model_name"] = self.model_label(kwargs.get("model"))
+        return params
+
     def request_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Engine ``stream()`` arguments of one call: fields, overridden by per-call arguments."""
         unknown = sorted(set(kwargs) - CALL_KWARGS)

@@ -40,16 +40,6 @@ class KVCachedTextLLM(EngineSettings, BaseLLM):
     def _llm_type(self) -> str:
         return "kvrag-text"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_label(), "mode": self.mode, "recompute_ratio": self.recompute_ratio}
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = "kvrag"
-        params["ls_model_name"] = self.model_label(kwargs.get("model"))
-        return params
-
     def _render(self, prompt: str):
         if not self.chat_template:
             return lambda engine: prompt
