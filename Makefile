@@ -27,7 +27,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# The README's benchmark (workload a; ~50 min on 2 cores with answer-drift scoring); DATASET is the MuSiQue dev file.
+# The README's benchmark (workload a; ~40 min on 2 cores with answer-drift scoring); DATASET is the MuSiQue dev file.
 DATASET ?= ../shared/data/musique_dev.json
 BENCH_OUT ?= bench-results
 bench: install
