@@ -145,7 +145,8 @@ def stored(engine, text):
 def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     """chunk_context='neighbor': warm() computes its list as one stream; each chunk keeps the KV it
     has in that stream. A list that fits one window goes behind a built-in passage (no other
-    documents are known to a fresh engine)."""
+    documents are known to a fresh engine), later behind the documents computed last that are not
+    in the window."""
     docs = make_docs(4, words=150, seed=3)
     w = tiny_engine.warm(docs)
     assert (w.computed, w.cached) == (len(docs), 0)
@@ -164,7 +165,14 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
     w = tiny_engine.warm(docs)
     assert (w.computed, w.cached) == (1, len(docs) - 1)
-    recent = flat(ids)[-cc.context_tokens :]  # now the engine has computed documents: behind those
+    # the documents computed last are this very list: a chunk never goes behind a copy of itself
+    want = chunk_kv_in_stream(tiny_engine, context, ids[:3])
+    torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
+    others = make_docs(2, words=150, seed=11)  # other documents computed last: behind those
+    tiny_engine.warm(others)
+    tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
+    assert tiny_engine.warm(docs).computed == 1
+    recent = flat(tiny_engine.planner.tokenize(d) for d in others)[-cc.context_tokens :]
     want = chunk_kv_in_stream(tiny_engine, cc.sink_ids + recent, ids[:3])
     torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
 

@@ -12,7 +12,8 @@ default (``chunk_context="neighbor"``):
   behind up to :data:`MAX_CONTEXT_TOKENS` of the list's other documents, taken round the list up
   to its first chunk (the first window's: the list's last documents), never a copy of a document
   inside the window. With no other documents (a list that fits one window, a lone chunk) it goes
-  behind the documents this engine computed last, or a built-in passage;
+  behind the documents this engine computed last (again never one inside the window, as when a
+  list is warmed again after eviction), or a built-in passage;
 - a chunk a request missed is kept with the KV the request computed for it, in its real context,
   at no extra cost (captured during the prefill).
 
@@ -81,7 +82,7 @@ class ChunkComputer:
         self.label = context_label(context, sink_ids)
         #: most tokens of other documents behind a chunk (0 with the sink context)
         self.context_tokens = 0 if context == "sink" else min(MAX_CONTEXT_TOKENS, window // 4)
-        self._recent: list[int] = []  # the tail of the documents computed last
+        self._recent: list[list[int]] = []  # the documents computed last (oldest first), enough for a context
         self._builtin: list[int] | None = None
 
     def _builtin_doc(self) -> list[int]:
@@ -91,14 +92,23 @@ class ChunkComputer:
         return self._builtin
 
     def _remember(self, ids: list[int]) -> None:
-        self._recent = (self._recent + list(ids))[-self.context_tokens :] if self.context_tokens else []
+        if not self.context_tokens:
+            return
+        self._recent.append(list(ids))
+        total = sum(len(d) for d in self._recent)
+        while total - len(self._recent[0]) >= self.context_tokens:  # the newest docs still fill a context
+            total -= len(self._recent.pop(0))
 
-    def context_ids(self, before: Sequence[list[int]] | None = None) -> list[int]:
+    def context_ids(self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = ()) -> list[int]:
         """Tokens a chunk is computed behind (their KV is dropped): the sink, then the tail of the
-        documents ``before`` it (none given: the documents computed last, or a built-in passage)."""
+        documents ``before`` it (none given: the documents computed last that are not in
+        ``exclude``, the chunks about to be computed, so that no chunk goes behind a copy of
+        itself; or a built-in passage)."""
         if self.context == "sink":
             return list(self.sink_ids)
-        docs = [t for doc in before or () for t in doc] or self._recent or self._builtin_doc()
+        docs = [t for doc in before or () for t in doc]
+        if not docs:
+            docs = [t for doc in self._recent if doc not in exclude for t in doc] or self._builtin_doc()
         return self.sink_ids + docs[-self.context_tokens :]
 
     def max_chunk_tokens(self, window: int) -> int:
@@ -132,7 +142,7 @@ class ChunkComputer:
         first behind :meth:`context_ids` of ``before``; call under the engine's lock."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
-        ids = self.context_ids(before)
+        ids = self.context_ids(before, exclude=[list(d) for d in docs])
         caps, pos = [], len(ids)
         for doc in docs:
             caps.append(KVCapture(self.adapter, pos, pos + len(doc)))
