@@ -92,12 +92,15 @@ class ChunkComputer:
         return self._builtin
 
     def _remember(self, ids: list[int]) -> None:
+        # write-back calls this from its own thread: build a new list and swap it in, so that a
+        # reader (context_ids, under the engine's lock) always sees a whole one
         if not self.context_tokens:
             return
-        self._recent.append(list(ids))
-        total = sum(len(d) for d in self._recent)
-        while total - len(self._recent[0]) >= self.context_tokens:  # the newest docs still fill a context
-            total -= len(self._recent.pop(0))
+        recent = [*self._recent, list(ids)]
+        total = sum(len(d) for d in recent)
+        while total - len(recent[0]) >= self.context_tokens:  # the newer docs still fill a context
+            total -= len(recent.pop(0))
+        self._recent = recent
 
     def context_ids(self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = ()) -> list[int]:
         """Tokens a chunk is computed behind (their KV is dropped): the sink, then the tail of the
