@@ -145,7 +145,7 @@ class ChunkComputer:
         first behind :meth:`context_ids` of ``before``; call under the engine's lock."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
-        ids = self.context_ids(before, exclude=[list(d) for d in docs])
+        ids = self.context_ids(before, exclude=docs)
         caps, pos = [], len(ids)
         for doc in docs:
             caps.append(KVCapture(self.adapter, pos, pos + len(doc)))
