@@ -24,7 +24,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) examples/langchain_rag.py
 
+# lint first (ruff: format and check, settings in pyproject), then the whole suite
 test: install
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # The README's benchmark (workload a; ~40 min on 2 cores with answer-drift scoring); DATASET is the MuSiQue dev file.

@@ -65,7 +65,9 @@ def rouge_l(a: str, b: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", help="MuSiQue-style JSON (default: ../shared/data/musique_dev.json if present)")
-    ap.add_argument("--k", type=int, default=None, help="documents retrieved per question (default 6; 4 on the handbook)")
+    ap.add_argument(
+        "--k", type=int, default=None, help="documents retrieved per question (default 6; 4 on the handbook)"
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
 
@@ -94,11 +96,16 @@ def main() -> None:
             meta = msg.response_metadata
             answers[(question, name)] = msg.content
             cache = msg.usage_metadata["input_token_details"]["cache_read"]
-            print(f"  {name:12s} TTFT {meta['ttft_s']:6.3f} s | {meta['chunk_hits']}/{meta['chunk_hits'] + meta['chunk_misses']}"
-                  f" chunks reused, {cache}/{meta['prompt_tokens']} prompt tokens from cache")
+            print(
+                f"  {name:12s} TTFT {meta['ttft_s']:6.3f} s | "
+                f"{meta['chunk_hits']}/{meta['chunk_hits'] + meta['chunk_misses']}"
+                f" chunks reused, {cache}/{meta['prompt_tokens']} prompt tokens from cache"
+            )
             print(f"  {'':12s} {' '.join(msg.content.split())}")
         engine.flush()  # the first sight of a document stores its KV in the background; let it land
-        print(f"  ROUGE-L(kvrag, full) = {rouge_l(answers[(question, 'kvrag')], answers[(question, 'full prefill')]):.2f}")
+        print(
+            f"  ROUGE-L(kvrag, full) = {rouge_l(answers[(question, 'kvrag')], answers[(question, 'full prefill')]):.2f}"
+        )
 
 
 if __name__ == "__main__":

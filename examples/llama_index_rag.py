@@ -104,9 +104,12 @@ def main() -> None:
     kv = KVCachedLLM(max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio)
     full = KVCachedLLM(max_new_tokens=args.max_new_tokens, mode="full")  # same shared engine, full prefill
     print("Loading the bundled model (the first run converts it once, ~30 s)...")
+
     def engine_for(llm):
         return index.as_query_engine(
-            llm=llm, similarity_top_k=top_k, response_mode=args.response_mode,
+            llm=llm,
+            similarity_top_k=top_k,
+            response_mode=args.response_mode,
             node_postprocessors=[kv.node_postprocessor()],
         )
 
@@ -148,8 +151,10 @@ def main() -> None:
     ratio = median(rounds, "kv2") / median(rounds, "kv1")
     hits = [r["kv2"][1]["chunk_hits"] for r in rounds]
     score = rouge_l(last["kv2"][0], last["full2"][0])
-    print(f"TTFT medians over {len(rounds)} round(s); Q2 kvrag / Q2 full prefill: "
-          f"{median(rounds, 'kv2') / median(rounds, 'full2'):.3f}")
+    print(
+        f"TTFT medians over {len(rounds)} round(s); Q2 kvrag / Q2 full prefill: "
+        f"{median(rounds, 'kv2') / median(rounds, 'full2'):.3f}"
+    )
     check("Q2 chunk hits", min(hits) >= 4, f"{hits} (need >= 4)")
     check("TTFT Q2 / cold Q1 (kvrag)", ratio <= 0.35, f"{ratio:.3f} (need <= 0.35)")
     if score is not None:

@@ -93,9 +93,11 @@ def main() -> None:
             config = {"configurable": {"session_id": name}}  # the conversation id kvrag uses
             msg, _ = run_turn(args.layout, retriever, llm, histories[name], question, config)
             m = msg.response_metadata
-            print(f"  {name:12s} TTFT {m['ttft_s']:6.3f} s | prompt {m['prompt_tokens']:5d} tokens, "
-                  f"{msg.usage_metadata['input_token_details']['cache_read']:5d} from cache "
-                  f"({m['conversation_tokens']} from the conversation), {m['deduplicated_chunks']} chunks deduplicated")
+            print(
+                f"  {name:12s} TTFT {m['ttft_s']:6.3f} s | prompt {m['prompt_tokens']:5d} tokens, "
+                f"{msg.usage_metadata['input_token_details']['cache_read']:5d} from cache "
+                f"({m['conversation_tokens']} from the conversation), {m['deduplicated_chunks']} chunks deduplicated"
+            )
             print(f"  {'':12s} {' '.join(msg.content.split())}")
         kvrag_llm.get_engine().flush()
     kvrag_llm.get_engine().end_conversation("kvrag")

@@ -28,9 +28,12 @@ def main() -> None:
     print("Loading the bundled model (the first run converts it once, ~30 s)...")
     engine = Engine.from_pretrained()
     template = engine.tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Answer the question from the documents, in one sentence."},
-         {"role": "user", "content": "@@"}],
-        tokenize=False, add_generation_prompt=True,
+        [
+            {"role": "system", "content": "Answer the question from the documents, in one sentence."},
+            {"role": "user", "content": "@@"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     head, tail = template.split("@@")
     warm = engine.warm(chunks)

@@ -188,10 +188,14 @@ class EngineConfig:
             raise InvalidRequestError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p must be in (0, 1]")
-        if isinstance(self.max_conversations, bool) or not isinstance(self.max_conversations, int) or self.max_conversations < 0:
+        if (
+            isinstance(self.max_conversations, bool)
+            or not isinstance(self.max_conversations, int)
+            or self.max_conversations < 0
+        ):
             raise InvalidRequestError("max_conversations must be an integer >= 0")
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:

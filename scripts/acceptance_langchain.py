@@ -75,9 +75,13 @@ def rag_check(name, make_chain, store, llm, full_llm, q1, q2, shared, repeats, a
     score = rouge_l(second.content, reference.content)
     ratio = statistics.median(warm) / statistics.median(cold)
     print(f"  [{name}] Q1: {q1}\n  [{name}] Q2: {q2} ({shared} of top-6 shared)")
-    print(f"  [{name}] TTFT cold Q1 {['%.3f' % t for t in cold]} s, Q2 {['%.3f' % t for t in warm]} s; "
-          f"full-prefill Q2 {reference.response_metadata['ttft_s']:.3f} s")
-    print(f"  [{name}] kvrag: {' '.join(second.content.split())}\n  [{name}] full:  {' '.join(reference.content.split())}")
+    print(
+        f"  [{name}] TTFT cold Q1 {[f'{t:.3f}' for t in cold]} s, Q2 {[f'{t:.3f}' for t in warm]} s; "
+        f"full-prefill Q2 {reference.response_metadata['ttft_s']:.3f} s"
+    )
+    print(
+        f"  [{name}] kvrag: {' '.join(second.content.split())}\n  [{name}] full:  {' '.join(reference.content.split())}"
+    )
     check(f"{name}: chunk hits on Q2", min(hits) >= 4, f"{hits} (need >= 4)")
     check(f"{name}: TTFT Q2 / cold Q1", ratio <= 0.35, f"{ratio:.3f} (medians; need <= 0.35)")
     check(f"{name}: ROUGE-L vs mode=full", score >= 0.85, f"{score:.3f} (need >= 0.85)")
@@ -142,12 +146,18 @@ def multi_turn(store, questions, llm_kwargs):
                 share, h = history_coverage(engine, messages, m)
                 coverage.append(share)
                 dedups.append(m["deduplicated_chunks"])
-                print(f"  [{layout}] turn {n}: history {h} tokens, {share:.1%} of them reused from the conversation "
-                      f"({m['conversation_tokens']} conversation tokens in all), cache_read {msg.usage_metadata['input_token_details']['cache_read']}/"
-                      f"{m['prompt_tokens']}, {m['deduplicated_chunks']} chunks deduplicated, TTFT {m['ttft_s']:.3f} s")
+                print(
+                    f"  [{layout}] turn {n}: history {h} tokens, {share:.1%} of them reused from the conversation "
+                    f"({m['conversation_tokens']} conversation tokens in all), "
+                    f"cache_read {msg.usage_metadata['input_token_details']['cache_read']}/"
+                    f"{m['prompt_tokens']}, {m['deduplicated_chunks']} chunks deduplicated, TTFT {m['ttft_s']:.3f} s"
+                )
         engine.end_conversation(session)
-        check(f"multi-turn {layout}: history reused from turn 2 on", min(coverage) >= 0.9,
-              f"min share {min(coverage):.3f} over turns 2-5 ({['%.2f' % c for c in coverage]}; need >= 0.90)")
+        check(
+            f"multi-turn {layout}: history reused from turn 2 on",
+            min(coverage) >= 0.9,
+            f"min share {min(coverage):.3f} over turns 2-5 ({[f'{c:.2f}' for c in coverage]}; need >= 0.90)",
+        )
         if layout == "append-only":
             check("multi-turn append-only: repeated chunks deduplicated", sum(dedups) > 0, f"dropped per turn {dedups}")
 
@@ -162,7 +172,9 @@ def ratio_one_equals_full(store, questions, llm_kwargs):
         history: list = []
         same = []
         for q in turns:
-            msg, messages = run_turn(layout, retriever, llm, history, q, {"configurable": {"session_id": f"r1-{layout}"}})
+            msg, messages = run_turn(
+                layout, retriever, llm, history, q, {"configurable": {"session_id": f"r1-{layout}"}}
+            )
             same.append(full.invoke(messages).content == msg.content)  # no conversation: a plain full prefill
         llm.get_engine().end_conversation(f"r1-{layout}")
         check(f"multi-turn {layout}: dedup off + ratio 1.0 == full prefill", all(same), f"per turn {same}")
@@ -179,8 +191,11 @@ def errors(llm):
     register_documents([doc], llm)
     msg = llm.invoke([("system", "Answer briefly."), ("human", "Who founded the Louvre?")])
     m = msg.response_metadata
-    check("registered document missing from the prompt is not used", m["chunk_hits"] + m["chunk_misses"] == 0,
-          f"chunks hit/missed {m['chunk_hits']}/{m['chunk_misses']}, answer: {' '.join(msg.content.split())[:80]}")
+    check(
+        "registered document missing from the prompt is not used",
+        m["chunk_hits"] + m["chunk_misses"] == 0,
+        f"chunks hit/missed {m['chunk_hits']}/{m['chunk_misses']}, answer: {' '.join(msg.content.split())[:80]}",
+    )
 
 
 def main() -> None:
@@ -205,8 +220,18 @@ def main() -> None:
     if args.only in (None, "rag"):
         rag_check("LCEL stuff chain", lcel_chain, store, llm, full_llm, q1, q2, shared, args.repeats, lambda r: r)
     if args.only in (None, "chain"):
-        rag_check("create_retrieval_chain (langchain_classic)", classic_chain, store, llm, full_llm, q1, q2, shared,
-                  args.repeats, lambda r: r["answer"])
+        rag_check(
+            "create_retrieval_chain (langchain_classic)",
+            classic_chain,
+            store,
+            llm,
+            full_llm,
+            q1,
+            q2,
+            shared,
+            args.repeats,
+            lambda r: r["answer"],
+        )
     if args.only in (None, "multi"):
         multi_turn(store, questions, llm_kwargs)
         ratio_one_equals_full(store, questions, llm_kwargs)

@@ -36,8 +36,13 @@ def tiered(directory: str) -> TieredStore:
 
 def questions(path: str, n: int, k: int) -> list[tuple[list[str], str]]:
     data = json.load(open(path))[:n]
-    return [([f"{c['title']}\n{c['text']}\n" for c in q["ctxs"][:k]],
-             f"Question: {q['question']}<|im_end|>\n<|im_start|>assistant\n") for q in data]
+    return [
+        (
+            [f"{c['title']}\n{c['text']}\n" for c in q["ctxs"][:k]],
+            f"Question: {q['question']}<|im_end|>\n<|im_start|>assistant\n",
+        )
+        for q in data
+    ]
 
 
 def ttft(args) -> None:
@@ -66,12 +71,20 @@ def ttft(args) -> None:
                     tiers = {c.tier for c in g.stats.chunks}
                     assert tiers == {"memory" if cond == "memory" else "disk"}, (cond, tiers)
                     times[cond].append(g.ttft_s)
-            print(f"rep {rep + 1}: " + ", ".join(f"{c} {statistics.median(t):.3f} s" for c, t in times.items()), flush=True)
+            print(
+                f"rep {rep + 1}: " + ", ".join(f"{c} {statistics.median(t):.3f} s" for c, t in times.items()),
+                flush=True,
+            )
         med = {c: statistics.median(t) for c, t in times.items()}
         load = eng.store.stats()["load"]
-        report = {"median_ttft_s": med, "ratio_vs_memory": {c: med[c] / med["memory"] for c in med},
-                  "load": load, "n_requests": len(qs) * args.reps, "chunks_per_request": args.top_k,
-                  "threads": __import__("torch").get_num_threads()}
+        report = {
+            "median_ttft_s": med,
+            "ratio_vs_memory": {c: med[c] / med["memory"] for c in med},
+            "load": load,
+            "n_requests": len(qs) * args.reps,
+            "chunks_per_request": args.top_k,
+            "threads": __import__("torch").get_num_threads(),
+        }
         print(json.dumps(report, indent=1))
         eng.close()
 
@@ -91,13 +104,40 @@ def _answer(dataset: str, n: int, k: int, cache_dir: str, warm: bool) -> list[di
 def restart(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         a = _answer(args.dataset, args.n, args.top_k, tmp, warm=True)
-        b = json.loads(subprocess.run(
-            [sys.executable, __file__, "restart-b", "--dataset", args.dataset, "--n", str(args.n),
-             "--top-k", str(args.top_k), "--dir", tmp], check=True, capture_output=True, text=True).stdout)
+        b = json.loads(
+            subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "restart-b",
+                    "--dataset",
+                    args.dataset,
+                    "--n",
+                    str(args.n),
+                    "--top-k",
+                    str(args.top_k),
+                    "--dir",
+                    tmp,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
     tiers_b = [t for r in b for t in r["tiers"]]
-    print(json.dumps({"passages": len(tiers_b), "b_disk_hits": tiers_b.count("disk"),
-                      "same_answers": sum(x["text"] == y["text"] for x, y in zip(a, b)), "questions": len(a),
-                      "a": a, "b": b}, indent=1))
+    print(
+        json.dumps(
+            {
+                "passages": len(tiers_b),
+                "b_disk_hits": tiers_b.count("disk"),
+                "same_answers": sum(x["text"] == y["text"] for x, y in zip(a, b)),
+                "questions": len(a),
+                "a": a,
+                "b": b,
+            },
+            indent=1,
+        )
+    )
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import torch  # noqa: E402
 
 # Triton decides at import (its own and its lazy submodules') whether @jit functions run in its
 # interpreter, and torch imports triton as soon as transformers builds a model: so the variable is
-# set for the whole session, before anything imports triton. Only tests/test_kernels.py launches
+# set for the whole session, before anything imports triton. Only tests/kernels/test_kernels.py launches
 # Triton kernels; on CPU tensors only the interpreter can run them. Left alone on a CUDA machine.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -46,9 +46,19 @@ def make_tiny_llama(vocab_size: int, *, layers: int = 6, seed: int = 0, **overri
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         initializer_range=0.15,
     )
     cfg.update(overrides)
@@ -61,3 +71,18 @@ def make_tiny_llama(vocab_size: int, *, layers: int = 6, seed: int = 0, **overri
 def make_docs(n: int, words: int = 60, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) + "\n" for _ in range(n)]
+
+
+PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
+SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
+    parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+    return engine.planner.segment(parts)[1]
+
+
+def last_logits(engine, chunks, mode, ratio=None, selection=None):
+    req = engine._request(chunks, PREFIX, SUFFIX, 0, 0.0, 1.0, None, None, mode, ratio, selection=selection)
+    _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
+    return engine.adapter.logits(res.last_hidden)[0]

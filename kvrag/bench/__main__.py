@@ -1,10 +1,10 @@
 """``python -m kvrag.bench`` / ``kvrag bench``: run the benchmark, compare or merge runs, make data.
 
-    kvrag bench --dataset QA.json --n 20 --top-k 6 --methods hf,full,prefix,reuse,blend --out DIR
-    kvrag bench compare RUN_A RUN_B            # each run's own paired ratios, side by side
-    kvrag bench merge RUN_A RUN_B --out DIR    # pool runs of one machine/model/commit/settings
-    kvrag bench make-dataset --out qa.json     # a small synthetic QA set (for tests and demos)
-    kvrag bench methods                        # the registered method names
+kvrag bench --dataset QA.json --n 20 --top-k 6 --methods hf,full,prefix,reuse,blend --out DIR
+kvrag bench compare RUN_A RUN_B            # each run's own paired ratios, side by side
+kvrag bench merge RUN_A RUN_B --out DIR    # pool runs of one machine/model/commit/settings
+kvrag bench make-dataset --out qa.json     # a small synthetic QA set (for tests and demos)
+kvrag bench methods                        # the registered method names
 """
 
 from __future__ import annotations
@@ -41,49 +41,92 @@ def _run_parser() -> argparse.ArgumentParser:
     from kvrag.bench.run import DEFAULT_METHODS, BenchOptions
 
     d = BenchOptions(dataset="")
-    p = argparse.ArgumentParser(prog="kvrag bench", description="TTFT and answer fidelity of KV-reuse methods, "
-                                "side by side on the same requests (ratios paired within one run).")
+    p = argparse.ArgumentParser(
+        prog="kvrag bench",
+        description="TTFT and answer fidelity of KV-reuse methods, "
+        "side by side on the same requests (ratios paired within one run).",
+    )
     p.add_argument("--dataset", required=True, help="QA JSON: [{question, answers, ctxs: [{title, text}]}]")
     p.add_argument("--n", type=int, default=d.n, help="questions (the first N)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="passages per request")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: hf, full, prefix, reuse, blend, "
-                   "blend@RATIO, ... (full is always run: it is the reference)")
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma-separated: hf, full, prefix, reuse, blend, "
+        "blend@RATIO, ... (full is always run: it is the reference)",
+    )
     p.add_argument("--order", choices=("shuffled", "given"), default=d.order, help="passage order")
-    p.add_argument("--warm-company", choices=("request", "other"), default=d.warm_company,
-                   help="(a): warm a question's passages together (request) or each behind passages of other "
-                   "questions (other: chunk KV first computed for other requests; empties the store per request)")
-    p.add_argument("--warm-others", type=int, default=d.warm_others, help="passages behind each one with "
-                   "--warm-company other")
+    p.add_argument(
+        "--warm-company",
+        choices=("request", "other"),
+        default=d.warm_company,
+        help="(a): warm a question's passages together (request) or each behind passages of other "
+        "questions (other: chunk KV first computed for other requests; empties the store per request)",
+    )
+    p.add_argument(
+        "--warm-others", type=int, default=d.warm_others, help="passages behind each one with --warm-company other"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--repeat", type=int, default=d.repeat, help="requests per question (fresh order each)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--score", default=d.score, help="methods whose gold-answer log-likelihood and "
-                   "answer drift (full's answer, teacher-forced) are measured: auto (all but blend@1.0, which "
-                   "is the full prefill), all, none or names; each costs a prefill per request")
-    p.add_argument("--workloads", default=d.workloads, help="a (per question, pre-warmed), b (Zipf stream, "
-                   "bounded store), c (multi-turn conversations)")
+    p.add_argument(
+        "--score",
+        default=d.score,
+        help="methods whose gold-answer log-likelihood and "
+        "answer drift (full's answer, teacher-forced) are measured: auto (all but blend@1.0, which "
+        "is the full prefill), all, none or names; each costs a prefill per request",
+    )
+    p.add_argument(
+        "--workloads",
+        default=d.workloads,
+        help="a (per question, pre-warmed), b (Zipf stream, bounded store), c (multi-turn conversations)",
+    )
     p.add_argument("--stream-requests", type=int, default=d.stream_requests)
     p.add_argument("--stream-methods", default=d.stream_methods)
     p.add_argument("--stream-max-new-tokens", type=int, default=d.stream_max_new_tokens)
-    p.add_argument("--stream-questions", type=int, default=None, help="questions whose passages form the "
-                   "stream's pool (default: --n)")
+    p.add_argument(
+        "--stream-questions",
+        type=int,
+        default=None,
+        help="questions whose passages form the stream's pool (default: --n)",
+    )
     p.add_argument("--stream-budget-bytes", type=int, default=None, help="store budget of the stream")
-    p.add_argument("--stream-disk-budget-bytes", type=int, default=None, help="disk tier budget of the stream, "
-                   "with --config disk_tier=true (default: the memory budget)")
-    p.add_argument("--stream-budget-frac", type=float, default=d.stream_budget_frac,
-                   help="store budget as a share of the pool's KV bytes (when no byte budget is given)")
+    p.add_argument(
+        "--stream-disk-budget-bytes",
+        type=int,
+        default=None,
+        help="disk tier budget of the stream, with --config disk_tier=true (default: the memory budget)",
+    )
+    p.add_argument(
+        "--stream-budget-frac",
+        type=float,
+        default=d.stream_budget_frac,
+        help="store budget as a share of the pool's KV bytes (when no byte budget is given)",
+    )
     p.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of passage popularity")
-    p.add_argument("--eviction-policy", default=d.eviction_policy, help="the stream store's eviction policy; "
-                   "a comma list (lru,pgdsf) runs each store-using method once per policy, side by side")
+    p.add_argument(
+        "--eviction-policy",
+        default=d.eviction_policy,
+        help="the stream store's eviction policy; "
+        "a comma list (lru,pgdsf) runs each store-using method once per policy, side by side",
+    )
     p.add_argument("--conv-turns", type=int, default=d.conv_turns, help="turns per conversation (workload c)")
     p.add_argument("--conv-top-k", type=int, default=d.conv_top_k, help="passages per turn (workload c)")
-    p.add_argument("--conv-methods", default=d.conv_methods, help="methods of workload c (conv: blend with "
-                   "the conversation's kept KV and dedup)")
+    p.add_argument(
+        "--conv-methods",
+        default=d.conv_methods,
+        help="methods of workload c (conv: blend with the conversation's kept KV and dedup)",
+    )
     p.add_argument("--conv-max-new-tokens", type=int, default=d.conv_max_new_tokens)
     p.add_argument("--windows", type=int, default=d.windows, help="stream windows for hit rate over time")
     p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled model)")
-    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
-                   help="EngineConfig override, e.g. --config dtype=bfloat16 (repeatable)")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="EngineConfig override, e.g. --config dtype=bfloat16 (repeatable)",
+    )
     p.add_argument("--system", default=d.system, help="system prompt")
     p.add_argument("--instructions", default=d.instructions)
     p.add_argument("--answer-hint", default=d.answer_hint, help="appended after the question ('' for none)")
@@ -99,17 +142,40 @@ def _run(argv: list[str]) -> int:
 
     a = _run_parser().parse_args(argv)
     opts = BenchOptions(
-        dataset=a.dataset, n=a.n, top_k=a.top_k, methods=a.methods, order=a.order, seed=a.seed, repeat=a.repeat,
-        warm_company=a.warm_company, warm_others=a.warm_others,
-        max_new_tokens=a.max_new_tokens, score=a.score, workloads=a.workloads, stream_requests=a.stream_requests,
-        stream_methods=a.stream_methods, stream_max_new_tokens=a.stream_max_new_tokens,
-        stream_questions=a.stream_questions, stream_budget_bytes=a.stream_budget_bytes,
+        dataset=a.dataset,
+        n=a.n,
+        top_k=a.top_k,
+        methods=a.methods,
+        order=a.order,
+        seed=a.seed,
+        repeat=a.repeat,
+        warm_company=a.warm_company,
+        warm_others=a.warm_others,
+        max_new_tokens=a.max_new_tokens,
+        score=a.score,
+        workloads=a.workloads,
+        stream_requests=a.stream_requests,
+        stream_methods=a.stream_methods,
+        stream_max_new_tokens=a.stream_max_new_tokens,
+        stream_questions=a.stream_questions,
+        stream_budget_bytes=a.stream_budget_bytes,
         stream_disk_budget_bytes=a.stream_disk_budget_bytes,
-        stream_budget_frac=a.stream_budget_frac, zipf=a.zipf, eviction_policy=a.eviction_policy, windows=a.windows,
-        conv_turns=a.conv_turns, conv_top_k=a.conv_top_k, conv_methods=a.conv_methods,
+        stream_budget_frac=a.stream_budget_frac,
+        zipf=a.zipf,
+        eviction_policy=a.eviction_policy,
+        windows=a.windows,
+        conv_turns=a.conv_turns,
+        conv_top_k=a.conv_top_k,
+        conv_methods=a.conv_methods,
         conv_max_new_tokens=a.conv_max_new_tokens,
-        model=a.model, config=_config_overrides(a.config), system=a.system, instructions=a.instructions,
-        answer_hint=a.answer_hint, out=a.out, plots=not a.no_plots, progress=not a.no_progress,
+        model=a.model,
+        config=_config_overrides(a.config),
+        system=a.system,
+        instructions=a.instructions,
+        answer_hint=a.answer_hint,
+        out=a.out,
+        plots=not a.no_plots,
+        progress=not a.no_progress,
     )
     t0 = time.perf_counter()
     try:

@@ -56,8 +56,19 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             hint = f"\n{ctx.fmt.answer_hint}" if ctx.fmt.answer_hint else ""
             user = f"{ctx.fmt.instructions}\n\n{''.join(chunks)}Question: {item.question}{hint}"
             prompt = engine.apply_chat_template(_messages(ctx, history, user))
-            req = Request("conversations", j, 0, "", chunks, "", item.question, item.answers, order=order,
-                          meta={"conversation": f"{ctx.run_id[:8]}-{c}", "turn": t}, prompt=prompt)
+            req = Request(
+                "conversations",
+                j,
+                0,
+                "",
+                chunks,
+                "",
+                item.question,
+                item.answers,
+                order=order,
+                meta={"conversation": f"{ctx.run_id[:8]}-{c}", "turn": t},
+                prompt=prompt,
+            )
             outcomes: dict[str, Outcome] = {}
             for m in methods:
                 outcomes[m.name] = m.run(engine, req, max_new_tokens=max_new)

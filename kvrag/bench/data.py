@@ -30,8 +30,7 @@ __all__ = [
 
 DEFAULT_SYSTEM = "You are a careful assistant that answers questions from the given passages."
 DEFAULT_INSTRUCTIONS = (
-    "Read the passages below and answer the question that follows them. "
-    "Give only the answer, without any other words."
+    "Read the passages below and answer the question that follows them. Give only the answer, without any other words."
 )
 #: CacheBlend appends this to MuSiQue/2WikiMQA prompts (their gold answers are under 5 words).
 DEFAULT_ANSWER_HINT = "Answer within 5 words."
@@ -117,7 +116,10 @@ class PromptFormat:
     """
 
     def __init__(
-        self, tokenizer, system: str = DEFAULT_SYSTEM, instructions: str = DEFAULT_INSTRUCTIONS,
+        self,
+        tokenizer,
+        system: str = DEFAULT_SYSTEM,
+        instructions: str = DEFAULT_INSTRUCTIONS,
         answer_hint: str = DEFAULT_ANSWER_HINT,
     ) -> None:
         self.system = system
@@ -149,21 +151,56 @@ class PromptFormat:
     def request(self, item: QAItem, order: list[int], *, workload: str, request: int, repeat: int = 0) -> Request:
         """The request over ``item``'s passages in ``order`` (indices into ``item.passages``)."""
         return Request(
-            workload=workload, request=request, repeat=repeat, prefix=self.head,
-            chunks=[item.passages[i] for i in order], suffix=f"{self.question_head}{item.question}{self.tail}",
-            question=item.question, answers=item.answers, order=list(order),
+            workload=workload,
+            request=request,
+            repeat=repeat,
+            prefix=self.head,
+            chunks=[item.passages[i] for i in order],
+            suffix=f"{self.question_head}{item.question}{self.tail}",
+            question=item.question,
+            answers=item.answers,
+            order=list(order),
         )
 
 
 # -- a synthetic dataset the project generates for its tests --------------------------------------
 
-_PLACES = ["Arden", "Belmora", "Corvel", "Dunmere", "Eskarth", "Falwick", "Glenhaven", "Harrowgate",
-           "Ithmoor", "Jasperton", "Kelmarsh", "Lowenfold", "Marrowby", "Northcliff", "Oakhollow"]
-_PEOPLE = ["Ada Finch", "Bram Holt", "Cora Vance", "Dmitri Lowe", "Elin Marsh", "Felix Crane",
-           "Greta Stone", "Hugo Pell", "Iris Wynn", "Jonas Reed", "Kira Sand", "Leon Brook"]
+_PLACES = [
+    "Arden",
+    "Belmora",
+    "Corvel",
+    "Dunmere",
+    "Eskarth",
+    "Falwick",
+    "Glenhaven",
+    "Harrowgate",
+    "Ithmoor",
+    "Jasperton",
+    "Kelmarsh",
+    "Lowenfold",
+    "Marrowby",
+    "Northcliff",
+    "Oakhollow",
+]
+_PEOPLE = [
+    "Ada Finch",
+    "Bram Holt",
+    "Cora Vance",
+    "Dmitri Lowe",
+    "Elin Marsh",
+    "Felix Crane",
+    "Greta Stone",
+    "Hugo Pell",
+    "Iris Wynn",
+    "Jonas Reed",
+    "Kira Sand",
+    "Leon Brook",
+]
 _THINGS = ["library", "bridge", "observatory", "harbour", "museum", "lighthouse", "theatre", "mill"]
-_FILLER = ("the town council met in spring and summer to discuss roads markets and schools while "
-           "travellers crossed the valley on foot carrying wool grain and salt to distant fairs").split()
+_FILLER = (
+    "the town council met in spring and summer to discuss roads markets and schools while "
+    "travellers crossed the valley on foot carrying wool grain and salt to distant fairs"
+).split()
 
 
 def make_synthetic_dataset(n: int = 8, passages: int = 6, words: int = 60, seed: int = 0) -> list[dict]:
@@ -187,8 +224,12 @@ def make_synthetic_dataset(n: int = 8, passages: int = 6, words: int = 60, seed:
                 fact = f"The {thing} of {place} was built by {person} in {year}."
             else:
                 fact = f"The {rng.choice(_THINGS)} of {rng.choice(_PLACES)} was built by {rng.choice(_PEOPLE)}."
-            ctxs.append({"title": f"{place} {p}" if p == 0 else f"{rng.choice(_PLACES)} {q}-{p}",
-                         "text": f"{fact} {filler.capitalize()}."})
+            ctxs.append(
+                {
+                    "title": f"{place} {p}" if p == 0 else f"{rng.choice(_PLACES)} {q}-{p}",
+                    "text": f"{fact} {filler.capitalize()}.",
+                }
+            )
         rng.shuffle(ctxs)
         out.append({"question": f"Who built the {thing} of {place}?", "answers": [person], "ctxs": ctxs})
     return out

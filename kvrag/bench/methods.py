@@ -106,8 +106,14 @@ class EngineMethod(Method):
         return {}
 
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
-        common = dict(mode=self.mode, recompute_ratio=self.ratio, selection=self.selection,
-                      max_new_tokens=max_new_tokens, temperature=0.0, **self._kwargs(req))
+        common = dict(
+            mode=self.mode,
+            recompute_ratio=self.ratio,
+            selection=self.selection,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            **self._kwargs(req),
+        )
         if req.prompt is not None:
             g = engine.generate(prompt=req.prompt, **common)
         else:
@@ -115,14 +121,25 @@ class EngineMethod(Method):
         s = g.stats
         candidates = sum(c.tokens for c in s.chunks if c.source == "store")
         return Outcome(
-            ttft_s=g.ttft_s, total_s=g.total_s, text=g.text, token_ids=list(g.token_ids),
-            prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens, recomputed_tokens=s.recomputed_tokens,
-            candidate_tokens=candidates, compute_fraction=s.compute_fraction, chunk_hits=s.chunk_hits,
+            ttft_s=g.ttft_s,
+            total_s=g.total_s,
+            text=g.text,
+            token_ids=list(g.token_ids),
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            recomputed_tokens=s.recomputed_tokens,
+            candidate_tokens=candidates,
+            compute_fraction=s.compute_fraction,
+            chunk_hits=s.chunk_hits,
             chunk_misses=s.chunk_misses,
-            extra={"finish_reason": g.finish_reason, "prefix_tokens": s.prefix_tokens,
-                   "recompute_ratio": s.recompute_ratio, "completion_tokens": s.completion_tokens,
-                   "conversation_tokens": getattr(s, "conversation_tokens", 0),
-                   "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0)},
+            extra={
+                "finish_reason": g.finish_reason,
+                "prefix_tokens": s.prefix_tokens,
+                "recompute_ratio": s.recompute_ratio,
+                "completion_tokens": s.completion_tokens,
+                "conversation_tokens": getattr(s, "conversation_tokens", 0),
+                "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0),
+            },
         )
 
     def score_tokens(self, engine, req, continuation: str) -> list[float] | None:
@@ -132,7 +149,12 @@ class EngineMethod(Method):
             )
         else:
             res = engine.score(
-                continuation, req.chunks, req.prefix, req.suffix, mode=self.mode, recompute_ratio=self.ratio,
+                continuation,
+                req.chunks,
+                req.prefix,
+                req.suffix,
+                mode=self.mode,
+                recompute_ratio=self.ratio,
                 selection=self.selection,
             )
         return res.token_logprobs
@@ -255,12 +277,24 @@ register_method("full", _engine_mode("full"), description="full prefill: the fid
 register_method("prefix", _engine_mode("prefix"), description="exact reuse of the longest cached prompt prefix")
 register_method("reuse", _engine_mode("reuse"), description="cached chunk KV as is (recompute ratio 0)")
 register_method("blend", _blend(None), description="fusion with the configured selection; blend@r sets the ratio")
-register_method("hkvd", _blend("hkvd"), description="fusion recomputing CacheBlend's HKVD tokens; hkvd@r sets the ratio")
-register_method("probe", _blend("probe"), description="fusion recomputing the blocks of chunk tokens a deep-layer "
-                "probe finds most changed; probe@r sets the ratio")
-register_method("recency", _blend("recency"), description="fusion recomputing the tokens nearest the question; recency@r")
-register_method("conv", _conv, description="blend within a conversation (kept KV of earlier turns, dedup); "
-                "workload c; elsewhere it is plain blend")
+register_method(
+    "hkvd", _blend("hkvd"), description="fusion recomputing CacheBlend's HKVD tokens; hkvd@r sets the ratio"
+)
+register_method(
+    "probe",
+    _blend("probe"),
+    description="fusion recomputing the blocks of chunk tokens a deep-layer "
+    "probe finds most changed; probe@r sets the ratio",
+)
+register_method(
+    "recency", _blend("recency"), description="fusion recomputing the tokens nearest the question; recency@r"
+)
+register_method(
+    "conv",
+    _conv,
+    description="blend within a conversation (kept KV of earlier turns, dedup); "
+    "workload c; elsewhere it is plain blend",
+)
 
 
 def parse_method(name: str) -> MethodSpec:

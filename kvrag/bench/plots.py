@@ -19,8 +19,10 @@ def _plt():
 def _ttft_vs_quality(plt, summary: dict, path: Path) -> None:
     methods = summary["questions"]["methods"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "rouge_l_full", "ROUGE-L vs full-prefill answer"),
-                           (axes[1], "f1_gold", "F1 vs gold answers")):
+    for ax, key, label in (
+        (axes[0], "rouge_l_full", "ROUGE-L vs full-prefill answer"),
+        (axes[1], "f1_gold", "F1 vs gold answers"),
+    ):
         for name, s in methods.items():
             x = s["ttft_s"]["median"]
             y = 1.0 if (key == "rouge_l_full" and name == "full") else s.get(key)
@@ -76,17 +78,26 @@ def _hit_rate(plt, records: list[dict], summary: dict, path: Path) -> None:
             chunks += r.get("chunks", 0)
             xs.append(r["request"])
             cum.append(hits / chunks if chunks else 0.0)
-        line, = ax.plot(xs, cum, lw=1.5, label=f"{m} cumulative")
+        (line,) = ax.plot(xs, cum, lw=1.5, label=f"{m} cumulative")
         wins = summary["stream"]["windows"].get(m, [])
         for w in wins:
             if w["hit_rate"] is not None:
                 a, b = w["requests"]
                 ax.hlines(w["hit_rate"], a - 0.5, b + 0.5, colors=line.get_color(), lw=3, alpha=0.5)
-        pts = [((w["requests"][0] + w["requests"][1]) / 2, 1 / w["ttft_ratio_full_median"])
-               for w in wins if w["ttft_ratio_full_median"]]
+        pts = [
+            ((w["requests"][0] + w["requests"][1]) / 2, 1 / w["ttft_ratio_full_median"])
+            for w in wins
+            if w["ttft_ratio_full_median"]
+        ]
         if pts:
-            speed.plot([p[0] for p in pts], [p[1] for p in pts], ls="--", marker="o", color=line.get_color(),
-                       label=f"{m} speed-up")
+            speed.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                ls="--",
+                marker="o",
+                color=line.get_color(),
+                label=f"{m} speed-up",
+            )
     ax.set_xlabel("request (along the stream); bars: hit rate per window; dashed: TTFT speed-up per window")
     ax.set_ylabel("chunk hit rate")
     speed.set_ylabel("TTFT speed-up over full (paired median)")

@@ -33,8 +33,18 @@ __all__ = [
 ]
 
 #: Metadata that must agree for two runs' records to be pooled.
-SIGNATURE_FIELDS = ("hostname", "cpu_model", "cpu_count", "torch_threads", "model_fingerprint", "dtype",
-                    "git_commit", "git_dirty", "torch_version", "settings")
+SIGNATURE_FIELDS = (
+    "hostname",
+    "cpu_model",
+    "cpu_count",
+    "torch_threads",
+    "model_fingerprint",
+    "dtype",
+    "git_commit",
+    "git_dirty",
+    "torch_version",
+    "settings",
+)
 
 
 def _cpu_model() -> str:
@@ -179,12 +189,15 @@ def _windows(records: list[dict], method: str, n_windows: int) -> list[dict]:
         hits = sum(r.get("chunk_hits", 0) for r in mine)
         chunks = sum(r.get("chunks", 0) for r in mine)
         ratios = paired_ratios(rs, method, "full") if method != "full" else []
-        out.append({
-            "window": w, "requests": [reqs[lo], reqs[hi - 1]],
-            "hit_rate": hits / chunks if chunks else None,
-            "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
-            "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
-        })
+        out.append(
+            {
+                "window": w,
+                "requests": [reqs[lo], reqs[hi - 1]],
+                "hit_rate": hits / chunks if chunks else None,
+                "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
+                "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
+            }
+        )
     return out
 
 
@@ -210,26 +223,35 @@ def _turns(records: list[dict], method: str) -> list[dict]:
         rs = [r for r in records if r.get("turn") == t]
         mine = [r for r in rs if r["method"] == method]
         ratios = paired_ratios(rs, method, "full") if method != "full" else []
-        out.append({
-            "turn": t, "n": len(mine), "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
-            "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
-            "prompt_tokens_mean": _mean(r.get("prompt_tokens") for r in mine),
-            "conversation_tokens_mean": _mean(r.get("conversation_tokens") for r in mine),
-            "deduplicated_chunks": sum(r.get("deduplicated_chunks") or 0 for r in mine),
-            "rouge_l_full": _mean(r.get("rouge_l_full") for r in mine),
-        })
+        out.append(
+            {
+                "turn": t,
+                "n": len(mine),
+                "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
+                "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
+                "prompt_tokens_mean": _mean(r.get("prompt_tokens") for r in mine),
+                "conversation_tokens_mean": _mean(r.get("conversation_tokens") for r in mine),
+                "deduplicated_chunks": sum(r.get("deduplicated_chunks") or 0 for r in mine),
+                "rouge_l_full": _mean(r.get("rouge_l_full") for r in mine),
+            }
+        )
     return out
 
 
 def turns_table(summary: dict) -> str:
     """Per turn of the conversations: TTFT, paired speed-up, reused conversation tokens (markdown)."""
-    lines = ["| method | turn | prompt tokens | TTFT median (s) | TTFT × full | conversation tokens reused | "
-             "chunks deduplicated | ROUGE-L vs full |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | turn | prompt tokens | TTFT median (s) | TTFT × full | conversation tokens reused | "
+        "chunks deduplicated | ROUGE-L vs full |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m, ts in summary.get("conversations", {}).get("turns", {}).items():
         for t in ts:
-            lines.append(f"| {m} | {t['turn'] + 1} | {_fmt(t['prompt_tokens_mean'], '.0f')} | {_fmt(t['ttft_median_s'])} | "
-                         f"{_fmt(t['ttft_ratio_full_median'])} | {_fmt(t['conversation_tokens_mean'], '.0f')} | "
-                         f"{t['deduplicated_chunks']} | {_fmt(t['rouge_l_full'])} |")
+            lines.append(
+                f"| {m} | {t['turn'] + 1} | {_fmt(t['prompt_tokens_mean'], '.0f')} | {_fmt(t['ttft_median_s'])} | "
+                f"{_fmt(t['ttft_ratio_full_median'])} | {_fmt(t['conversation_tokens_mean'], '.0f')} | "
+                f"{t['deduplicated_chunks']} | {_fmt(t['rouge_l_full'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -246,8 +268,9 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
             out[wl]["full_over_hf"] = summarize(paired_ratios(rs, "full", "hf"))
         if wl == "stream":
             out[wl]["windows"] = {m: _windows(rs, m, n_windows) for m in methods}
-            out[wl]["steady_state"] = {m: _steady(out[wl]["windows"][m], [r for r in rs if r["method"] == m])
-                                       for m in methods if m != "full"}
+            out[wl]["steady_state"] = {
+                m: _steady(out[wl]["windows"][m], [r for r in rs if r["method"] == m]) for m in methods if m != "full"
+            }
         if wl == "conversations":
             out[wl]["turns"] = {m: _turns(rs, m) for m in methods}
     return out
@@ -260,9 +283,11 @@ def _fmt(v, spec: str = ".3f", none: str = "—") -> str:
 def markdown_table(summary: dict, workload: str) -> str:
     """The benchmark table of one workload (markdown)."""
     methods = summary[workload]["methods"]
-    head = ("| method | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | total (s) | "
-            "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
-            "mean abs Δ log p(gold) vs full | answer drift vs full (nats/token) | recomputed | chunk hits |")
+    head = (
+        "| method | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | total (s) | "
+        "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
+        "mean abs Δ log p(gold) vs full | answer drift vs full (nats/token) | recomputed | chunk hits |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, s in methods.items():
         name = key
@@ -270,41 +295,68 @@ def markdown_table(summary: dict, workload: str) -> str:
             name = f"blend (r={s['recompute_ratio']:g})"
         ratio = s["ttft_ratio_full"]["median"] if s["ttft_ratio_full"] else (1.0 if name == "full" else None)
         ident = f"{s['identical_full']}/{s['identical_of']}" if s["identical_of"] else ("ref" if key == "full" else "—")
-        lines.append("| " + " | ".join([
-            name, _fmt(s["ttft_s"]["median"]), _fmt(s["ttft_s"]["p90"]), _fmt(ratio, ".3f") + ("" if ratio is None else "×"),
-            _fmt(s["total_s"]["median"]), _fmt(s["rouge_l_full"]) if name != "full" else "ref",
-            _fmt(s["first_word_agree_full"], ".0%") if name != "full" else "ref", ident,
-            _fmt(s["f1_gold"]), _fmt(s["rouge_l_gold"]),
-            _fmt(s["abs_delta_logprob_full"]["mean"], ".3f") if name != "full" else "ref",
-            _fmt(s["answer_drift_full"], ".3f") if name != "full" else "ref",
-            _fmt(s["recompute_fraction"], ".0%"), _fmt(s["chunk_hit_rate"], ".0%"),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    _fmt(s["ttft_s"]["median"]),
+                    _fmt(s["ttft_s"]["p90"]),
+                    _fmt(ratio, ".3f") + ("" if ratio is None else "×"),
+                    _fmt(s["total_s"]["median"]),
+                    _fmt(s["rouge_l_full"]) if name != "full" else "ref",
+                    _fmt(s["first_word_agree_full"], ".0%") if name != "full" else "ref",
+                    ident,
+                    _fmt(s["f1_gold"]),
+                    _fmt(s["rouge_l_gold"]),
+                    _fmt(s["abs_delta_logprob_full"]["mean"], ".3f") if name != "full" else "ref",
+                    _fmt(s["answer_drift_full"], ".3f") if name != "full" else "ref",
+                    _fmt(s["recompute_fraction"], ".0%"),
+                    _fmt(s["chunk_hit_rate"], ".0%"),
+                ]
+            )
+            + " |"
+        )
     fh = summary[workload].get("full_over_hf")
     if fh and fh["n"]:
-        lines += ["", f"Our full prefill vs transformers' own forward (hf), paired per request: "
-                  f"median {fh['median']:.3f}×, p90 {fh['p90']:.3f}× (n={fh['n']})."]
+        lines += [
+            "",
+            f"Our full prefill vs transformers' own forward (hf), paired per request: "
+            f"median {fh['median']:.3f}×, p90 {fh['p90']:.3f}× (n={fh['n']}).",
+        ]
     return "\n".join(lines)
 
 
 def windows_table(summary: dict) -> str:
     """Hit rate and paired speed-up per window of the stream, then steady state per method (markdown)."""
     wins = summary.get("stream", {}).get("windows", {})
-    lines = ["| method | window | requests | chunk hit rate | TTFT median (s) | TTFT × full |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | window | requests | chunk hit rate | TTFT median (s) | TTFT × full |",
+        "|---|---|---|---|---|---|",
+    ]
     for m, ws in wins.items():
         for w in ws:
-            lines.append(f"| {m} | {w['window'] + 1} | {w['requests'][0]}–{w['requests'][1]} | "
-                         f"{_fmt(w['hit_rate'], '.0%')} | {_fmt(w['ttft_median_s'])} | "
-                         f"{_fmt(w['ttft_ratio_full_median'])} |")
+            lines.append(
+                f"| {m} | {w['window'] + 1} | {w['requests'][0]}–{w['requests'][1]} | "
+                f"{_fmt(w['hit_rate'], '.0%')} | {_fmt(w['ttft_median_s'])} | "
+                f"{_fmt(w['ttft_ratio_full_median'])} |"
+            )
     steady = summary.get("stream", {}).get("steady_state", {})
     if steady:
         mib = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-        lines += ["", "| method | speed-up, 2nd window | speed-up, last window | last / 2nd | memory max / budget (MiB) "
-                  "| disk max / budget (MiB) |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| method | speed-up, 2nd window | speed-up, last window | last / 2nd | memory max / budget (MiB) "
+            "| disk max / budget (MiB) |",
+            "|---|---|---|---|---|---|",
+        ]
         for m, st in steady.items():
-            lines.append(f"| {m} | {_fmt(st.get('speedup_second'), '.2f')} | {_fmt(st.get('speedup_last'), '.2f')} | "
-                         f"{_fmt(st.get('last_over_second'), '.2f')} | {mib(st.get('memory_max_bytes'))} / "
-                         f"{mib(st.get('memory_budget_bytes'))} | {mib(st.get('disk_max_bytes'))} / "
-                         f"{mib(st.get('disk_budget_bytes'))} |")
+            lines.append(
+                f"| {m} | {_fmt(st.get('speedup_second'), '.2f')} | {_fmt(st.get('speedup_last'), '.2f')} | "
+                f"{_fmt(st.get('last_over_second'), '.2f')} | {mib(st.get('memory_max_bytes'))} / "
+                f"{mib(st.get('memory_budget_bytes'))} | {mib(st.get('disk_max_bytes'))} / "
+                f"{mib(st.get('disk_budget_bytes'))} |"
+            )
     return "\n".join(lines)
 
 
@@ -313,31 +365,45 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta, "extras": _plain(extras), "summary": summary, "records": records}
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-    md = [f"# kvrag bench — run {meta['run_id']}", "",
-          f"`{meta['command']}`", "",
-          f"{meta['timestamp']} · {meta['cpu_model']} × {meta['cpu_affinity']} cores · torch threads "
-          f"{meta['torch_threads']} · load avg at start {_fmt((meta.get('load_avg_start') or [None])[0], '.2f')} · "
-          f"model {meta['model_name']} ({meta['dtype']}, fingerprint {str(meta['model_fingerprint'])[:12]}) · "
-          f"commit {str(meta['git_commit'])[:10]}{' (dirty)' if meta.get('git_dirty') else ''}", ""]
-    names = {"questions": "(a) per question, chunks pre-warmed", "stream": "(b) Zipf stream, bounded store",
-             "conversations": "(c) multi-turn conversations (append-only layout)"}
+    md = [
+        f"# kvrag bench — run {meta['run_id']}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"{meta['timestamp']} · {meta['cpu_model']} × {meta['cpu_affinity']} cores · torch threads "
+        f"{meta['torch_threads']} · load avg at start {_fmt((meta.get('load_avg_start') or [None])[0], '.2f')} · "
+        f"model {meta['model_name']} ({meta['dtype']}, fingerprint {str(meta['model_fingerprint'])[:12]}) · "
+        f"commit {str(meta['git_commit'])[:10]}{' (dirty)' if meta.get('git_dirty') else ''}",
+        "",
+    ]
+    names = {
+        "questions": "(a) per question, chunks pre-warmed",
+        "stream": "(b) Zipf stream, bounded store",
+        "conversations": "(c) multi-turn conversations (append-only layout)",
+    }
     for wl in summary:
         md += [f"## {names.get(wl, wl)}", "", markdown_table(summary, wl), ""]
         if wl == "stream":
             st = extras.get("stream") or {}
             if st:
-                md += [f"Stream: {st['requests']} requests, Zipf s={st['zipf_s']} over {st['pool_passages']} passages "
-                       f"({st['working_set_passages']} touched, {st['working_set_kv_bytes'] / 2**20:.0f} MiB of KV); "
-                       f"store {st['store'].get('eviction_policy')} with a budget of "
-                       f"{st['store'].get('memory_budget_bytes', 0) / 2**20:.0f} MiB per method.", ""]
+                md += [
+                    f"Stream: {st['requests']} requests, Zipf s={st['zipf_s']} over {st['pool_passages']} passages "
+                    f"({st['working_set_passages']} touched, {st['working_set_kv_bytes'] / 2**20:.0f} MiB of KV); "
+                    f"store {st['store'].get('eviction_policy')} with a budget of "
+                    f"{st['store'].get('memory_budget_bytes', 0) / 2**20:.0f} MiB per method.",
+                    "",
+                ]
             md += [windows_table(summary), ""]
         if wl == "conversations":
             md += [turns_table(summary), ""]
     if meta.get("wall_s") is not None:
         cpu = meta.get("cpu_s")
-        md.append(f"Wall time {meta['wall_s']:.0f} s" + (f" (process CPU {cpu:.0f} s)" if cpu else "")
-                  + f"; load average at end {_fmt((meta.get('load_avg_end') or [None])[0], '.2f')}. "
-                  "Timings on a shared machine are indicative; ratios are paired per request within this run.")
+        md.append(
+            f"Wall time {meta['wall_s']:.0f} s"
+            + (f" (process CPU {cpu:.0f} s)" if cpu else "")
+            + f"; load average at end {_fmt((meta.get('load_avg_end') or [None])[0], '.2f')}. "
+            "Timings on a shared machine are indicative; ratios are paired per request within this run."
+        )
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     return {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
 
@@ -384,7 +450,9 @@ def compare_table(docs: list[dict], workload: str = "questions") -> str:
     cols = [d["meta"]["run_id"][:8] for d in docs]
     sums = [d.get("summary") or aggregate(d["records"]) for d in docs]
     methods = list(dict.fromkeys(m for s in sums for m in s.get(workload, {}).get("methods", {})))
-    head = "| method | " + " | ".join(f"{c} TTFT (s) | {c} × full (within run) | {c} ROUGE-L vs full" for c in cols) + " |"
+    head = (
+        "| method | " + " | ".join(f"{c} TTFT (s) | {c} × full (within run) | {c} ROUGE-L vs full" for c in cols) + " |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for m in methods:
         cells = []
@@ -399,6 +467,9 @@ def compare_table(docs: list[dict], workload: str = "questions") -> str:
     sigs = [signature(d["meta"]) for d in docs]
     diff = [k for k in SIGNATURE_FIELDS if any(s[k] != sigs[0][k] for s in sigs)]
     if diff:
-        lines += ["", f"Runs differ in {', '.join(diff)}: absolute times are not comparable across them; "
-                  "only each run's own paired ratios are."]
+        lines += [
+            "",
+            f"Runs differ in {', '.join(diff)}: absolute times are not comparable across them; "
+            "only each run's own paired ratios are.",
+        ]
     return "\n".join(lines)

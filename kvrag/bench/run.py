@@ -172,15 +172,28 @@ def run_bench(
                 engine.config.replace(eviction_policy=policy.strip(), **(opts.config or {}))
         meta = run_metadata(engine, run_id, list(argv or []), settings)
         fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
-        options = dict(top_k=opts.top_k, repeat=opts.repeat, order=opts.order, seed=opts.seed,
-                       warm_company=opts.warm_company, warm_others=opts.warm_others,
-                       max_new_tokens=opts.max_new_tokens, score_methods=score,
-                       stream_requests=opts.stream_requests, stream_methods=stream_methods,
-                       stream_max_new_tokens=opts.stream_max_new_tokens, zipf=opts.zipf,
-                       stream_budget_bytes=opts.stream_budget_bytes, stream_budget_frac=opts.stream_budget_frac,
-                       stream_disk_budget_bytes=opts.stream_disk_budget_bytes,
-                       eviction_policy=opts.eviction_policy, conv_turns=opts.conv_turns, conv_top_k=opts.conv_top_k,
-                       conv_methods=conv_methods, conv_max_new_tokens=opts.conv_max_new_tokens)
+        options = dict(
+            top_k=opts.top_k,
+            repeat=opts.repeat,
+            order=opts.order,
+            seed=opts.seed,
+            warm_company=opts.warm_company,
+            warm_others=opts.warm_others,
+            max_new_tokens=opts.max_new_tokens,
+            score_methods=score,
+            stream_requests=opts.stream_requests,
+            stream_methods=stream_methods,
+            stream_max_new_tokens=opts.stream_max_new_tokens,
+            zipf=opts.zipf,
+            stream_budget_bytes=opts.stream_budget_bytes,
+            stream_budget_frac=opts.stream_budget_frac,
+            stream_disk_budget_bytes=opts.stream_disk_budget_bytes,
+            eviction_policy=opts.eviction_policy,
+            conv_turns=opts.conv_turns,
+            conv_top_k=opts.conv_top_k,
+            conv_methods=conv_methods,
+            conv_max_new_tokens=opts.conv_max_new_tokens,
+        )
         ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress))
         paths: dict = {}
         for name in names:

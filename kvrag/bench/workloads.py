@@ -34,7 +34,14 @@ from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
-    "RunContext", "WORKLOADS", "run_questions", "run_stream", "ordered", "make_record", "answer_drift", "WARMUP_TEXT",
+    "RunContext",
+    "WORKLOADS",
+    "run_questions",
+    "run_stream",
+    "ordered",
+    "make_record",
+    "answer_drift",
+    "WARMUP_TEXT",
 ]
 
 WARMUP_TEXT = ("This text warms the benchmark up; it is not part of any dataset. " * 12) + "\n\n"
@@ -72,14 +79,26 @@ def make_record(
     ``name`` files the row under another name than the method's (a stream's ``blend/pgdsf``).
     """
     rec = {
-        "run_id": run_id, "workload": req.workload, "request": req.request, "repeat": req.repeat,
-        "method": name or method.name, "question": req.question, "order": req.order,
-        "ttft_s": out.ttft_s, "total_s": out.total_s, "text": out.text, "completion_tokens": len(out.token_ids),
-        "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+        "run_id": run_id,
+        "workload": req.workload,
+        "request": req.request,
+        "repeat": req.repeat,
+        "method": name or method.name,
+        "question": req.question,
+        "order": req.order,
+        "ttft_s": out.ttft_s,
+        "total_s": out.total_s,
+        "text": out.text,
+        "completion_tokens": len(out.token_ids),
+        "prompt_tokens": out.prompt_tokens,
+        "cached_tokens": out.cached_tokens,
         "recomputed_tokens": out.recomputed_tokens,
         "recompute_fraction": out.recomputed_tokens / out.candidate_tokens if out.candidate_tokens else None,
-        "compute_fraction": out.compute_fraction, "chunk_hits": out.chunk_hits, "chunk_misses": out.chunk_misses,
-        "chunks": (out.chunk_hits + out.chunk_misses) or len(req.chunks), **out.extra,
+        "compute_fraction": out.compute_fraction,
+        "chunk_hits": out.chunk_hits,
+        "chunk_misses": out.chunk_misses,
+        "chunks": (out.chunk_hits + out.chunk_misses) or len(req.chunks),
+        **out.extra,
     }
     if ref is not None and ref is not out:
         rec["ttft_ratio_full"] = out.ttft_s / ref.ttft_s if ref.ttft_s else None
@@ -133,12 +152,16 @@ def warm_in_other_company(
     mine = set(item.passages)
     strangers = [p for p in dict.fromkeys(pool) if p not in mine]
     if len(strangers) < others:
-        raise InvalidRequestError(f"--warm-company other needs {others} passages of other questions; "
-                                  f"the dataset has {len(strangers)} (raise --n or lower --warm-others)")
+        raise InvalidRequestError(
+            f"--warm-company other needs {others} passages of other questions; "
+            f"the dataset has {len(strangers)} (raise --n or lower --warm-others)"
+        )
     results = [engine.warm(rng.sample(strangers, others) + [item.passages[i]]) for i in sorted(order)]
     engine.flush()
     return WarmResult(
-        sum(r.computed for r in results), sum(r.cached for r in results), sum(r.tokens for r in results),
+        sum(r.computed for r in results),
+        sum(r.cached for r in results),
+        sum(r.tokens for r in results),
         sum(r.seconds for r in results),
     )
 
@@ -310,9 +333,13 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                 engines[name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**own))
                 runners.append((name, m, engines[name]))
         ctx.extras["stream"] = {
-            "requests": n_req, "pool_passages": len(pool["pool"]), "pool_kv_bytes": pool_bytes,
-            "working_set_passages": len(touched), "working_set_kv_bytes": sum(tokens[p] for p in touched) * per_token,
-            "kv_bytes_per_token": per_token, "zipf_s": ctx.opt("zipf", 1.0),
+            "requests": n_req,
+            "pool_passages": len(pool["pool"]),
+            "pool_kv_bytes": pool_bytes,
+            "working_set_passages": len(touched),
+            "working_set_kv_bytes": sum(tokens[p] for p in touched) * per_token,
+            "kv_bytes_per_token": per_token,
+            "zipf_s": ctx.opt("zipf", 1.0),
             "store": dict(overrides, eviction_policy=",".join(policies), disk_tier=bool(base.config.disk_tier)),
             "store_types": {k: type(e.store).__name__ for k, e in engines.items()},
         }
@@ -321,9 +348,17 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         max_new = ctx.opt("stream_max_new_tokens", 8)
         for j in bar:
             item, picks = reqs[j]
-            req = Request("stream", j, 0, ctx.fmt.head, [pool["pool"][p] for p in picks],
-                          f"{ctx.fmt.question_head}{item.question}{ctx.fmt.tail}", item.question, item.answers,
-                          order=picks)
+            req = Request(
+                "stream",
+                j,
+                0,
+                ctx.fmt.head,
+                [pool["pool"][p] for p in picks],
+                f"{ctx.fmt.question_head}{item.question}{ctx.fmt.tail}",
+                item.question,
+                item.answers,
+                order=picks,
+            )
             outcomes = {}
             for name, m, eng in runners:
                 outcomes[name] = m.run(eng, req, max_new_tokens=max_new)
@@ -348,11 +383,17 @@ def store_usage(stats: dict) -> dict:
     """Bytes held and budgets of a store's tiers, from its stats (memory-only or tiered)."""
     mem = stats.get("memory", stats)
     disk = stats.get("disk") or {}
-    out = {"memory_bytes": mem.get("bytes"), "memory_budget_bytes": mem.get("budget_bytes"),
-           "memory_evictions": mem.get("evictions")}
+    out = {
+        "memory_bytes": mem.get("bytes"),
+        "memory_budget_bytes": mem.get("budget_bytes"),
+        "memory_evictions": mem.get("evictions"),
+    }
     if disk:
-        out.update(disk_bytes=disk.get("bytes"), disk_budget_bytes=disk.get("budget_bytes"),
-                   disk_evictions=disk.get("evictions"))
+        out.update(
+            disk_bytes=disk.get("bytes"),
+            disk_budget_bytes=disk.get("budget_bytes"),
+            disk_evictions=disk.get("evictions"),
+        )
     return out
 
 

@@ -4,4 +4,14 @@ from kvrag.engine.engine import Engine
 from kvrag.engine.shared import drop_engines, get_engine
 from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
 
-__all__ = ["Engine", "get_engine", "drop_engines", "Generation", "GenerationStats", "GenerationStream", "ChunkInfo", "ScoreResult", "WarmResult"]
+__all__ = [
+    "Engine",
+    "get_engine",
+    "drop_engines",
+    "Generation",
+    "GenerationStats",
+    "GenerationStream",
+    "ChunkInfo",
+    "ScoreResult",
+    "WarmResult",
+]

@@ -70,7 +70,11 @@ class ChunkComputer:
     """
 
     def __init__(
-        self, adapter: ModelAdapter, tokenize: Callable[[str], list[int]], sink_ids: list[int], context: str,
+        self,
+        adapter: ModelAdapter,
+        tokenize: Callable[[str], list[int]],
+        sink_ids: list[int],
+        context: str,
         window: int,
     ):
         if context not in CHUNK_CONTEXTS:
@@ -162,5 +166,6 @@ class ChunkComputer:
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""
         self._remember(ids)
-        return KVRecord(torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label,
-                        meta={"computed": "in-request"})
+        return KVRecord(
+            torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label, meta={"computed": "in-request"}
+        )

@@ -108,7 +108,9 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return i
 
 
-def match_runs(old: list[int], new: list[int], start: int, end: int, min_run: int = MIN_RUN) -> list[tuple[int, int, int]]:
+def match_runs(
+    old: list[int], new: list[int], start: int, end: int, min_run: int = MIN_RUN
+) -> list[tuple[int, int, int]]:
     """Runs of ``new[start:end]`` that occur in ``old``: ``(new_pos, old_pos, length)``, in order.
 
     Greedy left to right: at each position the 8-token anchor is looked up in ``old``; the

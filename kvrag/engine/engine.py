@@ -11,27 +11,33 @@ import torch
 
 from kvrag.config import EngineConfig
 from kvrag.engine import loading
+from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label
 from kvrag.engine.conversations import Conversations, check_conversation_id
+from kvrag.engine.costs import CostFeedback
 from kvrag.engine.fusion import PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.requests import (
-    Request, check_chunks, check_dedup, check_mode, check_sampling, check_selection, check_text, request_parts,
+    Request,
+    check_chunks,
+    check_dedup,
+    check_mode,
+    check_sampling,
+    check_selection,
+    check_text,
+    request_parts,
 )
-from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label
 from kvrag.engine.sampling import TextStream, sample
 from kvrag.engine.store.base import DamagedEntryError, KVStore
-from kvrag.engine.costs import CostFeedback
 from kvrag.engine.store.tiered import build_store
-from kvrag.engine.writeback import WriteBack
 from kvrag.engine.types import Generation, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.writeback import WriteBack
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
-
 
 
 class Engine:
@@ -66,7 +72,11 @@ class Engine:
         sink = bos if bos is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
         self.planner = Planner(
-            tokenizer, self.store, self.fingerprint, config.namespace, config.prefix_block_tokens,
+            tokenizer,
+            self.store,
+            self.fingerprint,
+            config.namespace,
+            config.prefix_block_tokens,
             context_label(config.chunk_context, self.sink_ids),
         )
         self.chunk_computer = ChunkComputer(
@@ -101,7 +111,12 @@ class Engine:
             config = config.replace(model=str(model))
         loaded = loading.load_model(config.model, config.dtype, config.device, config.resolved_cache_dir())
         return cls(
-            loaded.hf_model, loaded.tokenizer, config, weights_digest=loaded.weights_digest, name=loaded.name, store=store
+            loaded.hf_model,
+            loaded.tokenizer,
+            config,
+            weights_digest=loaded.weights_digest,
+            name=loaded.name,
+            store=store,
         )
 
     @classmethod
@@ -130,9 +145,7 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages (``[{"role", "content"}]``) with the model's own chat template."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def split_prompt(self, prompt: str) -> list[tuple[str, str]]:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
@@ -224,8 +237,18 @@ class Engine:
                 prompt (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
         """
         stream = self.stream(
-            chunks, prefix, suffix, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed, mode=mode, recompute_ratio=recompute_ratio, selection=selection,
+            chunks,
+            prefix,
+            suffix,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            mode=mode,
+            recompute_ratio=recompute_ratio,
+            selection=selection,
             conversation_id=conversation_id,
             dedup=dedup,
         )
@@ -260,8 +283,20 @@ class Engine:
         """
         t0 = time.perf_counter()
         req = self._request(
-            chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, prompt,
-            conversation_id, dedup, selection,
+            chunks,
+            prefix,
+            suffix,
+            max_new_tokens,
+            temperature,
+            top_p,
+            stop,
+            seed,
+            mode,
+            recompute_ratio,
+            prompt,
+            conversation_id,
+            dedup,
+            selection,
         )
         return GenerationStream(self._run(req, t0))
 
@@ -328,8 +363,21 @@ class Engine:
             raise InvalidRequestError("this engine is closed")
 
     def _request(
-        self, chunks, prefix, suffix, max_new_tokens, temperature, top_p, stop, seed, mode, ratio, prompt=None,
-        conversation_id=None, dedup=None, selection=None,
+        self,
+        chunks,
+        prefix,
+        suffix,
+        max_new_tokens,
+        temperature,
+        top_p,
+        stop,
+        seed,
+        mode,
+        ratio,
+        prompt=None,
+        conversation_id=None,
+        dedup=None,
+        selection=None,
     ) -> Request:
         self._check_open()
         cfg = self.config
@@ -374,12 +422,18 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 res = prefill(
-                    self.adapter, plan, capacity,
-                    check_layer=cfg.check_layer, filter_schedule=cfg.filter_schedule, deviation=cfg.deviation,
+                    self.adapter,
+                    plan,
+                    capacity,
+                    check_layer=cfg.check_layer,
+                    filter_schedule=cfg.filter_schedule,
+                    deviation=cfg.deviation,
                     selection=req.selection,
-                    capture_end=capture_end, capture_block=cfg.prefix_block_tokens,
+                    capture_end=capture_end,
+                    capture_block=cfg.prefix_block_tokens,
                     capture_chunks=self.writeback.captures(plan),
-                    probe_layer=cfg.resolved_probe_layer(self.adapter.n_layers), probe_stride=cfg.probe_stride,
+                    probe_layer=cfg.resolved_probe_layer(self.adapter.n_layers),
+                    probe_stride=cfg.probe_stride,
                 )
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
                 if mode == "full":

@@ -86,8 +86,20 @@ def prefill(
         rows &= ~(candidates & ~recency_window(candidates, plan.ratio, max(b for _, b in cached_spans)))
     elif blend and selection == "probe":
         h, pos = _probe_prefill(
-            adapter, plan, buf, ids, all_pos, rows, candidates, cached_spans, source, captures, trace,
-            deviation, probe_layer, probe_stride,
+            adapter,
+            plan,
+            buf,
+            ids,
+            all_pos,
+            rows,
+            candidates,
+            cached_spans,
+            source,
+            captures,
+            trace,
+            deviation,
+            probe_layer,
+            probe_stride,
         )
         return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), int(pos.numel()), capture, chunk_caps)
     elif blend:
@@ -97,15 +109,35 @@ def prefill(
         rows &= ~candidates
     pos = all_pos[rows]
     h, pos = forward(
-        adapter, buf, ids[pos], pos, n, source=source, selector=selector, capture=captures, trace=trace,
+        adapter,
+        buf,
+        ids[pos],
+        pos,
+        n,
+        source=source,
+        selector=selector,
+        capture=captures,
+        trace=trace,
         last_row_only=True,
     )
     return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), int(pos.numel()), capture, chunk_caps)
 
 
 def _probe_prefill(
-    adapter, plan, buf, ids, all_pos, rows, candidates, cached_spans, source, captures, trace,
-    deviation, probe_layer, probe_stride,
+    adapter,
+    plan,
+    buf,
+    ids,
+    all_pos,
+    rows,
+    candidates,
+    cached_spans,
+    source,
+    captures,
+    trace,
+    deviation,
+    probe_layer,
+    probe_stride,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``selection="probe"`` in three passes that compute nothing twice (see :mod:`kvrag.engine.selection`).
 
@@ -133,19 +165,38 @@ def _probe_prefill(
     )
     probe = BlockProbe(sample, layer, deviation)
     sampled = sample[a_pos]
-    forward(adapter, buf, None, a_pos[sampled], n, hidden=h_a[sampled], source=source, selector=probe,
-            layers=(layer, layer + 1))
+    forward(
+        adapter,
+        buf,
+        None,
+        a_pos[sampled],
+        n,
+        hidden=h_a[sampled],
+        source=source,
+        selector=probe,
+        layers=(layer, layer + 1),
+    )
 
     chosen = probe_blocks(cached_spans, n, probe_stride, probe.positions, probe.deviation, plan.ratio)
     b_pos = all_pos[chosen.to(adapter.device) | (rows & ~candidates & ~early)]
-    h_b, b_pos = forward(adapter, buf, ids[b_pos], b_pos, n, source=source, capture=captures, trace=trace,
-                         layers=(0, layer))
+    h_b, b_pos = forward(
+        adapter, buf, ids[b_pos], b_pos, n, source=source, capture=captures, trace=trace, layers=(0, layer)
+    )
     joined = early[a_pos]
     pos, order = torch.sort(torch.cat((a_pos[joined], b_pos)))
     h = torch.cat((h_a[joined], h_b))[order]
     return forward(
-        adapter, buf, None, pos, n, hidden=h, source=source, capture=captures, trace=trace,
-        layers=(layer, n_layers), last_row_only=True,
+        adapter,
+        buf,
+        None,
+        pos,
+        n,
+        hidden=h,
+        source=source,
+        capture=captures,
+        trace=trace,
+        layers=(layer, n_layers),
+        last_row_only=True,
     )
 
 

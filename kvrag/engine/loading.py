@@ -134,9 +134,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def _dir_digest(path: Path, cache_dir: Path) -> str:
-    files = sorted(
-        p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".json")
-    )
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".json"))
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())

@@ -74,10 +74,14 @@ class ModelAdapter:
             self.layers.append(
                 _Layer(
                     ln1=layer.input_layernorm.weight.detach(),
-                    wq=a.q_proj.weight.detach(), bq=_bias(a.q_proj),
-                    wk=a.k_proj.weight.detach(), bk=_bias(a.k_proj),
-                    wv=a.v_proj.weight.detach(), bv=_bias(a.v_proj),
-                    wo=a.o_proj.weight.detach(), bo=_bias(a.o_proj),
+                    wq=a.q_proj.weight.detach(),
+                    bq=_bias(a.q_proj),
+                    wk=a.k_proj.weight.detach(),
+                    bk=_bias(a.k_proj),
+                    wv=a.v_proj.weight.detach(),
+                    bv=_bias(a.v_proj),
+                    wo=a.o_proj.weight.detach(),
+                    bo=_bias(a.o_proj),
                     ln2=layer.post_attention_layernorm.weight.detach(),
                     w_gate=m.gate_proj.weight.detach(),
                     w_up=m.up_proj.weight.detach(),

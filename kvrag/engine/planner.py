@@ -109,9 +109,7 @@ class SpanSource:
 class Planner:
     """Tokenises segments and looks up cached KV for them."""
 
-    def __init__(
-        self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, context_label: str
-    ):
+    def __init__(self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, context_label: str):
         self.tokenizer = tokenizer
         self.store = store
         self.fingerprint = fingerprint
@@ -193,6 +191,15 @@ class Planner:
                     rec = None
             if rec is not None:
                 plan.chunk_records.append((s.start, rec))
-            plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, rec is not None, "store" if rec else "computed",
-                                        rec.tier if rec is not None else ""))
+            plan.chunks.append(
+                ChunkUse(
+                    i,
+                    s.start,
+                    len(s.ids),
+                    key,
+                    rec is not None,
+                    "store" if rec else "computed",
+                    rec.tier if rec is not None else "",
+                )
+            )
         return plan

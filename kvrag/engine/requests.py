@@ -13,8 +13,15 @@ from kvrag.engine.planner import Segment
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
-    "Request", "Sampling", "check_text", "check_chunks", "check_sampling", "check_mode", "check_selection",
-    "check_dedup", "request_parts",
+    "Request",
+    "Sampling",
+    "check_text",
+    "check_chunks",
+    "check_sampling",
+    "check_mode",
+    "check_selection",
+    "check_dedup",
+    "request_parts",
 ]
 
 

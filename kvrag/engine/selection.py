@@ -25,7 +25,13 @@ from kvrag.engine.runner import KVBuffer
 from kvrag.kernels import kv_deviation, topk
 
 __all__ = [
-    "HKVDSelector", "BlockProbe", "probe_sample", "probe_blocks", "keep_schedule", "recency_window", "SELECTIONS"
+    "HKVDSelector",
+    "BlockProbe",
+    "probe_sample",
+    "probe_blocks",
+    "keep_schedule",
+    "recency_window",
+    "SELECTIONS",
 ]
 
 

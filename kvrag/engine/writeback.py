@@ -111,10 +111,8 @@ class WriteBack:
             if use.key in self._pending:
                 continue
             self._pending.add(use.key)
-            self._writer.submit(
-                lambda key=use.key, ids=list(plan.segments[use.index].ids), cap=res.chunk_captures.get(use.index):
-                self._write_chunk(key, ids, cap)
-            )
+            ids, cap = list(plan.segments[use.index].ids), res.chunk_captures.get(use.index)
+            self._writer.submit(lambda key=use.key, ids=ids, cap=cap: self._write_chunk(key, ids, cap))
 
     def _write_chunk(self, key, ids: list[int], capture: KVCapture | None) -> None:
         try:

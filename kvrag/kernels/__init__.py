@@ -112,7 +112,11 @@ def rope_rerotate_(
 
 
 def attention(
-    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
     masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D].

@@ -60,8 +60,11 @@ def _cases(heads: int, kv_heads: int, d: int, seq: int, ratio: float) -> list[tu
         ("attention prefill", lambda: _old_attention(x, pos, k, v, s), lambda: K.attention(x, pos, k, v, s)),
         ("attention scattered", lambda: _old_attention(q_sel, sel, k, v, s), lambda: K.attention(q_sel, sel, k, v, s)),
         ("attention decode", lambda: _old_attention(q_dec, dec, k, v, s), lambda: K.attention(q_dec, dec, k, v, s)),
-        ("kv_deviation", lambda: _old_kv_deviation(kn, k[:, sel], vn, v[:, sel]),
-         lambda: K.kv_deviation(kn, k[:, sel], vn, v[:, sel])),
+        (
+            "kv_deviation",
+            lambda: _old_kv_deviation(kn, k[:, sel], vn, v[:, sel]),
+            lambda: K.kv_deviation(kn, k[:, sel], vn, v[:, sel]),
+        ),
         ("topk", lambda: _old_topk(scores, seq // 7), lambda: K.topk(scores, seq // 7)),
     ]
 
@@ -89,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         (f"SmolLM2 shape, seq {args.seq}", (9, 3, 64, args.seq, 0.15)),
         ("tiny shape, seq 24", (4, 2, 16, 24, 0.25)),
     ]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"medians of {args.reps} interleaved rounds of best-of-3")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"medians of {args.reps} interleaved rounds of best-of-3"
+    )
     for title, shape in shapes:
         print(title)
         ratios = []
@@ -102,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                 a.append(_best_ms(after, 3))
             mb, ma = statistics.median(b), statistics.median(a)
             ratios.append(mb / ma)
-            print(f"  {name:<22} before {mb:9.4f} ms   after {ma:9.4f} ms   before/after {mb / ma:5.3f}"
-                  f"   (dispatch {1e3 * (ma - mb):+7.2f} us)")
+            print(
+                f"  {name:<22} before {mb:9.4f} ms   after {ma:9.4f} ms   before/after {mb / ma:5.3f}"
+                f"   (dispatch {1e3 * (ma - mb):+7.2f} us)"
+            )
         print(f"  geometric mean before/after: {statistics.geometric_mean(ratios):.3f}")
     return 0
 

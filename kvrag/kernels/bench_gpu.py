@@ -26,8 +26,11 @@ from kvrag.kernels import reference as R
 
 __all__ = ["Case", "cases", "run", "main"]
 
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=5e-3, atol=5e-3),
-       torch.bfloat16: dict(rtol=4e-2, atol=4e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-4, atol=1e-4),
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
+    torch.bfloat16: dict(rtol=4e-2, atol=4e-2),
+}
 SWEEP = [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
 
 
@@ -64,7 +67,14 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 
 
 def cases(
-    *, heads: int, kv_heads: int, head_dim: int, seq: int, ratio: float, dtype: torch.dtype, device: torch.device,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seq: int,
+    ratio: float,
+    dtype: torch.dtype,
+    device: torch.device,
     attention_kwargs: dict | None = None,
 ) -> list[Case]:
     """The kernel cases at one shape: KV [kv_heads, seq, head_dim]; ``ratio`` of the rows selected."""
@@ -90,8 +100,9 @@ def cases(
     akw = attention_kwargs or {}
     scratch = k_raw.clone()
     out = [
-        Case("rope_rotate", lambda: R.rope_rotate_ref(k_raw, cos, sin),
-             lambda: rope_rotate_triton(k_raw, cos, sin), tol),
+        Case(
+            "rope_rotate", lambda: R.rope_rotate_ref(k_raw, cos, sin), lambda: rope_rotate_triton(k_raw, cos, sin), tol
+        ),
         # The engine today: cos/sin tables for the new positions, then rotation; the kernel does both,
         # in place (timed on a scratch buffer: rotating it again and again keeps its norm).
         Case(
@@ -102,23 +113,30 @@ def cases(
             tri_timed=lambda: rope_rerotate_triton_(scratch, None, pos, inv),
         ),
     ]
-    for label, q_pos in (("attention scattered", sel), ("attention prefill", torch.arange(seq, device=device)),
-                         ("attention decode", torch.tensor([seq - 1], device=device))):
+    for label, q_pos in (
+        ("attention scattered", sel),
+        ("attention prefill", torch.arange(seq, device=device)),
+        ("attention decode", torch.tensor([seq - 1], device=device)),
+    ):
         q = rnd(heads, q_pos.numel(), d)
-        out.append(Case(
-            f"{label} (Tq={q_pos.numel()})",
-            lambda q=q, q_pos=q_pos: R.attention_ref(q, q_pos, k, v, scale),
-            lambda q=q, q_pos=q_pos: attention_triton(q, q_pos, k, v, scale, **akw),
-            tol,
-        ))
+        out.append(
+            Case(
+                f"{label} (Tq={q_pos.numel()})",
+                lambda q=q, q_pos=q_pos: R.attention_ref(q, q_pos, k, v, scale),
+                lambda q=q, q_pos=q_pos: attention_triton(q, q_pos, k, v, scale, **akw),
+                tol,
+            )
+        )
     k_new, v_new = rnd(kv_heads, n_sel, d), rnd(kv_heads, n_sel, d)
     k_old, v_old = k[:, sel], v[:, sel]
-    out.append(Case(
-        f"kv_deviation (T={n_sel})",
-        lambda: R.kv_deviation_ref(k_new, k_old, v_new, v_old, "kv"),
-        lambda: kv_deviation_triton(k_new, k_old, v_new, v_old, "kv"),
-        dict(rtol=1e-4, atol=1e-3),
-    ))
+    out.append(
+        Case(
+            f"kv_deviation (T={n_sel})",
+            lambda: R.kv_deviation_ref(k_new, k_old, v_new, v_old, "kv"),
+            lambda: kv_deviation_triton(k_new, k_old, v_new, v_old, "kv"),
+            dict(rtol=1e-4, atol=1e-3),
+        )
+    )
     return out
 
 
@@ -133,7 +151,9 @@ def run(case_list: list[Case], device: torch.device, reps: int, warmup: int = 3,
     timer = _timer(device)
     rows = []
     for case in case_list:
-        torch.testing.assert_close(case.tri(), case.ref(), **case.tolerance, msg=lambda m: f"{case.name}: {m}")
+        torch.testing.assert_close(
+            case.tri(), case.ref(), **case.tolerance, msg=lambda m, name=case.name: f"{name}: {m}"
+        )
         tri = case.tri_timed or case.tri
         for _ in range(warmup):
             case.ref(), tri()
@@ -144,8 +164,10 @@ def run(case_list: list[Case], device: torch.device, reps: int, warmup: int = 3,
         row = dict(case=label or case.name, ref_ms=statistics.median(ref_ms), triton_ms=statistics.median(tri_ms))
         row["ratio"] = row["ref_ms"] / row["triton_ms"] if row["triton_ms"] > 0 else float("inf")
         rows.append(row)
-        print(f"  {row['case']:<44} ref {row['ref_ms']:9.3f} ms   triton {row['triton_ms']:9.3f} ms   "
-              f"ref/triton {row['ratio']:6.2f}")
+        print(
+            f"  {row['case']:<44} ref {row['ref_ms']:9.3f} ms   triton {row['triton_ms']:9.3f} ms   "
+            f"ref/triton {row['ratio']:6.2f}"
+        )
     return rows
 
 
@@ -162,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); the Triton kernels run "
-              "only on CUDA tensors. Run this on a machine with a GPU; on CPU kvrag uses the PyTorch "
-              "references (see python -m kvrag.kernels.bench_cpu).", file=sys.stderr)
+        print(
+            "bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); the Triton kernels run "
+            "only on CUDA tensors. Run this on a machine with a GPU; on CPU kvrag uses the PyTorch "
+            "references (see python -m kvrag.kernels.bench_cpu).",
+            file=sys.stderr,
+        )
         return 2
     try:
         import triton
@@ -172,10 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu: triton is not installed (pip install triton)", file=sys.stderr)
         return 2
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
-    print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"{args.dtype} | heads {args.heads}/{args.kv_heads} | head dim {args.head_dim} | ratio {args.ratio}")
-    shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, ratio=args.ratio,
-                 dtype=dtype, device=device)
+    print(
+        f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"{args.dtype} | heads {args.heads}/{args.kv_heads} | head dim {args.head_dim} | ratio {args.ratio}"
+    )
+    shape = dict(
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, ratio=args.ratio, dtype=dtype, device=device
+    )
     for seq in args.seq:
         print(f"seq {seq}:")
         run(cases(seq=seq, **shape), device, args.reps)

@@ -33,25 +33,39 @@ def _specs(dtype: torch.dtype, head_dim: int) -> list[tuple[str, object, dict, d
     specs = []
     for tq in (1, 300):  # decode-sized and prefill-sized row blocks
         cfg = ta.launch_config(tq, head_dim, dtype)
-        specs.append((
-            f"attention Tq={tq}", ta._attention_kernel,
-            {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "POS": "*i64", "qk_scale": "fp32"},
-            dict(HEAD_DIM=head_dim, UPCAST=False, IEEE=dtype == torch.float32, **cfg),
-        ))
-    specs.append((
-        "rope_rotate", tr._rope_table_kernel, {"X": ptr, "COS": ptr, "SIN": ptr, "OUT": ptr},
-        dict(HALF=half, **tr.launch_config(1000, half)),
-    ))
+        specs.append(
+            (
+                f"attention Tq={tq}",
+                ta._attention_kernel,
+                {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "POS": "*i64", "qk_scale": "fp32"},
+                dict(HEAD_DIM=head_dim, UPCAST=False, IEEE=dtype == torch.float32, **cfg),
+            )
+        )
+    specs.append(
+        (
+            "rope_rotate",
+            tr._rope_table_kernel,
+            {"X": ptr, "COS": ptr, "SIN": ptr, "OUT": ptr},
+            dict(HALF=half, **tr.launch_config(1000, half)),
+        )
+    )
     for has_old in (False, True):
-        specs.append((
-            f"rope_rerotate_ old={'pos' if has_old else 'none'}", tr._rope_rerotate_kernel,
-            {"X": ptr, "OLD": "*i64", "NEW": "*i64", "INV_FREQ": "*fp32", "scaling": "fp32"},
-            dict(HAS_OLD=has_old, HALF=half, **tr.launch_config(1000, half), **tr.REDUCTION),
-        ))
-    specs.append((
-        "kv_deviation", td._deviation_kernel, {"KN": ptr, "KO": ptr, "VN": ptr, "VO": ptr, "OUT": "*fp32"},
-        dict(HEAD_DIM=head_dim, HAS_K=True, HAS_V=True, **td.launch_config(1000, head_dim)),
-    ))
+        specs.append(
+            (
+                f"rope_rerotate_ old={'pos' if has_old else 'none'}",
+                tr._rope_rerotate_kernel,
+                {"X": ptr, "OLD": "*i64", "NEW": "*i64", "INV_FREQ": "*fp32", "scaling": "fp32"},
+                dict(HAS_OLD=has_old, HALF=half, **tr.launch_config(1000, half), **tr.REDUCTION),
+            )
+        )
+    specs.append(
+        (
+            "kv_deviation",
+            td._deviation_kernel,
+            {"KN": ptr, "KO": ptr, "VN": ptr, "VO": ptr, "OUT": "*fp32"},
+            dict(HEAD_DIM=head_dim, HAS_K=True, HAS_V=True, **td.launch_config(1000, head_dim)),
+        )
+    )
     return specs
 
 
@@ -78,13 +92,23 @@ def compile_all(archs: list[int], dtypes: list[torch.dtype], head_dims: list[int
                     smem = int(compiled.metadata.shared)
                     limit = _SMEM_LIMIT.get(arch)
                     if limit is not None and smem > limit:
-                        raise RuntimeError(f"{label} ({dtype}, head dim {d}) needs {smem} B of shared memory "
-                                           f"> {limit} B on sm_{arch}")
-                    row = dict(arch=arch, dtype=str(dtype).replace("torch.", ""), head_dim=d, kernel=label,
-                               shared_bytes=smem, seconds=time.perf_counter() - t0)
+                        raise RuntimeError(
+                            f"{label} ({dtype}, head dim {d}) needs {smem} B of shared memory > {limit} B on sm_{arch}"
+                        )
+                    row = dict(
+                        arch=arch,
+                        dtype=str(dtype).replace("torch.", ""),
+                        head_dim=d,
+                        kernel=label,
+                        shared_bytes=smem,
+                        seconds=time.perf_counter() - t0,
+                    )
                     rows.append(row)
-                    print(f"  sm_{arch} {row['dtype']:<9} D={d:<4} {label:<28} ok  shared {smem:>6} B  "
-                          f"({row['seconds']:.1f} s)", file=out)
+                    print(
+                        f"  sm_{arch} {row['dtype']:<9} D={d:<4} {label:<28} ok  shared {smem:>6} B  "
+                        f"({row['seconds']:.1f} s)",
+                        file=out,
+                    )
     return rows
 
 

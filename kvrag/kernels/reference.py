@@ -84,8 +84,12 @@ def attention_ref(
             masks[start] = mask
         end = mask.shape[1]
         out[:, start : start + block] = F.scaled_dot_product_attention(
-            q[None, :, start : start + block], k[None, :, :end], v[None, :, :end],
-            attn_mask=mask, scale=scale, enable_gqa=gqa,
+            q[None, :, start : start + block],
+            k[None, :, :end],
+            v[None, :, :end],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=gqa,
         )[0]
     return out
 

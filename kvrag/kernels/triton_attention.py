@@ -25,11 +25,34 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, O, POS,
-    sqh, sqt, sqd, skh, skt, skd, svh, svt, svd, soh, sot, sod, spos,
-    n_rows, seq_len, group, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,  # noqa: E741 - the output pointer, named as in the paper
+    POS,
+    sqh,
+    sqt,
+    sqd,
+    skh,
+    skt,
+    skd,
+    svh,
+    svt,
+    svd,
+    soh,
+    sot,
+    sod,
+    spos,
+    n_rows,
+    seq_len,
+    group,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     head = tl.program_id(1)
     kv_head = (head // group).to(tl.int64)
@@ -42,7 +65,8 @@ def _attention_kernel(
     rows64 = rows.to(tl.int64)
     q = tl.load(
         Q + head * sqh + rows64[:, None] * sqt + dims[None, :] * sqd,
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
@@ -59,7 +83,8 @@ def _attention_kernel(
         cols64 = cols.to(tl.int64)
         kt = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed by addressing
             k_base + cols64[None, :] * skt + dims[:, None] * skd,
-            mask=col_ok[None, :] & dim_ok[:, None], other=0.0,
+            mask=col_ok[None, :] & dim_ok[:, None],
+            other=0.0,
         )
         if UPCAST:
             kt = kt.to(tl.float32)
@@ -76,7 +101,8 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             v_base + cols64[:, None] * svt + dims[None, :] * svd,
-            mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
+            mask=col_ok[:, None] & dim_ok[None, :],
+            other=0.0,
         )
         if UPCAST:
             v = v.to(tl.float32)
@@ -174,9 +200,20 @@ def attention_triton(
     if num_stages is not None:
         cfg["num_stages"] = num_stages
     _attention_kernel[(triton.cdiv(tq, cfg["BLOCK_M"]), h)](
-        q, k, v, out, q_pos,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), q_pos.stride(0),
-        tq, s, h // hkv, float(scale) * _LOG2E,
+        q,
+        k,
+        v,
+        out,
+        q_pos,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        q_pos.stride(0),
+        tq,
+        s,
+        h // hkv,
+        float(scale) * _LOG2E,
         HEAD_DIM=d,
         # Triton's interpreter multiplies bfloat16 bit patterns in tl.dot; on CPU tensors (only the
         # interpreter runs those) bfloat16 goes through float32. GPUs use bfloat16 tensor cores.

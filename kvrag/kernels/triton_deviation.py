@@ -28,12 +28,30 @@ def _sq_dist(new_ptrs, old_ptrs, mask):
 
 @triton.jit
 def _deviation_kernel(
-    KN, KO, VN, VO, OUT,
-    skn_h, skn_t, skn_d, sko_h, sko_t, sko_d,
-    svn_h, svn_t, svn_d, svo_h, svo_t, svo_d,
-    T, HEADS,
-    HEAD_DIM: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    KN,
+    KO,
+    VN,
+    VO,
+    OUT,
+    skn_h,
+    skn_t,
+    skn_d,
+    sko_h,
+    sko_t,
+    sko_d,
+    svn_h,
+    svn_t,
+    svn_d,
+    svo_h,
+    svo_t,
+    svo_d,
+    T,
+    HEADS,
+    HEAD_DIM: tl.constexpr,
+    HAS_K: tl.constexpr,
+    HAS_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -83,10 +101,10 @@ def kv_deviation_triton(
         pairs.update(k_new=k_new, k_old=k_old)
     if "v" in what:
         pairs.update(v_new=v_new, v_old=v_old)
-    for name, t in pairs.items():
-        check_tensor(name, t, 3, FLOAT_DTYPES)
+    for label, t in pairs.items():
+        check_tensor(label, t, 3, FLOAT_DTYPES)
     shape = tuple(next(iter(pairs.values())).shape)
-    for name, t in pairs.items():
+    for t in pairs.values():
         if tuple(t.shape) != shape:
             listed = ", ".join(f"{n} {tuple(x.shape)}" for n, x in pairs.items())
             raise ValueError(f"deviation inputs must share one shape [Hkv, T, D], got {listed}")
@@ -107,9 +125,20 @@ def kv_deviation_triton(
     kn, ko = (kn, ko) if kn is not None else (vn, vo)
     vn, vo = (vn, vo) if vn is not None else (kn, ko)
     _deviation_kernel[(triton.cdiv(n, cfg["BLOCK_T"]),)](
-        kn, ko, vn, vo, out,
-        *kn.stride(), *ko.stride(), *vn.stride(), *vo.stride(),
-        n, heads,
-        HEAD_DIM=d, HAS_K="k" in what, HAS_V="v" in what, **cfg,
+        kn,
+        ko,
+        vn,
+        vo,
+        out,
+        *kn.stride(),
+        *ko.stride(),
+        *vn.stride(),
+        *vo.stride(),
+        n,
+        heads,
+        HEAD_DIM=d,
+        HAS_K="k" in what,
+        HAS_V="v" in what,
+        **cfg,
     )
     return out

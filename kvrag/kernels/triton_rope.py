@@ -33,10 +33,24 @@ REDUCTION = dict(C1=_TWO_PI_C1, C2=_TWO_PI_C2, INV_TWO_PI=_INV_TWO_PI)
 
 @triton.jit
 def _rope_table_kernel(
-    X, COS, SIN, OUT,
-    sxh, sxt, sxd, sct, scd, sst, ssd, soh, sot, sod,
+    X,
+    COS,
+    SIN,
+    OUT,
+    sxh,
+    sxt,
+    sxd,
+    sct,
+    scd,
+    sst,
+    ssd,
+    soh,
+    sot,
+    sod,
     T,
-    HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     head = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -59,11 +73,25 @@ def _rope_table_kernel(
 
 @triton.jit
 def _rope_rerotate_kernel(
-    X, OLD, NEW, INV_FREQ,
-    sxh, sxt, sxd, s_old, s_new, s_inv,
-    T, scaling,
-    HAS_OLD: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    C1: tl.constexpr, C2: tl.constexpr, INV_TWO_PI: tl.constexpr,
+    X,
+    OLD,
+    NEW,
+    INV_FREQ,
+    sxh,
+    sxt,
+    sxd,
+    s_old,
+    s_new,
+    s_inv,
+    T,
+    scaling,
+    HAS_OLD: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    INV_TWO_PI: tl.constexpr,
 ):
     head = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -127,9 +155,17 @@ def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
         return out
     cfg = launch_config(t, d // 2)
     _rope_table_kernel[(triton.cdiv(t, cfg["BLOCK_T"]), h)](
-        x, cos, sin, out,
-        *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
-        t, HALF=d // 2, **cfg,
+        x,
+        cos,
+        sin,
+        out,
+        *x.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        *out.stride(),
+        t,
+        HALF=d // 2,
+        **cfg,
     )
     return out
 
@@ -173,9 +209,19 @@ def rope_rerotate_triton_(
         return k
     cfg = launch_config(t, d // 2)
     _rope_rerotate_kernel[(triton.cdiv(t, cfg["BLOCK_T"]), h)](
-        k, old_pos if old_pos is not None else new_pos, new_pos, inv_freq,
-        *k.stride(), (old_pos if old_pos is not None else new_pos).stride(0), new_pos.stride(0), inv_freq.stride(0),
-        t, float(scaling),
-        HAS_OLD=old_pos is not None, HALF=d // 2, **cfg, **REDUCTION,
+        k,
+        old_pos if old_pos is not None else new_pos,
+        new_pos,
+        inv_freq,
+        *k.stride(),
+        (old_pos if old_pos is not None else new_pos).stride(0),
+        new_pos.stride(0),
+        inv_freq.stride(0),
+        t,
+        float(scaling),
+        HAS_OLD=old_pos is not None,
+        HALF=d // 2,
+        **cfg,
+        **REDUCTION,
     )
     return k

@@ -85,7 +85,9 @@ class KVRecord:
     def __post_init__(self) -> None:
         self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
         if self.k.shape != self.v.shape or self.k.dim() != 4:
-            raise ValueError(f"k and v must both be [L, Hkv, T, D]; got {tuple(self.k.shape)} and {tuple(self.v.shape)}")
+            raise ValueError(
+                f"k and v must both be [L, Hkv, T, D]; got {tuple(self.k.shape)} and {tuple(self.v.shape)}"
+            )
         if self.k.shape[2] != self.token_ids.shape[0]:
             raise ValueError(f"KV covers {self.k.shape[2]} tokens but token_ids has {self.token_ids.shape[0]}")
 

@@ -134,8 +134,14 @@ class DiskStore(KVStore):
         timeout: seconds to wait for the index lock before giving up (a miss or a skipped write).
     """
 
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int, dtype: str = "float16", policy: str = "lru",
-                 timeout: float = 10.0):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        budget_bytes: int,
+        dtype: str = "float16",
+        policy: str = "lru",
+        timeout: float = 10.0,
+    ):
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
         self.dtype = serial.DTYPES[dtype]
@@ -143,15 +149,28 @@ class DiskStore(KVStore):
         self._cost_sum, self._cost_n = 0.0, 0
         try:
             self._cache = diskcache.Cache(
-                str(self.directory), timeout=timeout, disk=SafeDisk, size_limit=self.budget_bytes,
-                eviction_policy="none", cull_limit=0, statistics=False,
+                str(self.directory),
+                timeout=timeout,
+                disk=SafeDisk,
+                size_limit=self.budget_bytes,
+                eviction_policy="none",
+                cull_limit=0,
+                statistics=False,
             )
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"cannot open the disk KV tier at {self.directory}: {e}") from e
         self._lock = threading.Lock()
         self._warned: set[str] = set()
-        self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "damaged": 0, "write_errors": 0,
-                       "skipped": 0, "written_bytes": 0}
+        self._stats = {
+            "hits": 0,
+            "misses": 0,
+            "puts": 0,
+            "evictions": 0,
+            "damaged": 0,
+            "write_errors": 0,
+            "skipped": 0,
+            "written_bytes": 0,
+        }
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -256,8 +275,10 @@ class DiskStore(KVStore):
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
             # a full disk (ENOSPC, EFBIG, SQLITE_FULL) or a lock held too long: skip and go on
             self._count("write_errors")
-            self._warn_once("write", f"could not write to the disk KV tier at {self.directory} ({e}); "
-                            "the entry stays in memory only")
+            self._warn_once(
+                "write",
+                f"could not write to the disk KV tier at {self.directory} ({e}); the entry stays in memory only",
+            )
             return False
         self._count("puts")
         self._count("written_bytes", len(data))
@@ -277,7 +298,9 @@ class DiskStore(KVStore):
         with cache.transact(retry=True):
             clock = self._clock()
             while cache.volume() + size > self.budget_bytes:
-                rows = cache._sql("SELECT rowid, filename, access_time FROM Cache ORDER BY access_time LIMIT 1").fetchall()
+                rows = cache._sql(
+                    "SELECT rowid, filename, access_time FROM Cache ORDER BY access_time LIMIT 1"
+                ).fetchall()
                 if not rows:
                     break
                 cache._sql("DELETE FROM Cache WHERE rowid = ?", (rows[0][0],))

@@ -122,7 +122,10 @@ class MemoryStore(KVStore):
     def stats(self) -> dict:
         with self._lock:
             return dict(
-                self._stats, entries=len(self._items), bytes=self._bytes, budget_bytes=self.budget_bytes,
+                self._stats,
+                entries=len(self._items),
+                bytes=self._bytes,
+                budget_bytes=self.budget_bytes,
                 policy=self.policy.describe(),
             )
 

@@ -201,7 +201,12 @@ class PGDSFPolicy(EvictionPolicy):
         return max(1, meta.frequency), (meta.total_cost / meta.costed if meta.costed else None)
 
     def describe(self) -> dict:
-        return {"name": self.name, "clock": self.clock, "tracked": len(self._meta), "default_cost": self._default_cost()}
+        return {
+            "name": self.name,
+            "clock": self.clock,
+            "tracked": len(self._meta),
+            "default_cost": self._default_cost(),
+        }
 
 
 class FrequencyReusePolicy(EvictionPolicy):

@@ -58,8 +58,7 @@ class ThroughputMeter:
     def stats(self) -> dict:
         tp = self.throughput()
         with self._lock:
-            return {"bytes": self.bytes, "seconds": self.seconds, "records": self.records,
-                    "throughput_bytes_per_s": tp}
+            return {"bytes": self.bytes, "seconds": self.seconds, "records": self.records, "throughput_bytes_per_s": tp}
 
 
 class StreamedRecord:
@@ -147,8 +146,9 @@ class StreamedRecord:
     def to_record(self) -> KVRecord:
         """A plain in-memory record sharing the loaded tensors (after every layer is in)."""
         self.wait()
-        return KVRecord(self.token_ids, self._k, self._v, kind=self.kind, context=self.context,
-                        meta=self.meta, stats=self.stats)
+        return KVRecord(
+            self.token_ids, self._k, self._v, kind=self.kind, context=self.context, meta=self.meta, stats=self.stats
+        )
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -320,6 +320,10 @@ class LoadingController:
             return configured
         t_load = load_bytes / tp
         r = min(1.0, max(configured, t_load / t_prefill))
-        self.last = {"ratio": r, "t_load": t_load, "t_prefill": t_prefill,
-                     "preload_depth": preload_depth(n_layers, r * t_prefill, t_load)}
+        self.last = {
+            "ratio": r,
+            "t_load": t_load,
+            "t_prefill": t_prefill,
+            "preload_depth": preload_depth(n_layers, r * t_prefill, t_load),
+        }
         return r

@@ -98,9 +98,16 @@ class CostProfile:
     def to_dict(self) -> dict:
         """A JSON-able copy (to reuse a measured profile elsewhere, e.g. in a simulation)."""
         with self._lock:
-            return {"edges": list(self.edges), "sum": self._sum, "w": self._w, "seconds": self._seconds,
-                    "tokens": self._tokens, "work_seconds": self._work_seconds, "work": self._work,
-                    "observations": self.observations}
+            return {
+                "edges": list(self.edges),
+                "sum": self._sum,
+                "w": self._w,
+                "seconds": self._seconds,
+                "tokens": self._tokens,
+                "work_seconds": self._work_seconds,
+                "work": self._work,
+                "observations": self.observations,
+            }
 
     @classmethod
     def from_dict(cls, d: dict) -> CostProfile:
@@ -115,5 +122,7 @@ class CostProfile:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"observations": self.observations,
-                    "seconds_per_token": self._seconds / self._tokens if self._tokens else None}
+            return {
+                "observations": self.observations,
+                "seconds_per_token": self._seconds / self._tokens if self._tokens else None,
+            }

@@ -216,11 +216,18 @@ def read_header(fd: int, file_size: int) -> Header:
             raise _damaged(f"stats dtype {sdtype!r} not allowed")
         stats.append((_str(name), sdtype, _shape(sshape), _int(scrc, 0, 0xFFFFFFFF)))
     h = Header(
-        namespace=_str(f.get("namespace")), digest=_str(f.get("key")), kind=_str(f.get("kind")),
-        context=_str(f.get("context")), meta=meta, dtype=dtype, shape=shape,  # type: ignore[arg-type]
+        namespace=_str(f.get("namespace")),
+        digest=_str(f.get("key")),
+        kind=_str(f.get("kind")),
+        context=_str(f.get("context")),
+        meta=meta,
+        dtype=dtype,
+        shape=shape,  # type: ignore[arg-type]
         token_crc=_int(f.get("tokens_crc"), 0, 0xFFFFFFFF),
-        layer_crcs=[_int(c, 0, 0xFFFFFFFF) for c in crcs], stats=stats,
-        body_offset=_align(_PRELUDE.size + hlen), size=_int(f.get("size")),
+        layer_crcs=[_int(c, 0, 0xFFFFFFFF) for c in crcs],
+        stats=stats,
+        body_offset=_align(_PRELUDE.size + hlen),
+        size=_int(f.get("size")),
     )
     expected = h.body_offset + 4 * shape[2] + h.kv_nbytes + sum(_nbytes(d, s) for _, d, s, _ in stats)
     if h.size != expected or file_size != expected:

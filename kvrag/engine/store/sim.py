@@ -70,8 +70,13 @@ def measure(engine, texts: list[str], k: int, question: str, cache_dir: str, rep
     """The engine's cost profile over prompts of ``k`` chunks with 0..k hits, and its disk throughput."""
     from kvrag import Engine
 
-    eng = Engine.from_model(engine.hf_model, engine.tokenizer, config=engine.config.replace(
-        disk_tier=True, cache_dir=cache_dir, write_back=False, prefix_cache=False, loading_controller=False))
+    eng = Engine.from_model(
+        engine.hf_model,
+        engine.tokenizer,
+        config=engine.config.replace(
+            disk_tier=True, cache_dir=cache_dir, write_back=False, prefix_cache=False, loading_controller=False
+        ),
+    )
     rng = random.Random(1)
     pool = rng.sample(texts, k * (k + 1) * reps)
     for n, hits in enumerate(h for h in range(k + 1) for _ in range(reps)):
@@ -81,9 +86,13 @@ def measure(engine, texts: list[str], k: int, question: str, cache_dir: str, rep
             eng.store.memory.clear()
         g = eng.generate(chunks, "", question, max_new_tokens=1)
         print(f"  profile: {hits}/{k} hits, {g.stats.prompt_tokens} tokens, {g.ttft_s:.2f} s", flush=True)
-    out = {"profile": eng.costs.profile.to_dict(), "throughput": eng.store.meter.throughput(),
-           "kv_bytes_per_token": engine.adapter.kv_bytes_per_token * eng.store.dtype.itemsize
-           // engine.adapter.embed_weight.element_size()}
+    out = {
+        "profile": eng.costs.profile.to_dict(),
+        "throughput": eng.store.meter.throughput(),
+        "kv_bytes_per_token": engine.adapter.kv_bytes_per_token
+        * eng.store.dtype.itemsize
+        // engine.adapter.embed_weight.element_size(),
+    }
     eng.close()
     return out
 
@@ -93,16 +102,26 @@ def _record(ids: list[int]) -> KVRecord:
     return KVRecord(torch.tensor(ids), t, t.clone())
 
 
-def simulate(passages: list[list[int]], stream: list[list[int]], policy: str, measured: dict, *,
-             memory_fraction: float, disk_fraction: float | None, extra_tokens: int, workdir: str) -> list[dict]:
+def simulate(
+    passages: list[list[int]],
+    stream: list[list[int]],
+    policy: str,
+    measured: dict,
+    *,
+    memory_fraction: float,
+    disk_fraction: float | None,
+    extra_tokens: int,
+    workdir: str,
+) -> list[dict]:
     """Replay ``stream`` against a store with ``policy`` in memory (and a disk tier unless
     ``disk_fraction`` is ``None``); one dict per request."""
     profile = CostProfile.from_dict(measured["profile"])
     full_bpt, tput = measured["kv_bytes_per_token"], measured["throughput"]
     used = sorted({i for req in stream for i in req})
     working = sum(_record(passages[i]).nbytes for i in used)
-    on_disk = sum(len(serial.encode(chunk_key("sim", "fp", passages[i]), _record(passages[i]), torch.float16))
-                  for i in used)
+    on_disk = sum(
+        len(serial.encode(chunk_key("sim", "fp", passages[i]), _record(passages[i]), torch.float16)) for i in used
+    )
     disk = None
     if disk_fraction is not None:
         disk_budget = int(disk_fraction * on_disk) + 65536 + 512 * len(used)  # plus the SQLite index
@@ -129,9 +148,17 @@ def simulate(passages: list[list[int]], stream: list[list[int]], policy: str, me
         for i in missed:  # write-back after the first token
             store.put(chunk_key("sim", "fp", passages[i]), _record(passages[i]))
         st = store.stats()
-        out.append({"tiers": tiers, "ttft": ttft, "speedup": profile.estimate(0, n) / ttft,
-                    "memory_bytes": st["memory"]["bytes"], "memory_budget": st["memory"]["budget_bytes"],
-                    "disk_bytes": st["disk"]["bytes"] if disk else 0, "disk_budget": disk_budget if disk else 0})
+        out.append(
+            {
+                "tiers": tiers,
+                "ttft": ttft,
+                "speedup": profile.estimate(0, n) / ttft,
+                "memory_bytes": st["memory"]["bytes"],
+                "memory_budget": st["memory"]["budget_bytes"],
+                "disk_bytes": st["disk"]["bytes"] if disk else 0,
+                "disk_budget": disk_budget if disk else 0,
+            }
+        )
     store.close()
     return out
 
@@ -143,10 +170,15 @@ def summarize(results: list[dict], windows: int = 5) -> list[dict]:
     for w in range(windows):
         part = results[w * n // windows : (w + 1) * n // windows]
         tiers = [t for r in part for t in r["tiers"]]
-        rows.append({"window": w + 1, "hit_rate": sum(t != "miss" for t in tiers) / len(tiers),
-                     "memory_hit_rate": sum(t == "memory" for t in tiers) / len(tiers),
-                     "speedup": sum(r["speedup"] for r in part) / len(part),
-                     "ttft": sorted(r["ttft"] for r in part)[len(part) // 2]})
+        rows.append(
+            {
+                "window": w + 1,
+                "hit_rate": sum(t != "miss" for t in tiers) / len(tiers),
+                "memory_hit_rate": sum(t == "memory" for t in tiers) / len(tiers),
+                "speedup": sum(r["speedup"] for r in part) / len(part),
+                "ttft": sorted(r["ttft"] for r in part)[len(part) // 2],
+            }
+        )
     return rows
 
 
@@ -161,8 +193,13 @@ def plot(series: dict[str, list[dict]], path: Path, window: int = 50) -> None:
         hit = [sum(t != "miss" for t in r["tiers"]) / len(r["tiers"]) for r in res]
         mem = [sum(t == "memory" for t in r["tiers"]) / len(r["tiers"]) for r in res]
         sp = [r["speedup"] for r in res]
-        avg = lambda xs: [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1])  # noqa: E731
-                          for i in range(len(xs))]
+
+        def avg(xs):
+            return [
+                sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1])
+                for i in range(len(xs))
+            ]
+
         axes[0].plot(avg(hit), label=f"{name}: any tier")
         if "disk" in name:
             axes[0].plot(avg(mem), "--", label=f"{name}: memory")
@@ -206,20 +243,39 @@ def main(argv=None) -> None:
         for disk in (None, args.disk_fraction):  # memory alone (the default config), then memory + disk
             for p in ("lru", "pgdsf"):
                 series[p + ("+disk" if disk else "")] = simulate(
-                    passages, stream, p, measured, memory_fraction=args.memory_fraction, disk_fraction=disk,
-                    extra_tokens=qlen + 20, workdir=tmp)
-    report = {"args": vars(args), "passages": len(passages), "throughput": measured["throughput"],
-              "summary": {p: summarize(r) for p, r in series.items()},
-              "within_budget": {p: all(r["memory_bytes"] <= r["memory_budget"] and r["disk_bytes"] <= r["disk_budget"]
-                                       for r in res) for p, res in series.items()}}
+                    passages,
+                    stream,
+                    p,
+                    measured,
+                    memory_fraction=args.memory_fraction,
+                    disk_fraction=disk,
+                    extra_tokens=qlen + 20,
+                    workdir=tmp,
+                )
+    report = {
+        "args": vars(args),
+        "passages": len(passages),
+        "throughput": measured["throughput"],
+        "summary": {p: summarize(r) for p, r in series.items()},
+        "within_budget": {
+            p: all(r["memory_bytes"] <= r["memory_budget"] and r["disk_bytes"] <= r["disk_budget"] for r in res)
+            for p, res in series.items()
+        },
+    }
     for p, rows in report["summary"].items():
         report.setdefault("steady", {})[p] = rows[-1]["speedup"] / rows[1]["speedup"]
     (out / "steady.json").write_text(json.dumps(report, indent=1))
     (out / "series.json").write_text(json.dumps(series))
     plot(series, out / "steady.png")
     for p, rows in report["summary"].items():
-        print(p, " ".join(f"[{r['window']}] hit {r['hit_rate']:.2f} mem {r['memory_hit_rate']:.2f} "
-                          f"x{r['speedup']:.2f}" for r in rows), f"last/second {report['steady'][p]:.2f}")
+        print(
+            p,
+            " ".join(
+                f"[{r['window']}] hit {r['hit_rate']:.2f} mem {r['memory_hit_rate']:.2f} x{r['speedup']:.2f}"
+                for r in rows
+            ),
+            f"last/second {report['steady'][p]:.2f}",
+        )
     print("within budget:", report["within_budget"])
 
 

@@ -142,8 +142,15 @@ class TieredStore(KVStore):
             return record.to_record()
         if record.k.dtype == self.dtype and record.v.dtype == self.dtype and record.tier == "memory":
             return record
-        return KVRecord(record.token_ids, record.k.to(self.dtype), record.v.to(self.dtype), kind=record.kind,
-                        context=record.context, meta=record.meta, stats=record.stats)
+        return KVRecord(
+            record.token_ids,
+            record.k.to(self.dtype),
+            record.v.to(self.dtype),
+            kind=record.kind,
+            context=record.context,
+            meta=record.meta,
+            stats=record.stats,
+        )
 
     def put(self, key: StoreKey, record: KVRecord) -> bool:
         """Keep a record in memory and write it to disk once (skipped if the disk has it already)."""
@@ -192,8 +199,12 @@ class TieredStore(KVStore):
         with self._lock:
             out = dict(self._stats)
         mem = self.memory.stats()
-        out.update(policy=mem.get("policy", {}).get("name"), memory=mem, load=self.meter.stats(),
-                   dtype=str(self.dtype).replace("torch.", ""))
+        out.update(
+            policy=mem.get("policy", {}).get("name"),
+            memory=mem,
+            load=self.meter.stats(),
+            dtype=str(self.dtype).replace("torch.", ""),
+        )
         if self.disk is not None:
             out["disk"] = self.disk.stats()
         lookups = out["hits"] + out["misses"]

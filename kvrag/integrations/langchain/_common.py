@@ -25,8 +25,18 @@ CONVERSATION_KEYS = ("conversation_id", "session_id", "thread_id")
 
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.bind(...)``).
 CALL_KWARGS = frozenset(
-    {"max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "selection", "dedup", "conversation_id",
-     "model"}
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "mode",
+        "recompute_ratio",
+        "selection",
+        "dedup",
+        "conversation_id",
+        "model",
+    }
 )
 
 # Request settings are fields of the LLM and per-call arguments; in ``engine_config`` they would
@@ -158,7 +168,9 @@ class EngineSettings(BaseModel):
     def stream(self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> Iterator[Any]:
         return super().stream(input, config, stop=stop, **with_conversation(config, kwargs))
 
-    def astream(self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any) -> AsyncIterator[Any]:
+    def astream(
+        self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         return super().astream(input, config, stop=stop, **with_conversation(config, kwargs))
 
 

@@ -23,7 +23,14 @@ from kvrag.integrations.langchain._common import (
 
 __all__ = ["KVCachedLLM", "to_chat_messages"]
 
-_ROLES = {"system": "system", "developer": "system", "human": "user", "ai": "assistant", "tool": "tool", "function": "tool"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "human": "user",
+    "ai": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
 
 
 def _text(message: BaseMessage) -> str:

@@ -159,7 +159,9 @@ class KVCachedVectorStore(VectorStore):
 
     @classmethod
     def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None, **kwargs: Any):
-        raise NotImplementedError("build the store with its own class, then wrap it: KVCachedVectorStore(FAISS.from_texts(...))")
+        raise NotImplementedError(
+            "build the store with its own class, then wrap it: KVCachedVectorStore(FAISS.from_texts(...))"
+        )
 
     # -- searches: the wrapped store's, recorded -----------------------------------------------------
 
@@ -179,7 +181,9 @@ class KVCachedVectorStore(VectorStore):
         return self._record_scored(self.vectorstore.similarity_search_with_relevance_scores(query, k=k, **kwargs))
 
     async def asimilarity_search_with_relevance_scores(self, query: str, k: int = 4, **kwargs: Any):
-        return await self._arecord(await self.vectorstore.asimilarity_search_with_relevance_scores(query, k=k, **kwargs))
+        return await self._arecord(
+            await self.vectorstore.asimilarity_search_with_relevance_scores(query, k=k, **kwargs)
+        )
 
     def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
         return self._record(self.vectorstore.similarity_search_by_vector(embedding, k=k, **kwargs))
@@ -187,17 +191,27 @@ class KVCachedVectorStore(VectorStore):
     async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
         return await self._arecord(await self.vectorstore.asimilarity_search_by_vector(embedding, k=k, **kwargs))
 
-    def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+    def max_marginal_relevance_search(
+        self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         return self._record(self.vectorstore.max_marginal_relevance_search(query, k, fetch_k, lambda_mult, **kwargs))
 
-    async def amax_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+    async def amax_marginal_relevance_search(
+        self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         docs = await self.vectorstore.amax_marginal_relevance_search(query, k, fetch_k, lambda_mult, **kwargs)
         return await self._arecord(docs)
 
-    def max_marginal_relevance_search_by_vector(self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+    def max_marginal_relevance_search_by_vector(
+        self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         docs = self.vectorstore.max_marginal_relevance_search_by_vector(embedding, k, fetch_k, lambda_mult, **kwargs)
         return self._record(docs)
 
-    async def amax_marginal_relevance_search_by_vector(self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
-        docs = await self.vectorstore.amax_marginal_relevance_search_by_vector(embedding, k, fetch_k, lambda_mult, **kwargs)
+    async def amax_marginal_relevance_search_by_vector(
+        self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
+        docs = await self.vectorstore.amax_marginal_relevance_search_by_vector(
+            embedding, k, fetch_k, lambda_mult, **kwargs
+        )
         return await self._arecord(docs)

@@ -229,9 +229,15 @@ class KVCachedLLM(LLM):
                 f"{', '.join(sorted([*_CALL_KWARGS, 'conversation_id']))}"
             )
         req = {
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "stop": self.stop, "seed": self.seed, "mode": self.mode, "recompute_ratio": self.recompute_ratio,
-            "selection": self.selection, "dedup": self.dedup,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "selection": self.selection,
+            "dedup": self.dedup,
         }
         for name, value in kwargs.items():
             if name in _CALL_KWARGS:
@@ -280,7 +286,7 @@ class KVCachedLLM(LLM):
 
     def _run(self, prompt: str, kwargs: dict, chat: bool) -> Generation:
         gen = None
-        for _, _, gen in self._stream(prompt, kwargs, chat):
+        for *_, gen in self._stream(prompt, kwargs, chat):  # noqa: B007 - the last item holds the result
             pass
         assert gen is not None
         return gen
@@ -303,9 +309,7 @@ class KVCachedLLM(LLM):
         return self._completion(gen.text, None, gen)
 
     @llm_completion_callback()
-    async def astream_complete(
-        self, prompt: str, formatted: bool = False, **kwargs: Any
-    ) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         items = await asyncio.to_thread(lambda: self._stream(self._completion_prompt(prompt, formatted), kwargs, False))
 
         async def gen() -> CompletionResponseAsyncGen:

@@ -10,32 +10,15 @@ import diskcache
 import pytest
 import torch
 
-from kvrag.engine.store import DamagedEntryError, DiskStore, MemoryStore, TieredStore, build_store
-from kvrag.engine.store import serial
+from kvrag.engine.store import DamagedEntryError, DiskStore, MemoryStore, TieredStore, build_store, serial
 from kvrag.engine.store.policy import FrequencyReusePolicy, LRUPolicy, PGDSFPolicy
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter, preload_depth
 from kvrag.engine.store.profile import CostProfile
-from tests.store_helpers import key, record, same, token_ids
-
-
-class Payload:
-    """Unpickling this creates ``path``: proof that something was unpickled."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (os.mkdir, (self.path,))
+from tests.store.helpers import Payload, entry_path, key, record, same, token_ids
 
 
 def tiered(tmp_path, memory=1 << 20, disk=1 << 22, policy="lru", **kw) -> TieredStore:
     return TieredStore(MemoryStore(memory, policy), DiskStore(tmp_path / "kv", disk), **kw)
-
-
-def entry_path(store: DiskStore, k) -> str:
-    with store._cache.transact():
-        ((name,),) = store._cache._sql("SELECT filename FROM Cache WHERE key = ?", (f"{k.namespace}/{k.digest}",))
-    return os.path.join(store.directory, name)
 
 
 # -- format ---------------------------------------------------------------------------------------
@@ -79,8 +62,14 @@ def test_format_detects_every_kind_of_damage(tmp_path):
         raise AssertionError(f"damage {where} not detected")
 
     flip = lambda b, i: b[:i] + bytes([b[i] ^ 0x10]) + b[i + 1 :]  # noqa: E731
-    cases = {"header": flip(data, h_end), "layer": flip(data, len(data) - 100), "magic": flip(data, 0),
-             "truncated": data[:-5], "extended": data + b"\0", "pickle": pickle.dumps({"a": 1})}
+    cases = {
+        "header": flip(data, h_end),
+        "layer": flip(data, len(data) - 100),
+        "magic": flip(data, 0),
+        "truncated": data[:-5],
+        "extended": data + b"\0",
+        "pickle": pickle.dumps({"a": 1}),
+    }
     for where, blob in cases.items():
         with pytest.raises(DamagedEntryError):
             check(blob, where)
@@ -337,8 +326,16 @@ def test_steady_state_simulation_stays_within_budgets(tmp_path):
     stream = zipf_stream(60, 120, 5, 1.0, seed=1)
     out = {}
     for policy in ("lru", "pgdsf"):
-        res = simulate(passages, stream, policy, measured, memory_fraction=0.2, disk_fraction=0.5,
-                       extra_tokens=20, workdir=str(tmp_path))
+        res = simulate(
+            passages,
+            stream,
+            policy,
+            measured,
+            memory_fraction=0.2,
+            disk_fraction=0.5,
+            extra_tokens=20,
+            workdir=str(tmp_path),
+        )
         assert all(r["memory_bytes"] <= r["memory_budget"] and r["disk_bytes"] <= r["disk_budget"] for r in res)
         out[policy] = summarize(res)
         assert len(out[policy]) == 5 and all(0 <= w["hit_rate"] <= 1 and w["speedup"] >= 1 for w in out[policy])
@@ -377,8 +374,10 @@ def test_background_writer_runs_every_job_and_leaves_no_idle_thread():
 
     w = BackgroundWriter()
     done: list[int] = []
-    submitters = [threading.Thread(target=lambda i=i: [w.submit(lambda j=j: done.append(j)) for j in range(i, 400, 4)])
-                  for i in range(4)]
+    submitters = [
+        threading.Thread(target=lambda i=i: [w.submit(lambda j=j: done.append(j)) for j in range(i, 400, 4)])
+        for i in range(4)
+    ]
     for t in submitters:
         t.start()
     for t in submitters:

@@ -23,10 +23,19 @@ from kvrag.integrations.llama_index import (
     register_nodes,
 )
 from tests.helpers import make_docs
-from tests.llama_index_support import BowEmbedding, no_default_models  # noqa: F401 (autouse fixture)
+from tests.integrations.llama_index_helpers import BowEmbedding, no_default_models  # noqa: F401 (autouse fixture)
 
-STAT_KEYS = {"ttft_s", "prompt_tokens", "completion_tokens", "cache_read", "chunk_hits", "chunk_misses",
-             "recomputed_tokens", "conversation_tokens", "deduplicated_chunks"}
+STAT_KEYS = {
+    "ttft_s",
+    "prompt_tokens",
+    "completion_tokens",
+    "cache_read",
+    "chunk_hits",
+    "chunk_misses",
+    "recomputed_tokens",
+    "conversation_tokens",
+    "deduplicated_chunks",
+}
 
 
 def test_default_model_guard_is_armed():

@@ -1,4 +1,4 @@
-"""Records, keys and subprocess jobs for the store tests (run as ``python -m tests.store_helpers``)."""
+"""Records, keys and subprocess jobs for the store tests (run as ``python -m tests.store.helpers``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def record(i: int, tokens: int = 40, layers: int = 4, heads: int = 2, dim: int = 8, stats: bool = False) -> KVRecord:
@@ -33,7 +33,8 @@ def key(i: int, namespace: str = "test", tokens: int = 40) -> StoreKey:
 
 def same(rec, ref: KVRecord) -> bool:
     return bool(
-        torch.equal(rec.k.float(), ref.k.float()) and torch.equal(rec.v.float(), ref.v.float())
+        torch.equal(rec.k.float(), ref.k.float())
+        and torch.equal(rec.v.float(), ref.v.float())
         and torch.equal(rec.token_ids, ref.token_ids)
     )
 
@@ -94,8 +95,11 @@ def _full_disk(directory: str, limit: int) -> None:
     kept = [store.put(key(i, tokens=400), record(i, tokens=400)) for i in range(30)]
     served = sum(same(store.get(key(i, tokens=400), token_ids(i, 400)), record(i, tokens=400)) for i in range(30))
     disk = store.disk.stats()
-    print(json.dumps({"kept": sum(kept), "served": served, "disk_puts": disk["puts"],
-                      "write_errors": disk["write_errors"]}))
+    print(
+        json.dumps(
+            {"kept": sum(kept), "served": served, "disk_puts": disk["puts"], "write_errors": disk["write_errors"]}
+        )
+    )
 
 
 def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool) -> None:
@@ -111,8 +115,7 @@ def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm:
     out = []
     for req in job["requests"]:
         g = engine.generate([job["docs"][i] for i in req], job["prefix"], job["suffix"])
-        out.append({"tokens": g.token_ids, "tiers": [c.tier for c in g.stats.chunks],
-                    "hits": g.stats.chunk_hits})
+        out.append({"tokens": g.token_ids, "tiers": [c.tier for c in g.stats.chunks], "hits": g.stats.chunk_hits})
     engine.close()
     json.dump(out, open(out_path, "w"))
 
@@ -129,3 +132,19 @@ if __name__ == "__main__":
         _engine(args[0], args[1], args[2], args[3], args[4] == "warm")
     else:
         raise SystemExit(f"unknown job {job}")
+
+
+class Payload:
+    """Unpickling this creates ``path``: proof that something was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def entry_path(store, k) -> str:
+    with store._cache.transact():
+        ((name,),) = store._cache._sql("SELECT filename FROM Cache WHERE key = ?", (f"{k.namespace}/{k.digest}",))
+    return os.path.join(store.directory, name)

@@ -33,8 +33,8 @@ class BowEmbedding(BaseEmbedding):
 @pytest.fixture(autouse=True)
 def no_default_models(monkeypatch):
     """Fail any test in which LlamaIndex falls back to its default (OpenAI) LLM or embedding."""
-    from llama_index.core import Settings
     import llama_index.core.settings as settings_mod
+    from llama_index.core import Settings
 
     def refuse(*args, **kwargs):
         raise AssertionError("LlamaIndex tried to resolve a default model (OpenAI); pass llm= and embed_model=")

@@ -78,8 +78,10 @@ def test_answer_drift():
 
 def test_ratios_pair_within_one_run_only():
     records = [
-        _rec("A", 0, "full", 4.0), _rec("A", 0, "blend", 1.0),
-        _rec("A", 1, "full", 8.0), _rec("A", 1, "blend", 1.0),
+        _rec("A", 0, "full", 4.0),
+        _rec("A", 0, "blend", 1.0),
+        _rec("A", 1, "full", 8.0),
+        _rec("A", 1, "blend", 1.0),
         _rec("B", 2, "blend", 3.0),  # no full in run B for request 2: never paired with A's
         _rec("B", 0, "blend", 2.0),  # same request id as A's, other run: must not pair with A's full
     ]
@@ -89,8 +91,19 @@ def test_ratios_pair_within_one_run_only():
 
 
 def _doc(run_id, **meta):
-    base = dict(run_id=run_id, hostname="h", cpu_model="c", cpu_count=2, torch_threads=2, model_fingerprint="fp",
-                dtype="float32", git_commit="abc", git_dirty=False, torch_version="2", settings={"top_k": 6, "n": 2})
+    base = dict(
+        run_id=run_id,
+        hostname="h",
+        cpu_model="c",
+        cpu_count=2,
+        torch_threads=2,
+        model_fingerprint="fp",
+        dtype="float32",
+        git_commit="abc",
+        git_dirty=False,
+        torch_version="2",
+        settings={"top_k": 6, "n": 2},
+    )
     base.update(meta)
     recs = [_rec(run_id, 0, "full", 2.0), _rec(run_id, 0, "blend", 1.0)]
     return {"meta": base, "records": recs}
@@ -99,8 +112,14 @@ def _doc(run_id, **meta):
 def test_merge_refuses_different_runs():
     merged = merge_results([_doc("A"), _doc("B", settings={"top_k": 6, "n": 5})])  # n may differ
     assert merged["summary"]["questions"]["methods"]["blend"]["ttft_ratio_full"]["n"] == 2
-    for field, value in (("hostname", "other"), ("model_fingerprint", "fp2"), ("torch_threads", 4),
-                         ("dtype", "bfloat16"), ("git_commit", "def"), ("settings", {"top_k": 3, "n": 2})):
+    for field, value in (
+        ("hostname", "other"),
+        ("model_fingerprint", "fp2"),
+        ("torch_threads", 4),
+        ("dtype", "bfloat16"),
+        ("git_commit", "def"),
+        ("settings", {"top_k": 3, "n": 2}),
+    ):
         with pytest.raises(MixedRunsError, match=field):
             merge_results([_doc("A"), _doc("B", **{field: value})])
     with pytest.raises(MixedRunsError, match="twice"):
@@ -166,17 +185,49 @@ def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
     data = tmp_path / "qa.json"
     assert bench_main(["make-dataset", "--out", str(data), "--n", "3", "--passages", "3", "--words", "8"]) == 0
     out = tmp_path / "run"
-    rc = bench_main([
-        "--dataset", str(data), "--n", "2", "--top-k", "3", "--model", str(model_dir),
-        "--config", f'cache_dir="{tmp_path / "cache"}"', "--methods", "hf,full,prefix,reuse,blend,blend@1.0",
-        "--max-new-tokens", "4", "--workloads", "a,b", "--stream-requests", "5", "--stream-methods", "full,blend",
-        "--stream-max-new-tokens", "2", "--out", str(out), "--no-progress",
-    ])
+    rc = bench_main(
+        [
+            "--dataset",
+            str(data),
+            "--n",
+            "2",
+            "--top-k",
+            "3",
+            "--model",
+            str(model_dir),
+            "--config",
+            f'cache_dir="{tmp_path / "cache"}"',
+            "--methods",
+            "hf,full,prefix,reuse,blend,blend@1.0",
+            "--max-new-tokens",
+            "4",
+            "--workloads",
+            "a,b",
+            "--stream-requests",
+            "5",
+            "--stream-methods",
+            "full,blend",
+            "--stream-max-new-tokens",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     doc = json.loads((out / "results.json").read_text())
     meta = doc["meta"]
-    for key in ("run_id", "hostname", "cpu_count", "torch_threads", "model_fingerprint", "dtype", "git_commit",
-                "timestamp", "command"):
+    for key in (
+        "run_id",
+        "hostname",
+        "cpu_count",
+        "torch_threads",
+        "model_fingerprint",
+        "dtype",
+        "git_commit",
+        "timestamp",
+        "command",
+    ):
         assert key in meta
     a = doc["summary"]["questions"]["methods"]
     assert set(a) == {"full", "hf", "prefix", "reuse", "blend", "blend@1.0"}
@@ -210,9 +261,20 @@ def test_stream_compares_policies_side_by_side_within_budgets(tmp_path, tiny_mod
     engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path / "c"), disk_tier=True)
     try:
         res = run_bench(
-            BenchOptions(dataset=str(data), n=4, top_k=3, methods="full,blend", workloads="b", stream_requests=10,
-                         stream_max_new_tokens=2, eviction_policy="lru,pgdsf", windows=5, out=str(tmp_path / "o"),
-                         plots=False, progress=False),
+            BenchOptions(
+                dataset=str(data),
+                n=4,
+                top_k=3,
+                methods="full,blend",
+                workloads="b",
+                stream_requests=10,
+                stream_max_new_tokens=2,
+                eviction_policy="lru,pgdsf",
+                windows=5,
+                out=str(tmp_path / "o"),
+                plots=False,
+                progress=False,
+            ),
             engine=engine,
         )
     finally:
@@ -224,7 +286,9 @@ def test_stream_compares_policies_side_by_side_within_budgets(tmp_path, tiny_mod
         st = b["steady_state"][m]
         assert st["memory_within_budget"] and st["disk_within_budget"]
         assert st["last_over_second"] > 0
-    assert doc["extras"]["stream"]["store"]["disk_budget_bytes"] == doc["extras"]["stream"]["store"]["memory_budget_bytes"]
+    assert (
+        doc["extras"]["stream"]["store"]["disk_budget_bytes"] == doc["extras"]["stream"]["store"]["memory_budget_bytes"]
+    )
     assert "| blend/pgdsf | " in (tmp_path / "o" / "results.md").read_text()
 
 
@@ -232,8 +296,18 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(make_synthetic_dataset(2, passages=2, words=6)))
     res = run_bench(
-        BenchOptions(dataset=str(data), n=1, top_k=2, methods="full,blend@0.5", max_new_tokens=2, repeat=3,
-                     workloads="a", out=str(tmp_path / "o"), plots=False, progress=False),
+        BenchOptions(
+            dataset=str(data),
+            n=1,
+            top_k=2,
+            methods="full,blend@0.5",
+            max_new_tokens=2,
+            repeat=3,
+            workloads="a",
+            out=str(tmp_path / "o"),
+            plots=False,
+            progress=False,
+        ),
         engine=tiny_engine,
     )
     recs = [r for r in res["records"] if r["method"] == "blend@0.5"]
@@ -241,8 +315,19 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
     assert res["summary"]["questions"]["methods"]["blend@0.5"]["ttft_ratio_full"]["n"] == 3
     assert tiny_engine.count_tokens("still open") > 0  # an injected engine is left open
     with pytest.raises(InvalidRequestError, match="prefix cache"):
-        run_bench(BenchOptions(dataset=str(data), n=1, methods="full,prefix", order="given", repeat=2,
-                               workloads="a", out=str(tmp_path / "g"), progress=False), engine=tiny_engine)
+        run_bench(
+            BenchOptions(
+                dataset=str(data),
+                n=1,
+                methods="full,prefix",
+                order="given",
+                repeat=2,
+                workloads="a",
+                out=str(tmp_path / "g"),
+                progress=False,
+            ),
+            engine=tiny_engine,
+        )
     with pytest.raises(InvalidRequestError, match="workload"):
         run_bench(BenchOptions(dataset=str(data), workloads="z", out=str(tmp_path / "z")), engine=tiny_engine)
 
@@ -257,10 +342,20 @@ def test_warm_in_other_company(tmp_path, tiny_engine, monkeypatch):
     calls = []
     real_warm = tiny_engine.warm
     monkeypatch.setattr(tiny_engine, "warm", lambda docs: calls.append(list(docs)) or real_warm(docs))
-    opts = dict(dataset=str(data), n=3, top_k=2, methods="full,reuse", max_new_tokens=2, workloads="a",
-                plots=False, progress=False, score="none")
-    res = run_bench(BenchOptions(**opts, warm_company="other", warm_others=2, out=str(tmp_path / "o")),
-                    engine=tiny_engine)
+    opts = dict(
+        dataset=str(data),
+        n=3,
+        top_k=2,
+        methods="full,reuse",
+        max_new_tokens=2,
+        workloads="a",
+        plots=False,
+        progress=False,
+        score="none",
+    )
+    res = run_bench(
+        BenchOptions(**opts, warm_company="other", warm_others=2, out=str(tmp_path / "o")), engine=tiny_engine
+    )
     calls = calls[1:]  # the benchmark's own warm-up request first
     assert len(calls) == 3 * 2
     for item, pair in zip(items, (calls[i : i + 2] for i in range(0, len(calls), 2))):
@@ -290,8 +385,18 @@ def test_conversations_workload(tmp_path, tiny_engine):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(make_synthetic_dataset(4, passages=3, words=6)))
     res = run_bench(
-        BenchOptions(dataset=str(data), n=4, workloads="c", conv_turns=2, conv_top_k=2, conv_max_new_tokens=3,
-                     conv_methods="full,hf,blend,conv", out=str(tmp_path / "o"), plots=False, progress=False),
+        BenchOptions(
+            dataset=str(data),
+            n=4,
+            workloads="c",
+            conv_turns=2,
+            conv_top_k=2,
+            conv_max_new_tokens=3,
+            conv_methods="full,hf,blend,conv",
+            out=str(tmp_path / "o"),
+            plots=False,
+            progress=False,
+        ),
         engine=tiny_engine,
     )
     recs = res["records"]
@@ -304,5 +409,14 @@ def test_conversations_workload(tmp_path, tiny_engine):
     turns = res["summary"]["conversations"]["turns"]["conv"]
     assert [t["turn"] for t in turns] == [0, 1] and turns[1]["ttft_ratio_full_median"] is not None
     with pytest.raises(InvalidRequestError, match="prefix"):
-        run_bench(BenchOptions(dataset=str(data), n=2, workloads="c", conv_methods="full,prefix",
-                               out=str(tmp_path / "c"), progress=False), engine=tiny_engine)
+        run_bench(
+            BenchOptions(
+                dataset=str(data),
+                n=2,
+                workloads="c",
+                conv_methods="full,prefix",
+                out=str(tmp_path / "c"),
+                progress=False,
+            ),
+            engine=tiny_engine,
+        )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers import make_docs
-from tests.test_engine import PREFIX, SUFFIX, last_logits
+from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs
 
 
 def test_ratio_one_is_exactly_full_on_the_bundled_model(smol_engine):

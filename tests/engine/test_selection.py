@@ -11,8 +11,7 @@ import kvrag.engine.fusion as fusion
 from kvrag import InvalidRequestError
 from kvrag.config import EngineConfig
 from kvrag.engine.selection import probe_blocks, probe_sample
-from tests.helpers import make_docs
-from tests.test_engine import PREFIX, SUFFIX
+from tests.helpers import PREFIX, SUFFIX, make_docs
 
 
 def test_probe_blocks_spend_the_budget_on_whole_blocks_by_deviation():
@@ -60,7 +59,7 @@ def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monke
     monkeypatch.setattr(fusion, "probe_blocks", spy)
     order = [chunks[i] for i in (2, 0, 3, 1)]
     g = tiny_engine.generate(order, PREFIX, SUFFIX, selection="probe", recompute_ratio=0.3, max_new_tokens=1)
-    (spans, positions, deviation, chosen), = seen
+    ((spans, positions, deviation, chosen),) = seen
     cached = sum(b - a for a, b in spans)
     assert positions.numel() == sum(math.ceil((b - a) / 16) for a, b in spans)  # one per block, all measured
     assert bool((deviation > 0).all())

@@ -23,8 +23,11 @@ TRITON_MODULES = ("kvrag.kernels.triton_rope", "kvrag.kernels.triton_attention",
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Kernels compute in float32 and round once; references in the dtype or float32. Tolerances are
 # a couple of units in the last place of each dtype.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=4e-3, atol=4e-3),
-       torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=4e-3, atol=4e-3),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,10 @@ def tk() -> types.SimpleNamespace:
         pytest.fail("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it before any import)")
     rope, attn, dev = (importlib.import_module(name) for name in TRITON_MODULES)
     return types.SimpleNamespace(
-        rope_rotate=rope.rope_rotate_triton, rope_rerotate_=rope.rope_rerotate_triton_,
-        attention=attn.attention_triton, kv_deviation=dev.kv_deviation_triton,
+        rope_rotate=rope.rope_rotate_triton,
+        rope_rerotate_=rope.rope_rerotate_triton_,
+        attention=attn.attention_triton,
+        kv_deviation=dev.kv_deviation_triton,
     )
 
 
@@ -263,15 +268,17 @@ def test_engine_outputs_unchanged_through_triton_kernels(tk, tiny_model, tiny_to
     """The tiny engine generates the same greedy tokens with every kernel on the Triton path
     (interpreted) as on the references, in full and blend modes."""
     from kvrag import Engine
-    from tests.test_engine import PREFIX, SUFFIX
+    from tests.helpers import PREFIX, SUFFIX
 
     calls: dict[str, int] = {}
     for name in TRITON_MODULES:
         mod = importlib.import_module(name)
         for fn_name in [n for n in mod.__all__ if n.endswith(("_triton", "_triton_"))]:
-            def counted(*a, _fn=getattr(mod, fn_name), _name=fn_name, **kw):
+
+            def counted(*a, _fn=getattr(mod, fn_name), _name=fn_name, **kw):  # noqa: B008 - bind per loop
                 calls[_name] = calls.get(_name, 0) + 1
                 return _fn(*a, **kw)
+
             monkeypatch.setattr(mod, fn_name, counted)
 
     def run(backend: str) -> list[list[int]]:

@@ -10,21 +10,7 @@ import torch
 from kvrag import ContextLengthError, Engine, InvalidRequestError
 from kvrag.engine.fusion import prefill
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
-from tests.helpers import make_docs
-
-PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
-SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
-
-
-def prompt_ids(engine: Engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
-    parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
-    return engine.planner.segment(parts)[1]
-
-
-def last_logits(engine, chunks, mode, ratio=None, selection=None):
-    req = engine._request(chunks, PREFIX, SUFFIX, 0, 0.0, 1.0, None, None, mode, ratio, selection=selection)
-    _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
-    return engine.adapter.logits(res.last_hidden)[0]
+from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs, prompt_ids
 
 
 def test_full_prefill_matches_transformers(tiny_engine, docs):
@@ -81,8 +67,12 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(tiny_engin
     tiny_engine.warm(docs)
     ids = prompt_ids(tiny_engine, docs)
     n = int(ids.shape[0])
-    plan = tiny_engine.planner.plan(*tiny_engine.planner.segment(
-        [("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]), "reuse", 0.0, False)
+    plan = tiny_engine.planner.plan(
+        *tiny_engine.planner.segment([("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]),
+        "reuse",
+        0.0,
+        False,
+    )
     res = prefill(tiny_engine.adapter, plan, n)
     buf = KVBuffer(tiny_engine.adapter, n)
     forward(tiny_engine.adapter, buf, ids, torch.arange(n), n)
@@ -227,7 +217,7 @@ def test_no_chunks_is_plain_generation(tiny_engine):
     ids = tiny_engine.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.inference_mode():
         ref = tiny_engine.hf_model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert g.token_ids == ref[0, ids.shape[1]:].tolist()[: len(g.token_ids)]
+    assert g.token_ids == ref[0, ids.shape[1] :].tolist()[: len(g.token_ids)]
     assert g.stats.chunk_hits == g.stats.chunk_misses == 0
 
 
@@ -239,8 +229,9 @@ def test_exact_prefix_reuse_is_exact(tiny_engine, docs):
     assert first.stats.prefix_tokens == 0
     assert second.stats.prefix_tokens >= second.stats.prompt_tokens - tiny_engine.config.prefix_block_tokens
     assert second.token_ids == full.token_ids == first.token_ids
-    torch.testing.assert_close(last_logits(tiny_engine, docs, "prefix"), last_logits(tiny_engine, docs, "full"),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        last_logits(tiny_engine, docs, "prefix"), last_logits(tiny_engine, docs, "full"), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_system_prompt_is_reused_across_requests(tiny_engine):

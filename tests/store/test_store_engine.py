@@ -22,8 +22,8 @@ from kvrag import Engine
 from kvrag.engine.store import serial
 from kvrag.engine.store.disk import SafeDisk
 from tests.helpers import make_docs
-from tests.store_helpers import ROOT, key, record, same, subprocess_env, token_ids
-from tests.test_store import Payload, entry_path
+from tests.store.helpers import ROOT, Payload, entry_path, key, record, same, subprocess_env, token_ids
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -172,8 +172,12 @@ def test_full_disk_skips_writes_and_keeps_serving(tiny_model, tiny_tokenizer, tm
 
 def test_full_disk_in_a_process_with_a_file_size_limit(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tests.store_helpers", "full_disk", str(tmp_path / "kv"), str(90_000)],
-        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "tests.store.helpers", "full_disk", str(tmp_path / "kv"), str(90_000)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
@@ -186,8 +190,11 @@ def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
 
     directory = str(tmp_path / "kv")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.store_helpers", "writer", directory, "0", "400", "3000"],
-        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "tests.store.helpers", "writer", directory, "0", "400", "3000"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     stored = {int(proc.stdout.readline()) for _ in range(4)}
     time.sleep(0.02)  # somewhere in the middle of a 1.5 MB write
@@ -211,13 +218,18 @@ def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
 def test_processes_share_one_directory(tmp_path):
     """Two child processes and this one put and get overlapping keys in one small directory."""
     from kvrag.engine.store.disk import DiskStore
-    from tests.store_helpers import _mixed
+    from tests.store.helpers import _mixed
 
     directory = str(tmp_path / "kv")
     DiskStore(directory, 200_000).close()  # create it before the race
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.store_helpers", "mixed", directory, str(seed), "300"],
-                         cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.store.helpers", "mixed", directory, str(seed), "300"],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for seed in range(2)
     ]
     time.sleep(1.0)  # let them start (importing torch) before this process joins in
@@ -237,15 +249,33 @@ def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tok
     tiny_model.save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
     docs = make_docs(20, words=40, seed=7)
-    job = {"docs": docs, "prefix": PREFIX, "suffix": SUFFIX, "requests": [list(range(i, i + 4)) for i in range(0, 20, 4)]}
+    job = {
+        "docs": docs,
+        "prefix": PREFIX,
+        "suffix": SUFFIX,
+        "requests": [list(range(i, i + 4)) for i in range(0, 20, 4)],
+    }
     (tmp_path / "job.json").write_text(json.dumps(job))
-    from tests.store_helpers import _engine
+    from tests.store.helpers import _engine
 
     _engine(str(model_dir), str(tmp_path / "cache"), str(tmp_path / "job.json"), str(tmp_path / "a.json"), warm=True)
     out = subprocess.run(
-        [sys.executable, "-m", "tests.store_helpers", "engine", str(model_dir), str(tmp_path / "cache"),
-         str(tmp_path / "job.json"), str(tmp_path / "b.json"), "cold"],
-        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tests.store.helpers",
+            "engine",
+            str(model_dir),
+            str(tmp_path / "cache"),
+            str(tmp_path / "job.json"),
+            str(tmp_path / "b.json"),
+            "cold",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     a = json.loads((tmp_path / "a.json").read_text())

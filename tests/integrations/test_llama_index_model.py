@@ -10,9 +10,9 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.schema import TextNode
 
 from kvrag.integrations.llama_index import KVCachedLLM, minilm_embedding, record_stats
-from tests.llama_index_support import no_default_models  # noqa: F401 (autouse fixture)
+from tests.integrations.llama_index_helpers import no_default_models  # noqa: F401 (autouse fixture)
 
-HANDBOOK = Path(__file__).resolve().parent.parent / "examples" / "data" / "handbook.json"
+HANDBOOK = Path(__file__).resolve().parents[2] / "examples" / "data" / "handbook.json"
 Q1 = "Who built the lighthouse at Gull Point?"
 Q2 = "When does the ferry leave Port Alder on Sundays?"
 

@@ -114,7 +114,7 @@ def test_conversation_identity_from_run_config(lc_engine, config):
     lc_engine.end_conversation("s-1")
     chain = RunnableLambda(lambda q: [("human", q)]) | llm
     last = None
-    for last in chain.stream("where was the queen born?", config=config):
+    for last in chain.stream("where was the queen born?", config=config):  # noqa: B007 - the last chunk is checked
         pass
     assert last.response_metadata["conversation_id"] == "s-1"
 
@@ -130,7 +130,10 @@ def test_multi_turn_docs_first_reuses_history(lc_engine, documents):
         answer = llm.invoke(msgs, config=cfg)
         if turn == 1:
             assert answer.response_metadata["conversation_tokens"] > 0
-            assert answer.usage_metadata["input_token_details"]["cache_read"] >= answer.response_metadata["conversation_tokens"]
+            assert (
+                answer.usage_metadata["input_token_details"]["cache_read"]
+                >= answer.response_metadata["conversation_tokens"]
+            )
         history += [("human", question), ("ai", answer.content)]
 
 
