@@ -3,7 +3,16 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from kvrag.config import EngineConfig
-from kvrag.engine import ChunkInfo, Engine, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine import (
+    ChunkInfo,
+    Engine,
+    Generation,
+    GenerationStats,
+    GenerationStream,
+    SamplingParams,
+    ScoreResult,
+    WarmResult,
+)
 from kvrag.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -21,6 +30,7 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     "Engine",
     "EngineConfig",
+    "SamplingParams",
     "Generation",
     "GenerationStats",
     "GenerationStream",

@@ -78,11 +78,30 @@ SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 
 
 def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
-    parts = [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
-    return engine.planner.segment(parts)[1]
+    """The token ids kvrag must prefill for ``prefix + chunks + suffix``, built from the tokenizer
+    alone (not the planner): the BOS token if the tokenizer adds one, then each part tokenised on
+    its own (kvrag's rule: a chunk's tokens are the same wherever it appears)."""
+    tok = engine.tokenizer
+    bos = tok("a")["input_ids"][:1] if tok("a")["input_ids"][:1] == [tok.bos_token_id] else []
+    ids = list(bos)
+    for text in [prefix, *chunks, suffix]:
+        ids += tok(text, add_special_tokens=False)["input_ids"] if text else []
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def last_logits(engine, chunks, mode, ratio=None, selection=None):
-    req = engine._request(chunks, PREFIX, SUFFIX, 0, 0.0, 1.0, None, None, mode, ratio, selection=selection)
+    """The prompt's last-token logits [V] after a prefill in ``mode`` (the engine's own request path)."""
+    from kvrag.engine.sampling import SamplingParams
+
+    req = engine._request(
+        chunks=chunks,
+        prefix=PREFIX,
+        suffix=SUFFIX,
+        sampling=SamplingParams(max_new_tokens=0),
+        mode=mode,
+        recompute_ratio=ratio,
+        selection=selection,
+    )
+    assert torch.equal(req.ids, prompt_ids(engine, chunks)), "the planner's prompt differs from the tokenizer's"
     _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
     return engine.adapter.logits(res.last_hidden)[0]

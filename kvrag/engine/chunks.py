@@ -38,11 +38,11 @@ import torch
 from kvrag.config import CHUNK_CONTEXTS
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
-from kvrag.engine.store.base import KVRecord
+from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_CONTEXTS", "ChunkComputer", "context_label"]
+__all__ = ["CHUNK_CONTEXTS", "ChunkComputer", "context_label", "warm_list"]
 
 #: Most context tokens a chunk is computed behind, besides the sink (the tail of the documents
 #: before it); at most a quarter of the model's context window.
@@ -169,3 +169,37 @@ class ChunkComputer:
         return KVRecord(
             torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label, meta={"computed": "in-request"}
         )
+
+
+def warm_list(
+    computer: ChunkComputer, store: KVStore, docs: list[list[int]], keys: list[StoreKey], *, lock, window_tokens: int
+) -> int:
+    """Compute and store the KV of the chunks of a list that are not cached; returns how many.
+
+    The list is cut into windows of at most ``window_tokens`` (cached chunks included: what was
+    cached never moves the others); a window with a missing chunk is computed as one stream behind
+    the list's other documents, taken round the list and ending just before the window (never a
+    copy of a member). Each window's pass runs under ``lock``.
+    """
+    unique, seen = [], set()  # the first occurrence of each chunk
+    for i, key in enumerate(keys):
+        if key not in seen:
+            seen.add(key)
+            unique.append(i)
+    computed = 0
+    with store.pinned(keys):  # a batch never evicts its own members
+        for window in computer.windows([docs[i] for i in unique], window_tokens):
+            members = [unique[w] for w in window]
+            missing = {i for i in members if not store.contains(keys[i])}
+            if not missing:
+                continue
+            first, inside = members[0], {keys[i] for i in members}
+            ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
+            before = [docs[j] for j in ring if keys[j] not in inside]
+            with lock:
+                records = computer.compute_window([docs[i] for i in members], before)
+            for i, record in zip(members, records):
+                if i in missing:
+                    store.put(keys[i], record)
+            computed += len(missing)
+    return computed

@@ -22,7 +22,7 @@ class CostFeedback:
 
     def adjust(self, plan: Plan) -> None:
         """Before a blend prefill: raise ``plan.ratio`` while recompute hides under loading."""
-        if not self.enabled or plan.mode != "blend" or plan.ratio >= 1.0:
+        if not self.enabled or plan.mode != "blend" or plan.is_full:
             return
         pending = sum(r.pending_bytes() for _, r in plan.chunk_records if hasattr(r, "pending_bytes"))
         if pending:

@@ -8,27 +8,31 @@ import time
 from collections.abc import Iterator, Sequence
 
 import torch
+from typing_extensions import Unpack
 
 from kvrag.config import EngineConfig
 from kvrag.engine import loading
-from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label
+from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label, warm_list
 from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.costs import CostFeedback
-from kvrag.engine.fusion import PrefillResult, extend, generation_stats, prefill
+from kvrag.engine.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.requests import (
     Request,
+    RequestArgs,
     check_chunks,
     check_dedup,
     check_mode,
-    check_sampling,
+    check_namespace,
+    check_request_args,
     check_selection,
     check_text,
     request_parts,
 )
-from kvrag.engine.sampling import TextStream, sample
+from kvrag.engine.sampling import SamplingParams, TextStream, sample
+from kvrag.engine.sequence import Sequence as RunningSequence
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import Generation, GenerationStream, ScoreResult, WarmResult
@@ -151,8 +155,8 @@ class Engine:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
         return self.registry.split(check_text("prompt", prompt))
 
-    def warm(self, chunks: Sequence[str]) -> WarmResult:
-        """Precompute and store the KV of chunks that are not cached yet.
+    def warm(self, chunks: Sequence[str], *, namespace: str | None = None) -> WarmResult:
+        """Precompute and store the KV of chunks that are not cached yet (for tenant ``namespace``).
 
         With ``chunk_context="neighbor"`` (default) the list is computed as one stream in this order
         (windows of up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are
@@ -163,55 +167,26 @@ class Engine:
         """
         self._check_open()
         chunks = check_chunks(chunks)
+        namespace = check_namespace(self.config, namespace)
         t0 = time.perf_counter()
         docs = [ids for ids in (self.planner.tokenize(t) for t in chunks) if ids]
         limit = self.chunk_computer.max_chunk_tokens(self.context_window)
         for ids in docs:
             if len(ids) > limit:
                 raise ContextLengthError(len(ids), limit, "a single chunk behind its context")
-        keys = [self.planner.chunk_key(ids) for ids in docs]
-        unique, seen = [], set()  # the first occurrence of each chunk
-        for i, key in enumerate(keys):
-            if key not in seen:
-                seen.add(key)
-                unique.append(i)
-        window_tokens = min(MAX_STREAM_TOKENS, self.context_window)
-        computed = 0
-        with self.store.pinned(keys):  # a batch never evicts its own members
-            # windows are cut from the whole list, cached chunks included: what was cached never moves them
-            for window in self.chunk_computer.windows([docs[i] for i in unique], window_tokens):
-                members = [unique[w] for w in window]
-                missing = {i for i in members if not self.store.contains(keys[i])}
-                if not missing:
-                    continue
-                first, inside = members[0], {keys[i] for i in members}
-                ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
-                before = [docs[j] for j in ring if keys[j] not in inside]  # never a copy of a member
-                with self._lock:
-                    records = self.chunk_computer.compute_window([docs[i] for i in members], before)
-                for i, record in zip(members, records):
-                    if i in missing:
-                        self.store.put(keys[i], record)
-                computed += len(missing)
+        keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
+        computed = warm_list(
+            self.chunk_computer,
+            self.store,
+            docs,
+            keys,
+            lock=self._lock,
+            window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
+        )
         return WarmResult(computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0)
 
     def generate(
-        self,
-        chunks: Sequence[str] | None = None,
-        prefix: str = "",
-        suffix: str = "",
-        *,
-        prompt: str | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str | None = None,
-        recompute_ratio: float | None = None,
-        selection: str | None = None,
-        conversation_id: str | None = None,
-        dedup: bool | None = None,
+        self, chunks: Sequence[str] | None = None, prefix: str = "", suffix: str = "", **request: Unpack[RequestArgs]
     ) -> Generation:
         """Generate a completion for ``prefix + chunks + suffix``.
 
@@ -219,61 +194,19 @@ class Engine:
             chunks: document texts, in prompt order; their KV is reused when cached.
             prefix: text before the chunks (system prompt, instructions, chat template head).
             suffix: text after the chunks (the question, the chat template's assistant header).
-            prompt: instead of prefix/chunks/suffix, the whole prompt as one string; registered
-                document texts found in it (see :meth:`register`) are treated as chunks.
-            max_new_tokens: generation length limit (default from the config).
-            temperature: 0 for greedy decoding; > 0 samples (with ``top_p``).
-            stop: stop string(s); the text is cut before the first one.
-            seed: sampling seed.
-            mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (default from the config).
-            recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
-            selection: which cached tokens ``blend`` recomputes, ``probe``, ``hkvd`` or ``recency``
-                (default from the config; see :class:`~kvrag.config.EngineConfig`).
-            conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
-                answer) is reused where the new prompt repeats it (exact prefix, and shifted
-                history runs in blend/reuse), and this turn is kept for the next one. See
-                :mod:`kvrag.engine.conversations`. ``mode="full"`` and ratio 1.0 reuse nothing.
-            dedup: drop chunks that an earlier turn of the conversation already placed in the
-                prompt (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
+            **request: the :class:`~kvrag.engine.requests.RequestArgs` — ``prompt`` (the whole
+                prompt as one string instead), ``sampling`` or its fields (``max_new_tokens``,
+                ``temperature``, ``top_p``, ``stop``, ``seed``), ``mode``, ``recompute_ratio``,
+                ``selection``, ``conversation_id``, ``dedup``.
         """
-        stream = self.stream(
-            chunks,
-            prefix,
-            suffix,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            seed=seed,
-            mode=mode,
-            recompute_ratio=recompute_ratio,
-            selection=selection,
-            conversation_id=conversation_id,
-            dedup=dedup,
-        )
+        stream = self.stream(chunks, prefix, suffix, **request)
         for _ in stream:
             pass
         assert stream.generation is not None
         return stream.generation
 
     def stream(
-        self,
-        chunks: Sequence[str] | None = None,
-        prefix: str = "",
-        suffix: str = "",
-        *,
-        prompt: str | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str | None = None,
-        recompute_ratio: float | None = None,
-        selection: str | None = None,
-        conversation_id: str | None = None,
-        dedup: bool | None = None,
+        self, chunks: Sequence[str] | None = None, prefix: str = "", suffix: str = "", **request: Unpack[RequestArgs]
     ) -> GenerationStream:
         """Like :meth:`generate`, but yields text pieces as they are decoded.
 
@@ -282,27 +215,13 @@ class Engine:
         included).
         """
         t0 = time.perf_counter()
-        req = self._request(
-            chunks,
-            prefix,
-            suffix,
-            max_new_tokens,
-            temperature,
-            top_p,
-            stop,
-            seed,
-            mode,
-            recompute_ratio,
-            prompt,
-            conversation_id,
-            dedup,
-            selection,
-        )
+        req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **check_request_args(request))
         return GenerationStream(self._run(req, t0))
 
-    def end_conversation(self, conversation_id: str) -> bool:
+    def end_conversation(self, conversation_id: str, *, namespace: str | None = None) -> bool:
         """Forget a conversation's kept KV and chunk set; False if it was not live."""
-        return self.conversations.end(check_conversation_id(conversation_id))
+        key = self._conversation_key(check_conversation_id(conversation_id), check_namespace(self.config, namespace))
+        return self.conversations.end(key)
 
     def score(
         self,
@@ -319,7 +238,14 @@ class Engine:
         """Log-likelihood of ``continuation`` right after the prompt, under the chosen prefill mode."""
         cont = check_text("continuation", continuation)
         req = self._request(
-            chunks, prefix, suffix, 0, 0.0, 1.0, None, None, mode, recompute_ratio, prompt, selection=selection
+            chunks=chunks,
+            prefix=prefix,
+            suffix=suffix,
+            prompt=prompt,
+            sampling=SamplingParams(max_new_tokens=0, temperature=0.0),
+            mode=mode,
+            recompute_ratio=recompute_ratio,
+            selection=selection,
         )
         cont_ids = self.planner.tokenize(cont)
         if not cont_ids:
@@ -364,32 +290,33 @@ class Engine:
 
     def _request(
         self,
-        chunks,
-        prefix,
-        suffix,
-        max_new_tokens,
-        temperature,
-        top_p,
-        stop,
-        seed,
-        mode,
-        ratio,
-        prompt=None,
-        conversation_id=None,
-        dedup=None,
-        selection=None,
+        *,
+        chunks: Sequence[str] | None = None,
+        prefix: str = "",
+        suffix: str = "",
+        prompt: str | None = None,
+        sampling: SamplingParams,
+        mode: str | None = None,
+        recompute_ratio: float | None = None,
+        selection: str | None = None,
+        conversation_id: str | None = None,
+        dedup: bool | None = None,
+        namespace: str | None = None,
     ) -> Request:
+        """Validate a request and segment its prompt: one clear error per bad argument."""
         self._check_open()
         cfg = self.config
         parts = request_parts(chunks, prefix, suffix, prompt, self.split_prompt)
+        namespace = check_namespace(cfg, namespace)
         conversation = check_conversation_id(conversation_id)
+        if conversation is not None:
+            conversation = self._conversation_key(conversation, namespace)
         check_dedup(dedup)
         deduplicated = 0
         if conversation is not None and (cfg.conversation_dedup if dedup is None else dedup):
             parts, deduplicated = self.conversations.dedup(conversation, parts)
-        mode, ratio = check_mode(cfg, mode, ratio)
+        mode, ratio = check_mode(cfg, mode, recompute_ratio)
         selection = check_selection(cfg, selection)
-        sampling = check_sampling(cfg, max_new_tokens, temperature, top_p, stop, seed)
         with self._lock:  # the tokenizer memo is shared
             segments, ids = self.planner.segment(parts)
         n = int(ids.shape[0])
@@ -397,9 +324,24 @@ class Engine:
             raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
         if n >= self.context_window:
             raise ContextLengthError(n, self.context_window)
-        return Request(segments, ids, mode, ratio, sampling, selection, conversation, deduplicated)
+        return Request(
+            segments=segments,
+            ids=ids,
+            mode=mode,
+            ratio=ratio,
+            sampling=sampling.resolved(cfg),
+            selection=selection,
+            namespace=namespace,
+            conversation=conversation,
+            deduplicated=deduplicated,
+        )
 
-    def _prefill(self, req: Request, capacity: int) -> tuple[Plan, PrefillResult]:
+    def _conversation_key(self, conversation_id: str, namespace: str) -> str:
+        """A conversation is scoped to its tenant (the default tenant's keys are the ids themselves)."""
+        return conversation_id if namespace == self.config.namespace else f"{namespace}\0{conversation_id}"
+
+    def _prefill(self, req: Request, *, capacity: int) -> tuple[Plan, PrefillResult]:
+        """Plan and run a request's prefill (call under the lock); a damaged cached entry re-plans it."""
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
         attempts, limit = 0, 1
@@ -407,34 +349,35 @@ class Engine:
             # each failed attempt drops the damaged entry it met, so a request is planned again at
             # most once per cached entry it uses; past that (entries keep failing) it runs in full
             mode = req.mode if attempts < limit else "full"
-            plan = self.planner.plan(req.segments, req.ids, mode, req.ratio, use_prefix and mode != "full")
+            plan = self.planner.plan(
+                req.segments,
+                req.ids,
+                mode=mode,
+                ratio=req.ratio,
+                use_prefix=use_prefix and mode != "full",
+                namespace=req.namespace,
+            )
             if attempts == 0:
                 limit = len(plan.chunk_records) + len(plan.prefix_records) + 1
             attempts += 1
-            if req.conversation is not None and mode != "full" and not (mode == "blend" and req.ratio >= 1.0):
+            if req.conversation is not None and not plan.is_full:
                 req.conversation_spans = self.conversations.attach(plan, req.conversation)
             self.costs.adjust(plan)
             capture_end = 0
-            if use_prefix and mode != "full" and not (plan.mode == "blend" and plan.ratio >= 1.0):
+            if use_prefix and not plan.is_full:
                 # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
                 # before the first chunk (system prompt, instructions), which every request repeats.
                 capture_end = plan.exact_end() if mode == "prefix" else min(plan.exact_end(), plan.first_chunk_start())
+            options = PrefillOptions.from_config(
+                cfg,
+                self.adapter.n_layers,
+                selection=req.selection,
+                capture_end=capture_end,
+                capture_chunks=self.writeback.captures(plan),
+            )
             t0 = time.perf_counter()
             try:
-                res = prefill(
-                    self.adapter,
-                    plan,
-                    capacity,
-                    check_layer=cfg.check_layer,
-                    filter_schedule=cfg.filter_schedule,
-                    deviation=cfg.deviation,
-                    selection=req.selection,
-                    capture_end=capture_end,
-                    capture_block=cfg.prefix_block_tokens,
-                    capture_chunks=self.writeback.captures(plan),
-                    probe_layer=cfg.resolved_probe_layer(self.adapter.n_layers),
-                    probe_stride=cfg.probe_stride,
-                )
+                res = prefill(self.adapter, plan, capacity, options=options)
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
                 if mode == "full":
                     raise
@@ -443,16 +386,22 @@ class Engine:
             self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0)
             return plan, res
 
+    # -- a request's life: prefill, decode one token at a time, finish (gpt-fast's split) ----------
+
     def _run(self, req: Request, t0: float) -> Iterator[str]:
+        seq = self._start(req, t0)
+        yield from self._decode_tokens(seq)
+        return self._finish(seq)
+
+    def _start(self, req: Request, t0: float) -> RunningSequence:
+        """Prefill the request and sample its first token; schedules write-back of what it computed."""
         n = int(req.ids.shape[0])
         sp = req.sampling
         budget = min(sp.max_new_tokens, self.context_window - n)
-        generator = None
-        if sp.temperature > 0 and sp.seed is not None:
-            generator = torch.Generator().manual_seed(int(sp.seed))
         with self._lock:
-            plan, res = self._prefill(req, capacity=n + max(budget, 0))
+            plan, res = self._prefill(req, capacity=n + budget)
             logits = self.adapter.logits(res.last_hidden)[0]
+        generator = sp.generator()
         token = sample(logits, sp.temperature, sp.top_p, generator)
         ttft = time.perf_counter() - t0
         stats = generation_stats(plan, res, self.adapter.n_layers, ttft)
@@ -460,36 +409,49 @@ class Engine:
         stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
         stats.deduplicated_chunks = req.deduplicated
         self.writeback.schedule(plan, res)
-        text = TextStream(self.tokenizer, sp.stop)
-        finish = "length"
-        pos = n
-        generated: list[int] = []
-        buf = res.buf
-        while len(generated) < budget:
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            piece = text.push(token)
+        return RunningSequence(
+            req=req,
+            plan=plan,
+            buf=res.buf,
+            pos=n,
+            token=token,
+            budget=budget,
+            text=TextStream(self.tokenizer, sp.stop),
+            generator=generator,
+            stats=stats,
+            t0=t0,
+            ttft=ttft,
+        )
+
+    def _decode_one_token(self, seq: RunningSequence) -> None:
+        """Put ``seq.token``'s KV in the buffer and sample the next token."""
+        sp = seq.req.sampling
+        with self._lock:
+            logits = extend(self.adapter, seq.buf, torch.tensor([seq.token]), seq.pos)[0]
+        seq.pos += 1
+        seq.token = sample(logits, sp.temperature, sp.top_p, seq.generator)
+
+    def _decode_tokens(self, seq: RunningSequence) -> Iterator[str]:
+        """Emit tokens until the budget, end of sequence or a stop string; yields text pieces."""
+        while True:
+            piece = seq.accept(self.eos_ids)
             if piece:
                 yield piece
-            if text.stopped:
-                finish = "stop"
+            if seq.done:
                 break
-            if len(generated) >= budget:
-                break
-            with self._lock:
-                logits = extend(self.adapter, buf, torch.tensor([token]), pos)[0]
-            pos += 1
-            token = sample(logits, sp.temperature, sp.top_p, generator)
-        tail = text.flush()
+            self._decode_one_token(seq)
+        tail = seq.text.flush()
         if tail:
             yield tail
+
+    def _finish(self, seq: RunningSequence) -> Generation:
+        """Keep a conversation's turn; the request's result."""
+        req = seq.req
         if req.conversation is not None:
-            chunk_texts = [s.text for s in plan.segments if s.kind == "chunk"]
+            chunk_texts = [s.text for s in seq.plan.segments if s.kind == "chunk"]
             with self._lock:
-                self.conversations.record(req.conversation, req.ids.tolist() + generated, buf, chunk_texts)
-        total = time.perf_counter() - t0
-        stats.completion_tokens = len(generated)
-        stats.decode_s = total - ttft
-        return Generation(text.text, generated, finish, ttft, total, stats)
+                self.conversations.record(req.conversation, req.ids.tolist() + seq.generated, seq.buf, chunk_texts)
+        total = time.perf_counter() - seq.t0
+        seq.stats.completion_tokens = len(seq.generated)
+        seq.stats.decode_s = total - seq.ttft
+        return Generation(seq.text.text, seq.generated, seq.finish, seq.ttft, total, seq.stats)

@@ -57,6 +57,7 @@ class Plan:
     ratio: float
     segments: list[Segment]
     ids: torch.Tensor  # [N]
+    namespace: str = "default"  # the tenant whose cache entries the plan uses
     prefix_len: int = 0  # [0, prefix_len) reused exactly from the prefix cache
     prefix_records: list[tuple[int, KVRecord]] = field(default_factory=list)
     chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of hits
@@ -65,6 +66,11 @@ class Plan:
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
+
+    @property
+    def is_full(self) -> bool:
+        """Every token is computed, nothing reused: ``full`` mode, or ``blend`` at ratio 1.0."""
+        return self.mode == "full" or (self.mode == "blend" and self.ratio >= 1.0)
 
     @property
     def boundaries(self) -> list[int]:
@@ -113,8 +119,8 @@ class Planner:
         self.tokenizer = tokenizer
         self.store = store
         self.fingerprint = fingerprint
-        self.namespace = namespace
-        self.prefix_cache = PrefixCache(store, namespace, fingerprint, block)
+        self.namespace = namespace  # the default tenant; a request may name another
+        self.prefix_cache = PrefixCache(store, fingerprint, block)
         self.kv_shape: tuple[int, int, int] | None = None  # (layers, KV heads, head dim) of the model
         self.context_label = context_label  # how chunk KV was computed (part of every chunk key)
         self._tok_cache: OrderedDict[str, list[int]] = OrderedDict()
@@ -139,8 +145,9 @@ class Planner:
         """A record whose KV has another model's shape is unusable (only a forged entry has one)."""
         return self.kv_shape is None or rec.kv_shape == self.kv_shape
 
-    def chunk_key(self, ids: list[int]) -> StoreKey:
-        return chunk_key(self.namespace, self.fingerprint, ids, context=self.context_label)
+    def chunk_key(self, ids: list[int], namespace: str | None = None) -> StoreKey:
+        """Key of a chunk's KV for a tenant (default: the engine's namespace)."""
+        return chunk_key(namespace or self.namespace, self.fingerprint, ids, context=self.context_label)
 
     def segment(self, parts: list[tuple[str, str]]) -> tuple[list[Segment], torch.Tensor]:
         """Tokenise (kind, text) parts into positioned segments; empty parts are dropped."""
@@ -162,17 +169,31 @@ class Planner:
         all_ids = [t for s in segments for t in s.ids]
         return segments, torch.tensor(all_ids, dtype=torch.long)
 
-    def plan(self, segments: list[Segment], ids: torch.Tensor, mode: str, ratio: float, use_prefix: bool) -> Plan:
-        plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids)
+    def plan(
+        self,
+        segments: list[Segment],
+        ids: torch.Tensor,
+        *,
+        mode: str,
+        ratio: float,
+        use_prefix: bool,
+        namespace: str | None = None,
+    ) -> Plan:
+        """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt."""
+        namespace = namespace or self.namespace
+        plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids, namespace=namespace)
         id_list = ids.tolist()
-        if mode == "full" or (mode == "blend" and ratio >= 1.0):
+        if plan.is_full:
             for i, s in enumerate(segments):
                 if s.kind == "chunk":
-                    plan.chunks.append(ChunkUse(i, s.start, len(s.ids), self.chunk_key(s.ids), False, "computed"))
+                    key = self.chunk_key(s.ids, namespace)
+                    plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, False, "computed"))
             return plan
         limit = len(id_list) - 1  # the last token is always computed: its logits start decoding
         if use_prefix:
-            plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(id_list, plan.boundaries, limit)
+            plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(
+                id_list, plan.boundaries, limit, namespace=namespace
+            )
             bad = next((i for i, (_, r) in enumerate(plan.prefix_records) if not self._fits(r)), None)
             if bad is not None:
                 plan.prefix_len = plan.prefix_records[bad][0]
@@ -180,7 +201,7 @@ class Planner:
         for i, s in enumerate(segments):
             if s.kind != "chunk":
                 continue
-            key = self.chunk_key(s.ids)
+            key = self.chunk_key(s.ids, namespace)
             if s.end <= plan.prefix_len:
                 plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, True, "prefix"))
                 continue

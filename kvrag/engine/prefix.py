@@ -22,11 +22,14 @@ __all__ = ["PrefixCache"]
 class PrefixCache:
     """Lookup and insertion of exact prefix blocks in a :class:`KVStore`."""
 
-    def __init__(self, store: KVStore, namespace: str, fingerprint: str, block: int) -> None:
+    def __init__(self, store: KVStore, fingerprint: str, block: int) -> None:
         self.store = store
-        self.namespace = namespace
+        self.fingerprint = fingerprint
         self.block = block
-        self._root = hashlib.sha256(f"kvrag-prefix\0{namespace}\0{fingerprint}".encode()).hexdigest()
+
+    def _root(self, namespace: str) -> str:
+        """The chain's root: a tenant's prefixes never meet another tenant's."""
+        return hashlib.sha256(f"kvrag-prefix\0{namespace}\0{self.fingerprint}".encode()).hexdigest()
 
     def _child(self, parent: str, tokens: list[int]) -> str:
         h = hashlib.sha256(bytes.fromhex(parent))
@@ -34,18 +37,20 @@ class PrefixCache:
         h.update(token_bytes(tokens))
         return h.hexdigest()
 
-    def lookup(self, ids: list[int], boundaries: list[int], limit: int) -> tuple[int, list[tuple[int, KVRecord]]]:
+    def lookup(
+        self, ids: list[int], boundaries: list[int], limit: int, *, namespace: str
+    ) -> tuple[int, list[tuple[int, KVRecord]]]:
         """Longest cached exact prefix of ``ids``, at most ``limit`` tokens.
 
         Returns:
             (length, [(start, record), ...]) with records covering [0, length) in order.
         """
         found: list[tuple[int, KVRecord]] = []
-        parent, pos = self._root, 0
+        parent, pos = self._root(namespace), 0
         while pos + self.block <= limit:
             tokens = ids[pos : pos + self.block]
             digest = self._child(parent, tokens)
-            rec = self.store.get(StoreKey(self.namespace, digest), tokens)
+            rec = self.store.get(StoreKey(namespace, digest), tokens)
             if rec is None or rec.meta.get("parent") != parent:
                 break
             found.append((pos, rec))
@@ -54,7 +59,7 @@ class PrefixCache:
         for b in sorted((b for b in boundaries if pos < b < pos + self.block and b <= limit), reverse=True):
             tokens = ids[pos:b]
             digest = self._child(parent, tokens)
-            rec = self.store.get(StoreKey(self.namespace, digest), tokens)
+            rec = self.store.get(StoreKey(namespace, digest), tokens)
             if rec is not None and rec.meta.get("parent") == parent:
                 found.append((pos, rec))
                 pos = b
@@ -69,28 +74,30 @@ class PrefixCache:
         start: int,
         end: int,
         boundaries: list[int],
+        *,
+        namespace: str,
     ) -> int:
         """Store blocks of the exact prefix [0, end) that are not stored yet.
 
         ``k``/``v`` [L, Hkv, end - start, D] hold the pre-RoPE KV of positions [start, end); blocks
         before ``start`` are assumed stored (they were reused). Returns the number of new records.
         """
-        parent, pos, written = self._root, 0, 0
+        parent, pos, written = self._root(namespace), 0, 0
         while pos + self.block <= end:
             tokens = ids[pos : pos + self.block]
             digest = self._child(parent, tokens)
             if pos >= start:
-                written += self._put(digest, parent, tokens, k, v, pos - start)
+                written += self._put(StoreKey(namespace, digest), parent, tokens, k, v, pos - start)
             parent, pos = digest, pos + self.block
         tail = [b for b in boundaries if pos < b <= end and b - pos < self.block]
         if tail and pos >= start:
             b = max(tail)
             tokens = ids[pos:b]
-            written += self._put(self._child(parent, tokens), parent, tokens, k, v, pos - start)
+            key = StoreKey(namespace, self._child(parent, tokens))
+            written += self._put(key, parent, tokens, k, v, pos - start)
         return written
 
-    def _put(self, digest: str, parent: str, tokens: list[int], k, v, offset: int) -> int:
-        key = StoreKey(self.namespace, digest)
+    def _put(self, key: StoreKey, parent: str, tokens: list[int], k, v, offset: int) -> int:
         if self.store.contains(key):
             return 0
         n = len(tokens)

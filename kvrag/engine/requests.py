@@ -2,49 +2,103 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
 from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
 from kvrag.engine.planner import Segment
+from kvrag.engine.sampling import SamplingParams
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
     "Request",
-    "Sampling",
+    "RequestArgs",
+    "check_request_args",
     "check_text",
     "check_chunks",
-    "check_sampling",
     "check_mode",
     "check_selection",
     "check_dedup",
+    "check_namespace",
     "request_parts",
 ]
 
 
-@dataclass(slots=True)
-class Sampling:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    stop: list[str]
-    seed: int | None
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Request:
+    """A validated request, ready to plan."""
+
     segments: list[Segment]
     ids: torch.Tensor  # [N]
     mode: str
     ratio: float
-    sampling: Sampling
+    sampling: SamplingParams  # resolved: no None fields
     selection: str = "probe"
-    conversation: str | None = None
+    namespace: str = "default"  # the tenant: cache entries and conversations of others are never seen
+    conversation: str | None = None  # the conversation's key (its id, scoped to the namespace)
     deduplicated: int = 0
     conversation_spans: list | None = None
+
+
+class RequestArgs(TypedDict, total=False):
+    """The keyword arguments of :meth:`~kvrag.Engine.generate` and :meth:`~kvrag.Engine.stream`.
+
+    Every one is optional; ``None`` takes the engine config's default.
+
+    Attributes:
+        prompt: instead of prefix/chunks/suffix, the whole prompt as one string; registered
+            document texts found in it (see :meth:`~kvrag.Engine.register`) are treated as chunks.
+        sampling: a :class:`~kvrag.SamplingParams`; or give its fields as the keywords below (not both).
+        max_new_tokens: generation length limit.
+        temperature: 0 for greedy decoding; > 0 samples (with ``top_p``).
+        top_p: nucleus sampling threshold.
+        stop: stop string(s); the text is cut before the first one.
+        seed: sampling seed.
+        mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (:data:`kvrag.config.MODES`).
+        recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
+        selection: which cached tokens ``blend`` recomputes, one of :data:`kvrag.config.SELECTIONS`.
+        conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
+            answer) is reused where the new prompt repeats it (exact prefix, and shifted history
+            runs in blend/reuse), and this turn is kept for the next one
+            (:mod:`kvrag.engine.conversations`). ``mode="full"`` and ratio 1.0 reuse nothing.
+        dedup: drop chunks that an earlier turn of the conversation already placed in the prompt
+            (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
+        namespace: the tenant whose cache this request uses (default ``config.namespace``):
+            chunk KV, prefix blocks and conversations of one namespace are never seen by another.
+    """
+
+    prompt: str | None
+    sampling: SamplingParams | None
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    stop: str | Sequence[str] | None
+    seed: int | None
+    mode: str | None
+    recompute_ratio: float | None
+    selection: str | None
+    conversation_id: str | None
+    dedup: bool | None
+    namespace: str | None
+
+
+_SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+
+
+def check_request_args(args: dict) -> dict:
+    """Request keywords as ``Engine._request`` takes them: names checked, sampling fields folded into
+    one :class:`SamplingParams`."""
+    unknown = sorted(set(args) - set(RequestArgs.__annotations__))
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown argument(s) {', '.join(unknown)}; requests take {', '.join(RequestArgs.__annotations__)}"
+        )
+    out = {k: v for k, v in args.items() if k not in _SAMPLING_FIELDS}
+    out["sampling"] = SamplingParams.of(args.get("sampling"), **{k: args.get(k) for k in _SAMPLING_FIELDS})
+    return out
 
 
 def check_text(name: str, value) -> str:
@@ -85,27 +139,6 @@ def check_selection(cfg: EngineConfig, selection: str | None) -> str:
     return selection
 
 
-def check_sampling(cfg: EngineConfig, max_new_tokens, temperature, top_p, stop, seed) -> Sampling:
-    max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 0, got {max_new!r}")
-    temperature = cfg.temperature if temperature is None else float(temperature)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
-    top_p = cfg.top_p if top_p is None else float(top_p)
-    if not 0 < top_p <= 1:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
-    if stop is None:
-        stops = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    else:
-        stops = list(stop)
-        if not all(isinstance(s, str) for s in stops):
-            raise InvalidRequestError("stop must be a string or a list of strings")
-    return Sampling(max_new, temperature, top_p, stops, cfg.seed if seed is None else seed)
-
-
 def request_parts(chunks, prefix, suffix, prompt, split_prompt) -> list[tuple[str, str]]:
     """The request as ("text" | "chunk", text) parts: from prefix/chunks/suffix, or from a whole
     ``prompt`` split by ``split_prompt`` (registered documents become chunks)."""
@@ -116,6 +149,14 @@ def request_parts(chunks, prefix, suffix, prompt, split_prompt) -> list[tuple[st
             raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
         return split_prompt(prompt)
     return [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+
+
+def check_namespace(cfg: EngineConfig, namespace) -> str:
+    if namespace is None:
+        return cfg.namespace
+    if not isinstance(namespace, str) or not namespace or "\0" in namespace:
+        raise InvalidRequestError(f"namespace must be a non-empty string, got {namespace!r}")
+    return namespace
 
 
 def check_dedup(dedup) -> None:

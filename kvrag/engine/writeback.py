@@ -101,10 +101,10 @@ class WriteBack:
         """After the first token: keep the exact prefix blocks and the KV of chunks seen first."""
         capture = res.capture
         if capture is not None:
-            prompt_ids, bounds = plan.ids.tolist(), plan.boundaries
+            prompt_ids, bounds, namespace = plan.ids.tolist(), plan.boundaries, plan.namespace
             self._writer.submit(
                 lambda: self.planner.prefix_cache.insert(
-                    prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds
+                    prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
                 )
             )
         for use in self._kept_misses(plan):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+from importlib import resources
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvrag import ContextLengthError, Engine, InvalidRequestError
-from kvrag.engine.fusion import prefill
-from kvrag.engine.runner import KVBuffer, KVCapture, forward
+from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams
+from kvrag.engine.fusion import PrefillOptions, prefill
+from kvrag.engine.runner import KVBuffer, forward
 from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs, prompt_ids
 
 
@@ -69,11 +71,11 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(tiny_engin
     n = int(ids.shape[0])
     plan = tiny_engine.planner.plan(
         *tiny_engine.planner.segment([("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]),
-        "reuse",
-        0.0,
-        False,
+        mode="reuse",
+        ratio=0.0,
+        use_prefix=False,
     )
-    res = prefill(tiny_engine.adapter, plan, n)
+    res = prefill(tiny_engine.adapter, plan, n, options=PrefillOptions())
     buf = KVBuffer(tiny_engine.adapter, n)
     forward(tiny_engine.adapter, buf, ids, torch.arange(n), n)
     assert len(plan.chunk_records) == len(docs)
@@ -101,11 +103,11 @@ def test_deviation_from_full_shrinks_as_ratio_grows(tiny_engine, selection):
 def test_warm_then_hits(tiny_engine, docs):
     cold = tiny_engine.generate(docs, PREFIX, SUFFIX)
     assert cold.stats.chunk_hits == 0 and cold.stats.chunk_misses == len(docs)
-    w = tiny_engine.warm(docs)
+    w = tiny_engine.warm(docs[:2])  # before write-back of the cold request can have stored them
     tiny_engine.flush()
-    assert w.computed + w.cached == len(docs)
-    again = tiny_engine.warm(docs)
-    assert again.computed == 0 and again.cached == len(docs)
+    assert w.computed + w.cached == 2 and w.tokens == sum(tiny_engine.count_tokens(d) for d in docs[:2])
+    again = tiny_engine.warm(docs)  # write-back has kept every chunk the cold request missed
+    assert (again.computed, again.cached) == (0, len(docs))
     hot = tiny_engine.generate(list(reversed(docs)), PREFIX, SUFFIX)
     assert hot.stats.chunk_hits == len(docs) and hot.stats.chunk_misses == 0
     assert hot.stats.cached_tokens >= sum(tiny_engine.count_tokens(d) for d in docs)
@@ -113,23 +115,54 @@ def test_warm_then_hits(tiny_engine, docs):
     assert hot.stats.compute_fraction < 0.7
 
 
+def test_warm_computes_what_is_missing(tiny_engine):
+    docs = make_docs(3, seed=21)
+    assert (tiny_engine.warm(docs).computed, tiny_engine.warm(docs).computed) == (3, 0)
+    tiny_engine.store.remove(tiny_engine.planner.chunk_key(tiny_engine.planner.tokenize(docs[1])))
+    w = tiny_engine.warm(docs + docs[:1])  # a repeat in the list is one chunk
+    assert (w.computed, w.cached) == (1, 3)
+
+
 def flat(docs):
     return [t for d in docs for t in d]
 
 
 def chunk_kv_in_stream(engine, context: list[int], stream: list[list[int]]):
-    """The KV a plain prefill of context + stream computes for the stream's last document."""
+    """The pre-RoPE K and V ([L, Hkv, T, D]) that transformers' own forward over ``context + stream``
+    gives the stream's last document, read from the k/v projections with forward hooks."""
     ids = context + flat(stream)
-    n = len(ids)
-    buf = KVBuffer(engine.adapter, n)
-    cap = KVCapture(engine.adapter, n - len(stream[-1]), n)
-    forward(engine.adapter, buf, torch.tensor(ids), torch.arange(n), n, capture=[cap])
-    return cap
+    last = len(stream[-1])
+    layers = engine.hf_model.model.layers
+    heads, dim = engine.adapter.n_kv_heads, engine.adapter.head_dim
+    seen: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+
+    def hook(name):
+        def keep(module, args, out):  # out [1, T, Hkv * D]
+            seen[name].append(out[0, -last:].view(last, heads, dim).transpose(0, 1))
+
+        return keep
+
+    handles = [layer.self_attn.k_proj.register_forward_hook(hook("k")) for layer in layers]
+    handles += [layer.self_attn.v_proj.register_forward_hook(hook("v")) for layer in layers]
+    try:
+        with torch.inference_mode():
+            engine.hf_model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return SimpleNamespace(k=torch.stack(seen["k"]), v=torch.stack(seen["v"]))
 
 
 def stored(engine, text):
     ids = engine.planner.tokenize(text)
     return engine.store.get(engine.planner.chunk_key(ids), ids)
+
+
+def builtin_context(engine) -> list[int]:
+    """BOS + the last quarter-window of tokens of the built-in passage kvrag ships."""
+    text = resources.files("kvrag.engine").joinpath("data/context.txt").read_text(encoding="utf-8")
+    passage = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [engine.tokenizer.bos_token_id] + passage[-(engine.context_window // 4) :]
 
 
 def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
@@ -143,15 +176,13 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     cc = tiny_engine.chunk_computer
     ids = [tiny_engine.planner.tokenize(d) for d in docs]
     assert cc.windows(ids, tiny_engine.context_window) == [[0, 1, 2, 3]]
-    assert cc.context_tokens == tiny_engine.context_window // 4 < len(cc._builtin_doc())  # a quarter of the window
-    context = cc.sink_ids + cc._builtin_doc()[-cc.context_tokens :]
+    context = builtin_context(tiny_engine)
     for i in (0, len(docs) - 1):
         want = chunk_kv_in_stream(tiny_engine, context, ids[: i + 1])
         rec = stored(tiny_engine, docs[i])
         torch.testing.assert_close(rec.k, want.k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rec.v, want.v, rtol=1e-5, atol=1e-5)
-    # only what is missing is stored, with the KV it has in the whole stream; a repeat is no work
-    assert (tiny_engine.warm(docs + docs[:1]).computed, tiny_engine.warm(docs[::-1]).computed) == (0, 0)
+    assert tiny_engine.warm(docs[::-1]).computed == 0  # another order is no work
     tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
     w = tiny_engine.warm(docs)
     assert (w.computed, w.cached) == (1, len(docs) - 1)
@@ -162,8 +193,8 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     tiny_engine.warm(others)
     tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
     assert tiny_engine.warm(docs).computed == 1
-    recent = flat(tiny_engine.planner.tokenize(d) for d in others)[-cc.context_tokens :]
-    want = chunk_kv_in_stream(tiny_engine, cc.sink_ids + recent, ids[:3])
+    recent = flat(tiny_engine.planner.tokenize(d) for d in others)[-(tiny_engine.context_window // 4) :]
+    want = chunk_kv_in_stream(tiny_engine, [tiny_engine.tokenizer.bos_token_id] + recent, ids[:3])
     torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
 
 
@@ -178,10 +209,12 @@ def test_warm_splits_long_lists_into_windows(tiny_engine, docs, monkeypatch):
     # a window goes behind the other documents of the list, round it, ending just before the window
     import kvrag.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "MAX_STREAM_TOKENS", two)
+    monkeypatch.setattr(engine_module, "MAX_STREAM_TOKENS", two)  # the window size warm() passes
     tiny_engine.warm(docs)
     for members, others in (([0, 1], [2, 3]), ([2, 3], [0, 1])):
-        context = cc.sink_ids + flat(ids[j] for j in others)[-cc.context_tokens :]
+        context = [tiny_engine.tokenizer.bos_token_id] + flat(ids[j] for j in others)[
+            -(tiny_engine.context_window // 4) :
+        ]
         want = chunk_kv_in_stream(tiny_engine, context, [ids[j] for j in members])
         torch.testing.assert_close(stored(tiny_engine, docs[members[-1]]).k, want.k, rtol=1e-5, atol=1e-5)
 
@@ -191,7 +224,7 @@ def test_sink_context_computes_each_chunk_alone(tiny_model, tiny_tokenizer, docs
     try:
         assert engine.warm(docs).computed == len(docs)
         ids = engine.planner.tokenize(docs[1])
-        want = chunk_kv_in_stream(engine, engine.sink_ids, [ids])
+        want = chunk_kv_in_stream(engine, [engine.tokenizer.bos_token_id], [ids])
         torch.testing.assert_close(stored(engine, docs[1]).k, want.k, rtol=1e-5, atol=1e-5)
     finally:
         engine.close()
@@ -266,6 +299,63 @@ def test_sampling_is_seeded(tiny_engine, docs):
     assert a.token_ids == b.token_ids
     c = tiny_engine.generate(docs, PREFIX, SUFFIX, temperature=1.0, top_p=0.5, seed=3, max_new_tokens=10)
     assert len(c.token_ids) == 10
+
+
+def test_sampling_params_are_the_keywords_as_one_object(tiny_engine, docs):
+    by_keywords = tiny_engine.generate(docs, PREFIX, SUFFIX, temperature=1.0, seed=5, max_new_tokens=6, stop="zzz")
+    params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=6, stop="zzz")
+    by_object = tiny_engine.generate(docs, PREFIX, SUFFIX, sampling=params)
+    assert by_object.token_ids == by_keywords.token_ids and len(by_object.token_ids) == 6
+    # unset fields come from the engine config (max_new_tokens=8 in the fixture)
+    assert len(tiny_engine.generate(docs, PREFIX, SUFFIX, sampling=SamplingParams(), mode="full").token_ids) <= 8
+    with pytest.raises(InvalidRequestError, match="not both"):
+        tiny_engine.generate(docs, PREFIX, SUFFIX, sampling=params, temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        tiny_engine.generate(docs, PREFIX, SUFFIX, sampling={"temperature": 0.0})
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(stop=["ok", 3]), "stop"),
+        (dict(seed="7"), "seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(fields, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**fields)
+
+
+def test_tenants_never_see_each_others_cache(tiny_engine, docs):
+    tiny_engine.warm(docs, namespace="tenant-a")
+    a = tiny_engine.generate(docs, PREFIX, SUFFIX, namespace="tenant-a", max_new_tokens=1)
+    b = tiny_engine.generate(docs, PREFIX, SUFFIX, namespace="tenant-b", max_new_tokens=1)
+    assert a.stats.chunk_hits == len(docs) and b.stats.chunk_hits == 0
+    tiny_engine.flush()  # b's misses are written back under b: b hits next time, the default tenant does not
+    again = tiny_engine.generate(docs, PREFIX, SUFFIX, namespace="tenant-b", max_new_tokens=1)
+    assert again.stats.chunk_hits == len(docs)
+    plain = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=1)
+    assert plain.stats.chunk_hits == 0 and plain.stats.prefix_tokens == 0
+    tiny_engine.generate(prompt=PREFIX + SUFFIX, conversation_id="c", namespace="tenant-a", max_new_tokens=2)
+    assert not tiny_engine.end_conversation("c") and tiny_engine.end_conversation("c", namespace="tenant-a")
+    with pytest.raises(InvalidRequestError, match="namespace"):
+        tiny_engine.generate(docs, PREFIX, SUFFIX, namespace="")
+
+
+def test_unknown_request_arguments_are_named(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="recompute_rato"):
+        tiny_engine.generate(["a document"], PREFIX, SUFFIX, recompute_rato=0.2)
+
+
+def test_every_selection_has_a_strategy():
+    from kvrag.config import SELECTIONS
+    from kvrag.engine.selection import registered_selections
+
+    assert sorted(SELECTIONS) == list(registered_selections())
 
 
 def test_score_matches_generation_logits(tiny_engine, docs):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import kvrag.engine.fusion as fusion
+import kvrag.engine.selection.probe as probe_module
 from kvrag import InvalidRequestError
 from kvrag.config import EngineConfig
 from kvrag.engine.selection import probe_blocks, probe_sample
@@ -49,14 +49,14 @@ def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monke
     chunks = make_docs(4, seed=3)
     tiny_engine.warm(chunks)
     seen = []
-    original = fusion.probe_blocks
+    original = probe_module.probe_blocks
 
     def spy(spans, n, stride, positions, deviation, ratio):
         chosen = original(spans, n, stride, positions, deviation, ratio)
         seen.append((spans, positions, deviation, chosen))
         return chosen
 
-    monkeypatch.setattr(fusion, "probe_blocks", spy)
+    monkeypatch.setattr(probe_module, "probe_blocks", spy)
     order = [chunks[i] for i in (2, 0, 3, 1)]
     g = tiny_engine.generate(order, PREFIX, SUFFIX, selection="probe", recompute_ratio=0.3, max_new_tokens=1)
     ((spans, positions, deviation, chosen),) = seen

@@ -1,0 +1,31 @@
+"""Which cached tokens a ``blend`` prefill recomputes: one registry of selection strategies.
+
+- ``probe`` (default, :mod:`.probe`): 16-token blocks ranked by a deep-layer probe's KV deviation.
+- ``hkvd`` (:mod:`.hkvd`): CacheBlend's high-KV-deviation tokens by gradual filtering from layer 1.
+- ``recency`` (:mod:`.recency`): the cached tokens nearest the question.
+
+A strategy is a function of a :class:`BlendPass` registered under its name
+(:func:`register_selection`); ``fusion.prefill`` looks it up with :func:`get_selection`.
+"""
+
+from kvrag.engine.selection import hkvd as _hkvd  # noqa: F401  (registers "hkvd")
+from kvrag.engine.selection import probe as _probe  # noqa: F401  (registers "probe")
+from kvrag.engine.selection import recency as _recency  # noqa: F401  (registers "recency")
+from kvrag.engine.selection.base import BlendPass, Strategy, get_selection, register_selection, registered_selections
+from kvrag.engine.selection.hkvd import HKVDSelector, keep_schedule
+from kvrag.engine.selection.probe import BlockProbe, probe_blocks, probe_sample
+from kvrag.engine.selection.recency import recency_window
+
+__all__ = [
+    "BlendPass",
+    "Strategy",
+    "register_selection",
+    "get_selection",
+    "registered_selections",
+    "HKVDSelector",
+    "keep_schedule",
+    "BlockProbe",
+    "probe_sample",
+    "probe_blocks",
+    "recency_window",
+]

@@ -1,0 +1,123 @@
+"""The registry of selection strategies and what a strategy sees of a blend prefill.
+
+A *selection strategy* decides which cached chunk tokens a ``blend`` prefill recomputes, and runs
+the layer passes that recompute them. It receives a :class:`BlendPass` (the plan, the KV buffer,
+the cached KV source, the rows that must be computed anyway) and returns the hidden state of the
+prompt's last row and the positions computed through the last layer. Strategies are looked up by
+name (:func:`get_selection`); new ones plug in with :func:`register_selection` and a name in
+:data:`kvrag.config.SELECTIONS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrag.engine.model import ModelAdapter
+from kvrag.engine.runner import KVBuffer, KVCapture, Selector, Trace, forward
+
+if TYPE_CHECKING:
+    from kvrag.engine.fusion import PrefillOptions
+    from kvrag.engine.planner import Plan, SpanSource
+
+__all__ = ["BlendPass", "Strategy", "register_selection", "get_selection", "registered_selections"]
+
+
+@dataclass(slots=True, kw_only=True)
+class BlendPass:
+    """One ``blend`` prefill as a selection strategy sees it.
+
+    Attributes:
+        adapter: the model.
+        plan: the request's plan (``plan.ratio`` is the recompute budget's share of cached tokens).
+        buf: the request's KV buffer (cached KV enters it layer by layer through ``source``).
+        ids: [N] prompt token ids, on the model's device.
+        all_pos: [N] positions 0..N-1.
+        rows: [N] bool, positions after the exact prefix: what is not reused exactly.
+        candidates: [N] bool, positions holding cached chunk KV (the ones a strategy may recompute).
+        spans: [(start, end)] of the cached chunks, in prompt order.
+        source: cached KV of the plan, placed at its positions per layer.
+        captures: KV captures the prefill must feed (prefix cache, missed chunks).
+        trace: rows computed per layer.
+        options: the prefill's options (selection parameters).
+    """
+
+    adapter: ModelAdapter
+    plan: Plan
+    buf: KVBuffer
+    ids: torch.Tensor
+    all_pos: torch.Tensor
+    rows: torch.Tensor
+    candidates: torch.Tensor
+    spans: list[tuple[int, int]]
+    source: SpanSource
+    captures: list[KVCapture]
+    trace: Trace
+    options: PrefillOptions
+
+    @property
+    def uncached(self) -> torch.Tensor:
+        """[N] bool: rows that are always computed (uncached text, the question)."""
+        return self.rows & ~self.candidates
+
+    def run(
+        self,
+        pos: torch.Tensor,
+        *,
+        hidden: torch.Tensor | None = None,
+        selector: Selector | None = None,
+        layers: tuple[int, int] | None = None,
+        last_row_only: bool = False,
+        record: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~kvrag.engine.runner.forward` over rows ``pos`` [R] of this prompt.
+
+        Args:
+            hidden: [R, E] hidden states to resume from instead of embedding the rows' ids.
+            record: feed the captures and the trace (off for a probe whose rows are not kept).
+        """
+        return forward(
+            self.adapter,
+            self.buf,
+            self.ids[pos] if hidden is None else None,
+            pos,
+            self.plan.num_tokens,
+            source=self.source,
+            selector=selector,
+            capture=self.captures if record else (),
+            trace=self.trace if record else None,
+            hidden=hidden,
+            layers=layers,
+            last_row_only=last_row_only,
+        )
+
+
+#: Runs a blend prefill; returns (hidden [1, E] of the last row, positions [R] computed through the last layer).
+Strategy = Callable[[BlendPass], tuple[torch.Tensor, torch.Tensor]]
+
+_STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_selection(name: str, strategy: Strategy) -> Strategy:
+    """Make ``strategy`` available as ``selection=name`` (the name must be in ``kvrag.config.SELECTIONS``)."""
+    from kvrag.config import SELECTIONS
+
+    if name not in SELECTIONS:
+        raise ValueError(f"selection {name!r} is not in kvrag.config.SELECTIONS; add it there (validation, docs)")
+    _STRATEGIES[name] = strategy
+    return strategy
+
+
+def get_selection(name: str) -> Strategy:
+    """The strategy registered as ``name``."""
+    try:
+        return _STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"no selection strategy {name!r}; registered: {', '.join(sorted(_STRATEGIES))}") from None
+
+
+def registered_selections() -> tuple[str, ...]:
+    return tuple(sorted(_STRATEGIES))
