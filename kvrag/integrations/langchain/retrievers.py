@@ -19,23 +19,10 @@ from langchain_core.runnables import Runnable
 from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field
 
-from kvrag.engine import Engine, get_engine
 from kvrag.errors import InvalidRequestError
+from kvrag.integrations._shared import engine_of
 
 __all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
-
-
-def _engine_of(target: Any) -> Engine:
-    if target is None:
-        return get_engine()
-    if isinstance(target, Engine):
-        return target
-    get = getattr(target, "get_engine", None)
-    if callable(get):
-        return get()
-    raise InvalidRequestError(
-        f"documents are registered with a KVCachedLLM, KVCachedTextLLM or Engine, not {type(target).__name__}"
-    )
 
 
 def register_documents(documents: Iterable[Document | str], llm: Any = None) -> list[str]:
@@ -55,7 +42,7 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None) -> 
         if not isinstance(text, str):
             raise InvalidRequestError(f"documents must be Documents or strings, got {type(d).__name__}")
         texts.append(text)
-    return _engine_of(llm).register(texts)
+    return engine_of(llm).register(texts)
 
 
 class KVCachedRetriever(BaseRetriever):
