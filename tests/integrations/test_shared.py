@@ -214,9 +214,29 @@ def test_engine_lookup_is_the_same_in_both_integrations(monkeypatch):
         with pytest.raises(ValueError, match="recompute_ratio"):
             cls(engine_config={"recompute_ratio": 0.3})  # a per-call setting, not a second engine
     assert engine_of(None) is shared and engine_of(given) is given
-    assert engine_of(LlamaIndexLLM(engine=given)) is given
+    assert engine_of(LlamaIndexLLM(engine=given)) is given and engine_of(LangChainLLM()) is shared
     with pytest.raises(InvalidRequestError, match="got str"):
         check_target("llm")
+
+
+def test_registration_targets_are_checked_at_construction_in_both():
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from langchain_core.runnables import RunnableLambda
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from kvrag.integrations.langchain import KVCachedRetriever, KVCachedVectorStore
+    from kvrag.integrations.llama_index import KVCachedNodePostprocessor
+
+    retriever = RunnableLambda(lambda query: [])
+    for make in (
+        lambda llm: KVCachedRetriever(retriever=retriever, llm=llm),
+        lambda llm: KVCachedVectorStore(InMemoryVectorStore(embedding=None), llm=llm),
+        lambda llm: KVCachedNodePostprocessor(llm=llm),
+    ):
+        assert make(None).llm is None and make(FakeEngine()).llm is not None  # None: the shared engine
+        with pytest.raises(ValueError, match="expected a kvrag LLM, a kvrag Engine or None, got str"):
+            make("llm")
 
 
 # -- one engine call ------------------------------------------------------------------------------

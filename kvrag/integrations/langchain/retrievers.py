@@ -17,10 +17,10 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 from langchain_core.vectorstores import VectorStore
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from kvrag.errors import InvalidRequestError
-from kvrag.integrations._shared import engine_of
+from kvrag.integrations._shared import check_target, engine_of
 
 __all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
 
@@ -61,6 +61,12 @@ class KVCachedRetriever(BaseRetriever):
     llm: Any = Field(default=None, exclude=True)
     """The kvrag LLM (or engine) the documents are recorded for; ``None`` = the shared default engine."""
 
+    @field_validator("llm")
+    @classmethod
+    def _check_llm(cls, value: Any) -> Any:
+        check_target(value)  # a wrong target fails here, not at the first retrieval
+        return value
+
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
         register_documents(docs, self.llm)
@@ -90,6 +96,7 @@ class KVCachedVectorStore(VectorStore):
     def __init__(self, vectorstore: VectorStore, llm: Any = None) -> None:
         if not isinstance(vectorstore, VectorStore):
             raise InvalidRequestError(f"vectorstore must be a LangChain VectorStore, got {type(vectorstore).__name__}")
+        check_target(llm)
         self.vectorstore = vectorstore
         self.llm = llm
 
