@@ -1,161 +1,88 @@
-"""What the LangChain chat model and text LLM share: settings, the chunk iterator, metadata.
+"""What the LangChain chat model and text LLM share, on top of :mod:`kvrag.integrations._shared`.
 
-One iterator, :func:`engine_pieces`, drives every call path: sync and async, streaming and not.
-Async paths run it in worker threads (:func:`iterate_in_thread`), never on the event loop.
+The fields, per-call arguments, engine lookup, figures and async bridge are the shared layer's;
+this module adds what is LangChain's own: conversation identity from run configs, LangSmith
+parameters, ``usage_metadata``, and the chunk iterator and ``_astream`` both LLM kinds use.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Literal
+from contextlib import aclosing, closing
+from typing import Any
 
 from langchain_core.runnables.config import RunnableConfig, ensure_config
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from kvrag.config import EngineConfig, check_ratio
-from kvrag.engine import Engine, Generation, get_engine
-from kvrag.errors import InvalidRequestError
+from kvrag.engine import Engine, Generation
+from kvrag.integrations._shared import GenerationFields, open_in_thread, usage
+from kvrag.integrations._shared.calls import CALL_ARGUMENTS, Mode, Selection, call_options, check_engine_choice
 
-__all__ = ["EngineSettings", "conversation_from_config", "engine_pieces", "iterate_in_thread", "usage", "metadata"]
+__all__ = [
+    "EngineSettings",
+    "Mode",
+    "Selection",
+    "conversation_from_config",
+    "engine_pieces",
+    "usage_metadata",
+]
 
 #: Keys looked up, in order, in a run config's ``configurable`` and then ``metadata``.
 CONVERSATION_KEYS = ("conversation_id", "session_id", "thread_id")
 
-#: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.bind(...)``).
-CALL_KWARGS = frozenset(
-    {
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "mode",
-        "recompute_ratio",
-        "selection",
-        "dedup",
-        "conversation_id",
-        "model",
-    }
-)
-
-# Request settings are fields of the LLM and per-call arguments; in ``engine_config`` they would
-# create a separate engine (another copy of the model) per value.
-_PER_CALL_FIELDS = {"mode", "recompute_ratio", "selection", "max_new_tokens", "temperature", "top_p", "seed", "model"}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - _PER_CALL_FIELDS
-
-Mode = Literal["full", "prefix", "blend", "reuse"]
-Selection = Literal["hkvd", "probe", "recency"]
+_BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 
-class EngineSettings(BaseModel):
-    """Fields shared by :class:`KVCachedLLM` and :class:`KVCachedTextLLM`.
+class EngineSettings(GenerationFields):
+    """Fields and plumbing shared by :class:`KVCachedLLM` and :class:`KVCachedTextLLM`.
 
-    The engine is not loaded when the LLM is constructed: the first call takes it from the
-    process-wide registry (:func:`kvrag.engine.get_engine`), keyed by model and ``engine_config``,
-    so every LLM, retriever and vector-store wrapper with the same settings shares one engine
-    (and one chunk registry and KV cache).
+    The fields common to every kvrag LLM (model, engine_config, mode, recompute_ratio, selection,
+    temperature, top_p, seed, stop, dedup) come from :class:`GenerationFields`; per-call
+    arguments are those of :data:`~kvrag.integrations._shared.CALL_ARGUMENTS`.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
-    model: str | None = None
-    """``None`` for the bundled SmolLM2-135M-Instruct, else a local HF model directory or ``.gguf`` file."""
     engine: Engine | None = Field(default=None, exclude=True)
     """An engine to use instead of the shared one (tests, custom stores)."""
-    engine_config: dict[str, Any] = Field(default_factory=dict)
-    """:class:`~kvrag.EngineConfig` fields of the shared engine (dtype, device, memory_budget_bytes, ...)."""
-    mode: Mode | None = None
-    """Prefill mode; ``None`` = the engine's default (``blend``). ``full`` is the no-reuse baseline."""
-    recompute_ratio: float | None = None
-    """Share of cached chunk tokens recomputed in ``blend`` (0..1); ``None`` = engine default."""
-    selection: Selection | None = None
-    """Which cached tokens ``blend`` recomputes (``hkvd`` or ``recency``); ``None`` = engine default."""
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
     """Most tokens to generate; ``None`` = engine default."""
-    temperature: float | None = None
-    """0 = greedy; ``None`` = engine default (greedy)."""
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
-    """Stop strings; the output is cut before the first one."""
-    dedup: bool | None = None
-    """Conversation-scoped chunk deduplication; ``None`` = engine default (on)."""
     streaming: bool = False
     """Stream internally even for ``invoke`` (token callbacks)."""
 
-    @field_validator("engine_config")
-    @classmethod
-    def _check_engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
-        per_call = sorted(set(value) & _PER_CALL_FIELDS)
-        if per_call:
-            raise ValueError(f"pass {', '.join(per_call)} as LLM fields or per-call arguments, not in engine_config")
-        unknown = sorted(set(value) - _ENGINE_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown engine_config field(s): {', '.join(unknown)}")
-        EngineConfig(**value)  # validates values (cheap: no model is loaded)
-        return value
+    @model_validator(mode="after")
+    def _check_engine(self) -> EngineSettings:
+        check_engine_choice(self.engine, self.model, self.engine_config)
+        return self
 
-    @field_validator("recompute_ratio")
-    @classmethod
-    def _check_ratio(cls, value: float | None) -> float | None:
-        return None if value is None else check_ratio(value)
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _check_max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:
-            raise ValueError("max_tokens must be >= 0")
-        return value
-
-    def get_engine(self, model: str | None = None) -> Engine:
-        """The engine serving this LLM (``model`` overrides the configured one for a call)."""
-        if self.engine is not None and (model is None or model == self.model):
-            return self.engine
-        return get_engine(model if model is not None else self.model, **self.engine_config)
+    def _given_engine(self) -> Engine | None:
+        return self.engine
 
     def model_label(self, model: str | None = None) -> str:
+        """The model's name for tracing and metadata, without loading the engine."""
         if model is not None:
             return model
         if self.model is not None:
             return self.model
-        return self.engine.model_name if self.engine is not None else "SmolLM2-135M-Instruct"
+        return self.engine.model_name if self.engine is not None else _BUNDLED_NAME
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model_label(), "mode": self.mode, "recompute_ratio": self.recompute_ratio}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
-        """LangSmith's tracing parameters: provider ``kvrag``, the model's name."""
+        """LangSmith's tracing parameters: provider ``kvrag``, the model, the call's settings."""
         params = super()._get_ls_params(stop=stop, **kwargs)
+        known = {name: value for name, value in kwargs.items() if name in CALL_ARGUMENTS}
+        options = call_options(self.call_defaults(), {**known, "stop": stop}, owner=type(self).__name__)
         params["ls_provider"] = "kvrag"
-        params["ls_model_name"] = self.model_label(kwargs.get("model"))
+        params["ls_model_name"] = self.model_label(options["model"])
+        for key, name in (("ls_temperature", "temperature"), ("ls_max_tokens", "max_new_tokens"), ("ls_stop", "stop")):
+            if options[name] is not None and options[name] != []:
+                params[key] = options[name]
+            else:
+                params.pop(key, None)
         return params
-
-    def request_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Engine ``stream()`` arguments of one call: fields, overridden by per-call arguments."""
-        unknown = sorted(set(kwargs) - CALL_KWARGS)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown argument(s) {', '.join(unknown)}; kvrag LLMs take {', '.join(sorted(CALL_KWARGS))}"
-            )
-        get = lambda name: kwargs[name] if kwargs.get(name) is not None else getattr(self, name)  # noqa: E731
-        stops = list(self.stop or []) + list(stop or [])
-        return {
-            "max_new_tokens": get("max_tokens"),
-            "temperature": get("temperature"),
-            "top_p": get("top_p"),
-            "seed": get("seed"),
-            "mode": get("mode"),
-            "recompute_ratio": get("recompute_ratio"),
-            "selection": get("selection"),
-            "dedup": get("dedup"),
-            "stop": stops or None,
-            "conversation_id": kwargs.get("conversation_id"),
-        }
-
-    def ls_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {"model": kwargs.get("model"), "temperature": kwargs.get("temperature", self.temperature)}
 
     # LangChain does not hand the run config to ``_stream`` (langchain-core 1.7 calls it without a
     # run manager): read the conversation id from the config here, on the way in.
@@ -172,6 +99,16 @@ class EngineSettings(BaseModel):
         self, input: Any, config: RunnableConfig | None = None, *, stop=None, **kwargs: Any
     ) -> AsyncIterator[Any]:
         return super().astream(input, config, stop=stop, **with_conversation(config, kwargs))
+
+    async def _astream(self, input: Any, stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any):
+        """``_stream`` driven by one worker thread; closing this generator stops the generation."""
+        sync_manager = run_manager.get_sync() if run_manager is not None else None
+        stream = await open_in_thread(lambda: self._stream(input, stop, sync_manager, **kwargs))
+        async with aclosing(stream):
+            async for chunk in stream:
+                yield chunk
+
+    # ``_agenerate`` is LangChain's own: the whole ``_generate`` in one worker thread.
 
 
 def conversation_from_config(config: RunnableConfig | None = None, run_manager: Any = None) -> str | None:
@@ -205,81 +142,38 @@ def with_conversation(config: RunnableConfig | None, kwargs: dict[str, Any]) -> 
     return kwargs
 
 
+def usage_metadata(generation: Generation) -> dict[str, Any]:
+    """LangChain ``usage_metadata``: ``input_token_details.cache_read`` = reused prompt tokens."""
+    u = usage(generation)
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "output_tokens": u["completion_tokens"],
+        "total_tokens": u["total_tokens"],
+        "input_token_details": {"cache_read": u["cache_read"]},
+    }
+
+
 def engine_pieces(
     settings: EngineSettings,
     render: Callable[[Engine], str],
     stop: list[str] | None,
     kwargs: dict[str, Any],
     run_manager: Any = None,
-) -> Iterator[tuple[str, Generation | None]]:
-    """The one chunk iterator: ``(text, None)`` per decoded piece, then ``("", generation)``.
+) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """The one chunk iterator: ``(text, None)`` per decoded piece, then ``("", info)`` once.
 
-    ``render`` turns the engine into the prompt string (the chat model applies the engine's chat
-    template there). The engine request is validated before the first piece.
+    ``info`` is the response metadata (:func:`kvrag.integrations._shared.call_metadata`, plus
+    ``model_provider``) with ``usage_metadata``. ``render`` turns the engine into the prompt
+    string (the chat model applies the engine's chat template there). A per-call ``stop``
+    replaces the LLM's ``stop`` field, as every per-call argument replaces its field.
     """
     if kwargs.get("conversation_id") is None:
-        cid = conversation_from_config(None, run_manager)
-        if cid is not None:
-            kwargs = {**kwargs, "conversation_id": cid}
-    request = settings.request_kwargs(stop, kwargs)
-    engine = settings.get_engine(kwargs.get("model"))
-    stream = engine.stream(prompt=render(engine), **request)
-    try:
-        for piece in stream:
-            yield piece, None
-    finally:
-        stream.close()
-    assert stream.generation is not None
-    yield "", stream.generation
-
-
-async def iterate_in_thread(make: Callable[[], Iterator]) -> AsyncIterator:
-    """Drive a blocking iterator from worker threads: creation and every step run off the event loop."""
-    done = object()
-    it = await asyncio.to_thread(make)
-    try:
-        while True:
-            item = await asyncio.to_thread(next, it, done)
-            if item is done:
-                return
-            yield item
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
-
-
-def usage(generation: Generation) -> dict[str, Any]:
-    """LangChain ``usage_metadata``: ``input_token_details.cache_read`` = reused prompt tokens."""
-    s = generation.stats
-    return {
-        "input_tokens": s.prompt_tokens,
-        "output_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
-        "input_token_details": {"cache_read": s.cached_tokens},
-    }
-
-
-def metadata(generation: Generation, model_name: str, conversation_id: str | None) -> dict[str, Any]:
-    """``response_metadata``: what the request did (TTFT, chunk hits/misses, recompute, mode)."""
-    s = generation.stats
-    return {
-        "model_name": model_name,
-        "model_provider": "kvrag",
-        "finish_reason": generation.finish_reason,
-        "ttft_s": generation.ttft_s,
-        "total_s": generation.total_s,
-        "mode": s.mode,
-        "recompute_ratio": s.recompute_ratio,
-        "prompt_tokens": s.prompt_tokens,
-        "cached_tokens": s.cached_tokens,
-        "prefix_tokens": s.prefix_tokens,
-        "recomputed_tokens": s.recomputed_tokens,
-        "compute_fraction": s.compute_fraction,
-        "chunk_hits": s.chunk_hits,
-        "chunk_misses": s.chunk_misses,
-        "conversation_id": conversation_id,
-        "conversation_tokens": s.conversation_tokens,
-        "conversation_spans": [list(span) for span in s.conversation_spans],
-        "deduplicated_chunks": s.deduplicated_chunks,
-    }
+        kwargs = {**kwargs, "conversation_id": conversation_from_config(None, run_manager)}
+    call = settings.start_call(render, {**kwargs, "stop": stop}, settings.call_defaults())
+    with closing(call):
+        for text, generation in call:
+            if generation is None:
+                yield text, None
+            else:
+                info = {**call.metadata(generation), "model_provider": "kvrag"}
+                yield "", {**info, "usage_metadata": usage_metadata(generation)}

@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
-from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+from langchain_core.language_models.chat_models import generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict
 
 from kvrag.errors import InvalidRequestError
-from kvrag.integrations.langchain._common import (
-    EngineSettings,
-    engine_pieces,
-    iterate_in_thread,
-    metadata,
-    usage,
-)
+from kvrag.integrations._shared import template_role
+from kvrag.integrations.langchain._common import EngineSettings, engine_pieces
 
 __all__ = ["KVCachedLLM", "to_chat_messages"]
-
-_ROLES = {
-    "system": "system",
-    "developer": "system",
-    "human": "user",
-    "ai": "assistant",
-    "tool": "tool",
-    "function": "tool",
-}
 
 
 def _text(message: BaseMessage) -> str:
@@ -53,7 +39,7 @@ def to_chat_messages(messages: list[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as ``[{"role", "content"}]`` for the model's chat template."""
     out = []
     for m in messages:
-        role = m.role if m.type == "chat" else _ROLES.get(m.type)  # type: ignore[attr-defined]
+        role = m.role if m.type == "chat" else template_role(m.type)  # type: ignore[attr-defined]
         if role is None:
             raise InvalidRequestError(f"unsupported message type {m.type!r}")
         out.append({"role": role, "content": _text(m)})
@@ -80,8 +66,12 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
     in ``metadata``, or a ``conversation_id=`` call argument.
 
     ``usage_metadata.input_token_details.cache_read`` counts prompt tokens whose KV was reused;
-    ``response_metadata`` carries ``ttft_s``, ``chunk_hits``, ``chunk_misses``,
-    ``recomputed_tokens``, ``mode`` and more.
+    ``response_metadata`` carries ``ttft_s``, ``cache_read``, ``chunk_hits``, ``chunk_misses``,
+    ``recomputed_tokens``, ``mode`` and more (the keys of
+    :data:`kvrag.integrations._shared.METADATA_KEYS`, the same as LlamaIndex's responses).
+    Per-call arguments: ``max_tokens`` (or ``max_new_tokens``), ``temperature``, ``top_p``,
+    ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``dedup``, ``conversation_id``,
+    ``model``; anything else is an :class:`~kvrag.InvalidRequestError`.
     """
 
     # unknown constructor keywords are errors (LangChain's base models ignore them)
@@ -91,19 +81,6 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
     def _llm_type(self) -> str:
         return "kvrag-chat"
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            params["ls_temperature"] = temperature
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        if max_tokens is not None:
-            params["ls_max_tokens"] = max_tokens
-        stops = stop or self.stop
-        if stops:
-            params["ls_stop"] = stops
-        return params
-
     def _stream(
         self,
         messages: list[BaseMessage],
@@ -112,28 +89,14 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         chat = to_chat_messages(messages)
-        for text, generation in engine_pieces(self, lambda e: e.apply_chat_template(chat), stop, kwargs, run_manager):
-            if generation is None:
+        for text, info in engine_pieces(self, lambda e: e.apply_chat_template(chat), stop, kwargs, run_manager):
+            if info is None:
                 if text:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=text))
                 continue
-            meta = metadata(generation, self.model_label(kwargs.get("model")), kwargs.get("conversation_id"))
-            yield ChatGenerationChunk(
-                message=AIMessageChunk(
-                    content="", usage_metadata=usage(generation), response_metadata=meta, chunk_position="last"
-                )
-            )
-
-    async def _astream(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> AsyncIterator[ChatGenerationChunk]:
-        sync_manager = run_manager.get_sync() if run_manager is not None else None
-        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
-            yield chunk
+            usage = info.pop("usage_metadata")
+            message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=info, chunk_position="last")
+            yield ChatGenerationChunk(message=message)
 
     def _generate(
         self,
@@ -143,12 +106,3 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-
-    async def _agenerate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))

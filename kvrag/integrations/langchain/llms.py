@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from kvrag.integrations.langchain._common import (
-    EngineSettings,
-    engine_pieces,
-    iterate_in_thread,
-    metadata,
-    usage,
-)
+from kvrag.integrations.langchain._common import EngineSettings, engine_pieces
 
 __all__ = ["KVCachedTextLLM"]
 
@@ -52,33 +46,11 @@ class KVCachedTextLLM(EngineSettings, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for text, generation in engine_pieces(self, self._render(prompt), stop, kwargs, run_manager):
-            if generation is None:
-                chunk = GenerationChunk(text=text)
-                if run_manager is not None:  # BaseLLM leaves token callbacks to the integration
-                    run_manager.on_llm_new_token(text, chunk=chunk)
-                yield chunk
-                continue
-            info = metadata(generation, self.model_label(kwargs.get("model")), kwargs.get("conversation_id"))
-            info["usage_metadata"] = usage(generation)
-            yield GenerationChunk(text="", generation_info=info)
-
-    async def _astream(
-        self,
-        prompt: str,
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> AsyncIterator[GenerationChunk]:
-        sync_manager = run_manager.get_sync() if run_manager is not None else None
-        async for chunk in iterate_in_thread(lambda: self._stream(prompt, stop, sync_manager, **kwargs)):
+        for text, info in engine_pieces(self, self._render(prompt), stop, kwargs, run_manager):
+            chunk = GenerationChunk(text=text, generation_info=info)
+            if info is None and run_manager is not None:  # BaseLLM leaves token callbacks to the integration
+                run_manager.on_llm_new_token(text, chunk=chunk)
             yield chunk
-
-    def _fold(self, chunks: list[GenerationChunk]) -> GenerationChunk:
-        total = chunks[0]
-        for c in chunks[1:]:
-            total += c
-        return total
 
     def _generate(
         self,
@@ -87,20 +59,13 @@ class KVCachedTextLLM(EngineSettings, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        generations = [[self._fold(list(self._stream(p, stop, None, **kwargs)))] for p in prompts]
-        return LLMResult(generations=generations, llm_output=_llm_output(generations))
-
-    async def _agenerate(
-        self,
-        prompts: list[str],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> LLMResult:
         generations = []
-        for p in prompts:
-            chunks = [c async for c in self._astream(p, stop, None, **kwargs)]
-            generations.append([self._fold(chunks)])
+        for prompt in prompts:
+            chunks = list(self._stream(prompt, stop, None, **kwargs))
+            total = chunks[0]
+            for chunk in chunks[1:]:
+                total += chunk
+            generations.append([total])
         return LLMResult(generations=generations, llm_output=_llm_output(generations))
 
 

@@ -17,25 +17,12 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 from langchain_core.vectorstores import VectorStore
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
-from kvrag.engine import Engine, get_engine
 from kvrag.errors import InvalidRequestError
+from kvrag.integrations._shared import check_target, engine_of
 
 __all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
-
-
-def _engine_of(target: Any) -> Engine:
-    if target is None:
-        return get_engine()
-    if isinstance(target, Engine):
-        return target
-    get = getattr(target, "get_engine", None)
-    if callable(get):
-        return get()
-    raise InvalidRequestError(
-        f"documents are registered with a KVCachedLLM, KVCachedTextLLM or Engine, not {type(target).__name__}"
-    )
 
 
 def register_documents(documents: Iterable[Document | str], llm: Any = None) -> list[str]:
@@ -55,7 +42,7 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None) -> 
         if not isinstance(text, str):
             raise InvalidRequestError(f"documents must be Documents or strings, got {type(d).__name__}")
         texts.append(text)
-    return _engine_of(llm).register(texts)
+    return engine_of(llm).register(texts)
 
 
 class KVCachedRetriever(BaseRetriever):
@@ -73,6 +60,12 @@ class KVCachedRetriever(BaseRetriever):
     """The wrapped retriever (any runnable from a query string to a list of documents)."""
     llm: Any = Field(default=None, exclude=True)
     """The kvrag LLM (or engine) the documents are recorded for; ``None`` = the shared default engine."""
+
+    @field_validator("llm")
+    @classmethod
+    def _check_llm(cls, value: Any) -> Any:
+        check_target(value)  # a wrong target fails here, not at the first retrieval
+        return value
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
@@ -103,6 +96,7 @@ class KVCachedVectorStore(VectorStore):
     def __init__(self, vectorstore: VectorStore, llm: Any = None) -> None:
         if not isinstance(vectorstore, VectorStore):
             raise InvalidRequestError(f"vectorstore must be a LangChain VectorStore, got {type(vectorstore).__name__}")
+        check_target(llm)
         self.vectorstore = vectorstore
         self.llm = llm
 

@@ -19,28 +19,11 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
-from kvrag.engine.engine import Engine
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
+from kvrag.integrations._shared import check_target, engine_of
 
 __all__ = ["node_texts", "register_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
-
-
-def _engine_of(target: Any) -> Engine:
-    if isinstance(target, Engine):
-        return target
-    engine = getattr(target, "engine", None)
-    if isinstance(engine, Engine):
-        return engine
-    raise InvalidRequestError(f"expected a KVCachedLLM or a kvrag Engine, got {type(target).__name__}")
-
-
-def _check_target(target: Any) -> None:
-    # A type check that does not load the shared engine (constructing must stay cheap).
-    from kvrag.integrations.llama_index.base import KVCachedLLM
-
-    if not isinstance(target, (Engine, KVCachedLLM)):
-        raise InvalidRequestError(f"expected a KVCachedLLM or a kvrag Engine, got {type(target).__name__}")
 
 
 def node_texts(node: BaseNode | NodeWithScore) -> list[str]:
@@ -62,7 +45,8 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
     """Record nodes' texts in the engine's chunk registry.
 
     Args:
-        target: a :class:`KVCachedLLM` or an :class:`~kvrag.Engine`.
+        target: a :class:`KVCachedLLM` or an :class:`~kvrag.Engine`; ``None`` = the shared default
+            engine (bundled model, default settings), as everywhere in kvrag's integrations.
         nodes: nodes or scored nodes (retrieved, or a whole docstore's ``docs.values()``).
         warm: also precompute and store their KV now, in the form the response synthesizers put
             in prompts (metadata header, stripped), so even the first query over them hits.
@@ -71,7 +55,7 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
     Returns:
         The :class:`~kvrag.engine.types.WarmResult` when ``warm``, else ``None``.
     """
-    engine = _engine_of(target)
+    engine = engine_of(target)
     texts: list[str] = []
     prompt_forms: list[str] = []
     for node in nodes:
@@ -91,13 +75,16 @@ class KVCachedNodePostprocessor(BaseNodePostprocessor):
     Works for query engines and for chat engines such as ``condense_plus_context``.
 
     Args:
-        llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the prompts.
+        llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the
+            prompts; ``None`` = the shared default engine.
     """
 
-    llm: Any = Field(description="The KVCachedLLM or kvrag Engine whose engine reads the prompts.", exclude=True)
+    llm: Any = Field(
+        default=None, description="The KVCachedLLM or kvrag Engine whose engine reads the prompts.", exclude=True
+    )
 
-    def __init__(self, llm: Any, **kwargs: Any) -> None:
-        _check_target(llm)
+    def __init__(self, llm: Any = None, **kwargs: Any) -> None:
+        check_target(llm)
         super().__init__(llm=llm, **kwargs)
 
     @classmethod
@@ -118,13 +105,14 @@ class KVCachedRetriever(BaseRetriever):
 
     Args:
         retriever: the retriever to wrap.
-        llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the prompts.
+        llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the
+            prompts; ``None`` = the shared default engine.
     """
 
-    def __init__(self, retriever: BaseRetriever, llm: Any, **kwargs: Any) -> None:
+    def __init__(self, retriever: BaseRetriever, llm: Any = None, **kwargs: Any) -> None:
         if not isinstance(retriever, BaseRetriever):
             raise InvalidRequestError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
-        _check_target(llm)
+        check_target(llm)
         self.retriever = retriever
         self.llm = llm
         super().__init__(

@@ -15,6 +15,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
 
+from kvrag.integrations._shared import METADATA_KEYS
+
 __all__ = ["KVStatsHandler", "record_stats"]
 
 
@@ -23,7 +25,8 @@ class KVStatsHandler(BaseEventHandler):
 
     Attach with ``llama_index.core.instrumentation.get_dispatcher().add_event_handler(handler)``
     or use :func:`record_stats`. Each record is the dict ``KVCachedLLM`` puts into a response's
-    ``additional_kwargs`` (``ttft_s``, ``cache_read``, ``chunk_hits``, ...).
+    ``additional_kwargs`` (``ttft_s``, ``cache_read``, ``chunk_hits``, ...: the keys of
+    :data:`kvrag.integrations._shared.METADATA_KEYS`).
     """
 
     records: list[dict] = []
@@ -35,7 +38,7 @@ class KVStatsHandler(BaseEventHandler):
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)) and event.response is not None:
             info = event.response.additional_kwargs
-            if "ttft_s" in info and "chunk_hits" in info:
+            if METADATA_KEYS <= info.keys():  # a kvrag response, not another LLM's
                 self.records.append(dict(info))
 
 

@@ -1,0 +1,41 @@
+"""The one integration layer under the LangChain and LlamaIndex drop-ins.
+
+Both are thin translators over this package, which imports neither framework:
+
+- :mod:`.calls`: the LLM fields, the per-call argument table (:data:`CALL_ARGUMENTS`), how a call
+  finds its engine (the one given, else the shared one of model + ``engine_config``).
+- :mod:`.results`: one engine request as an iterator (:class:`EngineCall`) and its figures
+  (:func:`call_metadata`, :func:`usage`), the same keys in both frameworks.
+- :mod:`.threads`: the async bridge, one worker thread per stream (:func:`open_in_thread`).
+"""
+
+from kvrag.integrations._shared.calls import (
+    CALL_ARGUMENTS,
+    GenerationFields,
+    Mode,
+    Selection,
+    call_options,
+    check_engine_choice,
+    check_target,
+    engine_of,
+    template_role,
+)
+from kvrag.integrations._shared.results import METADATA_KEYS, EngineCall, call_metadata, usage
+from kvrag.integrations._shared.threads import open_in_thread
+
+__all__ = [
+    "CALL_ARGUMENTS",
+    "METADATA_KEYS",
+    "EngineCall",
+    "GenerationFields",
+    "Mode",
+    "Selection",
+    "call_metadata",
+    "call_options",
+    "check_engine_choice",
+    "check_target",
+    "engine_of",
+    "open_in_thread",
+    "template_role",
+    "usage",
+]

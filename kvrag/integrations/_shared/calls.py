@@ -1,0 +1,230 @@
+"""What a kvrag LLM accepts, in both integrations: fields, per-call arguments, the engine it uses.
+
+One table, :data:`CALL_ARGUMENTS`, names every per-call argument and the engine keyword it
+becomes; :class:`GenerationFields` holds the LLM fields both integrations share and turns a call
+into an :class:`~kvrag.integrations._shared.results.EngineCall`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
+from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
+from kvrag.engine import Engine
+from kvrag.errors import InvalidRequestError
+from kvrag.integrations._shared.results import EngineCall
+
+__all__ = [
+    "CALL_ARGUMENTS",
+    "GenerationFields",
+    "Mode",
+    "Selection",
+    "call_options",
+    "check_engine_choice",
+    "check_target",
+    "engine_of",
+    "template_role",
+]
+
+# Subscripting Literal with the tuple itself keeps kvrag.config the one list of choices.
+Mode = Literal[MODES]  # type: ignore[valid-type]
+Selection = Literal[SELECTIONS]  # type: ignore[valid-type]
+
+#: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.complete(x, mode="full")``)
+#: and the engine name each one becomes: an :meth:`Engine.stream` keyword, or ``model``, which
+#: picks the engine. Aliases map to the same name. LLM fields with these names are the defaults.
+CALL_ARGUMENTS: Mapping[str, str] = MappingProxyType(
+    {
+        "max_new_tokens": "max_new_tokens",
+        "max_tokens": "max_new_tokens",
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "stop": "stop",
+        "seed": "seed",
+        "mode": "mode",
+        "recompute_ratio": "recompute_ratio",
+        "selection": "selection",
+        "dedup": "dedup",
+        "conversation_id": "conversation_id",
+        "model": "model",
+    }
+)
+
+# Message roles and types of both frameworks, as the roles chat templates know.
+_TEMPLATE_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "ai": "assistant",
+    "chatbot": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
+
+# Request settings are LLM fields and per-call arguments; in ``engine_config`` they would create
+# a separate engine (another copy of the model) per value.
+_PER_CALL_CONFIG = {f.name for f in dataclasses.fields(EngineConfig)} & set(CALL_ARGUMENTS.values())
+_ENGINE_CONFIG = {f.name for f in dataclasses.fields(EngineConfig)} - _PER_CALL_CONFIG
+
+
+def call_options(defaults: Mapping[str, Any], kwargs: Mapping[str, Any], *, owner: str) -> dict[str, Any]:
+    """One call's engine arguments: ``defaults`` overridden by the call's own arguments.
+
+    Args:
+        defaults: values by engine name (an LLM's fields); ``None`` = the engine's default.
+        kwargs: the call's keyword arguments, by the names of :data:`CALL_ARGUMENTS`; ``None``
+            means not given (the default stays).
+        owner: the class named in errors.
+
+    Returns:
+        Every engine name of :data:`CALL_ARGUMENTS` (``model`` included) with its value.
+
+    Raises:
+        InvalidRequestError: an argument outside :data:`CALL_ARGUMENTS`, or two aliases of one
+            argument given different values.
+    """
+    unknown = sorted(set(kwargs) - CALL_ARGUMENTS.keys())
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown argument(s) {', '.join(unknown)}; {owner} accepts {', '.join(sorted(CALL_ARGUMENTS))}"
+        )
+    options = {name: defaults.get(name) for name in CALL_ARGUMENTS.values()}
+    given: dict[str, str] = {}
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        target = CALL_ARGUMENTS[name]
+        if target in given and options[target] != value:
+            raise InvalidRequestError(f"{given[target]} and {name} are one argument; give one of them")
+        given[target] = name
+        options[target] = value
+    return options
+
+
+def template_role(role: str) -> str | None:
+    """The chat-template role of a framework's message role or type (``human`` -> ``user``); None if unknown."""
+    return _TEMPLATE_ROLES.get(role)
+
+
+def check_engine_choice(engine: Any, model: str | None, engine_config: Mapping[str, Any] | None) -> None:
+    """An LLM takes an engine, or the model and config of a shared one, not both."""
+    if engine is None:
+        return
+    if not isinstance(engine, Engine):
+        raise InvalidRequestError(f"engine must be a kvrag Engine, got {type(engine).__name__}")
+    if model is not None or engine_config:
+        raise InvalidRequestError("give either engine= or model=/engine_config=, not both")
+
+
+def check_target(target: Any) -> None:
+    """Raise unless :func:`engine_of` can resolve ``target`` (checked without loading an engine)."""
+    if target is not None and not isinstance(target, Engine) and not callable(getattr(target, "get_engine", None)):
+        raise InvalidRequestError(f"expected a kvrag LLM, a kvrag Engine or None, got {type(target).__name__}")
+
+
+def engine_of(target: Any) -> Engine:
+    """The engine behind a registration target: an LLM's, an engine itself, or (``None``) the shared default."""
+    check_target(target)
+    if target is None:
+        return kvrag.engine.get_engine()
+    if isinstance(target, Engine):
+        return target
+    return target.get_engine()
+
+
+class GenerationFields(BaseModel):
+    """The fields of a kvrag LLM, the same in both integrations, and how a call uses them.
+
+    The engine is not loaded when the LLM is constructed: the first call takes it from the
+    process-wide registry (:func:`kvrag.engine.get_engine`), keyed by model and ``engine_config``,
+    so every LLM, retriever and node postprocessor with the same settings shares one engine (and
+    one chunk registry and KV cache). An LLM given an ``engine`` uses that one instead.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: str | None = Field(
+        default=None,
+        description="None = the bundled SmolLM2-135M-Instruct; else a local HF model directory or .gguf file.",
+    )
+    engine_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="EngineConfig fields of the shared engine (dtype, device, memory_budget_bytes, ...).",
+    )
+    mode: Mode | None = Field(
+        default=None,
+        description=f"Prefill mode, one of {', '.join(MODES)}; None = the engine's default. full reuses nothing.",
+    )
+    recompute_ratio: float | None = Field(
+        default=None, description="Share of cached chunk tokens recomputed in blend (0..1); None = engine default."
+    )
+    selection: Selection | None = Field(
+        default=None,
+        description=f"Which cached tokens blend recomputes, one of {', '.join(SELECTIONS)}; None = engine default.",
+    )
+    temperature: float | None = Field(default=None, description="0 = greedy; None = engine default (greedy).")
+    top_p: float | None = Field(default=None, description="Nucleus sampling threshold; None = engine default.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    stop: list[str] | None = Field(default=None, description="Stop strings; the output is cut before the first one.")
+    dedup: bool | None = Field(
+        default=None, description="In a conversation, drop chunks an earlier turn already placed (CRAFT)."
+    )
+
+    @field_validator("engine_config")
+    @classmethod
+    def _check_engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        per_call = sorted(set(value) & _PER_CALL_CONFIG)
+        if per_call:
+            raise ValueError(f"pass {', '.join(per_call)} as LLM fields or per-call arguments, not in engine_config")
+        unknown = sorted(set(value) - _ENGINE_CONFIG)
+        if unknown:
+            raise ValueError(f"unknown engine_config field(s): {', '.join(unknown)}")
+        EngineConfig(**value)  # validates values (cheap: no model is loaded)
+        return value
+
+    @field_validator("recompute_ratio")
+    @classmethod
+    def _check_ratio(cls, value: float | None) -> float | None:
+        return None if value is None else check_ratio(value)
+
+    def _given_engine(self) -> Engine | None:
+        """The engine passed at construction, if any (each integration keeps it its own way)."""
+        raise NotImplementedError
+
+    def get_engine(self, model: str | None = None) -> Engine:
+        """The engine serving this LLM: the one given, else the shared one; ``model`` (per call) overrides."""
+        given = self._given_engine()
+        if given is not None and model is None:
+            return given
+        return kvrag.engine.get_engine(model if model is not None else self.model, **self.engine_config)
+
+    def call_defaults(self) -> dict[str, Any]:
+        """This LLM's fields named in :data:`CALL_ARGUMENTS`, by engine name: a call's defaults."""
+        fields = type(self).model_fields
+        return {target: getattr(self, name) for name, target in CALL_ARGUMENTS.items() if name in fields}
+
+    def start_call(
+        self, render: Callable[[Engine], str], kwargs: Mapping[str, Any], defaults: Mapping[str, Any]
+    ) -> EngineCall:
+        """Validate a call and start it on the engine (the request is checked before this returns).
+
+        Args:
+            render: the prompt string, from the engine that serves the call (its chat template).
+            kwargs: the call's arguments (see :func:`call_options`).
+            defaults: the call's defaults by engine name, usually :meth:`call_defaults`.
+        """
+        options = call_options(defaults, kwargs, owner=type(self).__name__)
+        model = options.pop("model")
+        engine = self.get_engine(model)
+        stream = engine.stream(prompt=render(engine), **options)
+        name = model if model is not None else self.model if self.model is not None else engine.model_name
+        return EngineCall(stream, model_name=name, conversation_id=options["conversation_id"])
