@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import threading
 from typing import get_args
 
@@ -19,6 +18,7 @@ pytest.importorskip("pydantic")  # the LLM fields are pydantic models (both inte
 import kvrag.engine
 from kvrag.config import MODES, SELECTIONS, EngineConfig
 from kvrag.engine import Engine, Generation, GenerationStats, GenerationStream
+from kvrag.engine.requests import RequestArgs
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import (
     CALL_ARGUMENTS,
@@ -85,8 +85,10 @@ class FakeEngine(Engine):
 
 
 def test_every_argument_names_an_engine_keyword():
-    stream_keywords = set(inspect.signature(Engine.stream).parameters) - {"self", "chunks", "prefix", "suffix"}
-    assert set(CALL_ARGUMENTS.values()) == (stream_keywords - {"prompt"}) | {"model"}
+    # every request keyword but the prompt itself, the sampling object (its fields are here one by
+    # one) and the tenant (a server's business, not a per-call argument)
+    request_keywords = set(RequestArgs.__annotations__) - {"prompt", "sampling", "namespace"}
+    assert set(CALL_ARGUMENTS.values()) == request_keywords | {"model"}
     assert CALL_ARGUMENTS["max_tokens"] == CALL_ARGUMENTS["max_new_tokens"] == "max_new_tokens"
 
 
