@@ -311,37 +311,6 @@ def test_loading_controller_raises_ratio_only_to_hide_recompute_under_loading():
     assert preload_depth(30, 2.0, 1.0) == 1
 
 
-def test_steady_state_simulation_stays_within_budgets(tmp_path):
-    import random
-
-    from kvrag.engine.store.sim import simulate, summarize, zipf_stream
-
-    rng = random.Random(0)
-    passages = [[rng.randrange(5000) for _ in range(rng.randint(50, 80))] for _ in range(60)]
-    prof = CostProfile()
-    for a in (0, 200, 400):
-        for b in (20, 200, 500):
-            prof.record(a, b, 0.001 * b + 0.0001 * a)
-    measured = {"profile": prof.to_dict(), "throughput": 1e9, "kv_bytes_per_token": 23040}
-    stream = zipf_stream(60, 120, 5, 1.0, seed=1)
-    out = {}
-    for policy in ("lru", "pgdsf"):
-        res = simulate(
-            passages,
-            stream,
-            policy,
-            measured,
-            memory_fraction=0.2,
-            disk_fraction=0.5,
-            extra_tokens=20,
-            workdir=str(tmp_path),
-        )
-        assert all(r["memory_bytes"] <= r["memory_budget"] and r["disk_bytes"] <= r["disk_budget"] for r in res)
-        out[policy] = summarize(res)
-        assert len(out[policy]) == 5 and all(0 <= w["hit_rate"] <= 1 and w["speedup"] >= 1 for w in out[policy])
-    assert out["pgdsf"][-1]["memory_hit_rate"] >= out["lru"][-1]["memory_hit_rate"]
-
-
 @pytest.mark.parametrize("policy", ["lru", "pgdsf"])
 def test_chunks_hot_in_memory_keep_their_disk_copy(tmp_path, policy):
     """A hot chunk served from memory for a long time is not lost when the disk fills up and the
