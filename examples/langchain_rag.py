@@ -22,6 +22,8 @@ from _rag_data import build_index, dataset_path, format_docs, load_passages  # n
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
+from kvrag.bench.data import pick_question_pair  # noqa: E402
+from kvrag.bench.metrics import rouge_l  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever  # noqa: E402
 
 # LangChain's RAG tutorial prompt.
@@ -42,26 +44,6 @@ def make_chain(retriever, llm):
     return {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
 
 
-def pick_questions(store, questions: list[str], k: int) -> tuple[str, str]:
-    """Two questions whose top-k documents share the most (at least 4 when the data allows it)."""
-    tops = [[d.page_content for d in store.similarity_search(q, k=k)] for q in questions]
-    best, pair = -1, (questions[0], questions[1])
-    for i in range(len(questions)):
-        for j in range(i + 1, len(questions)):
-            common = len(set(tops[i]) & set(tops[j]))
-            if common > best:
-                best, pair = common, (questions[i], questions[j])
-            if best >= 4:
-                return pair
-    return pair
-
-
-def rouge_l(a: str, b: str) -> float:
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(["rougeL"]).score(a, b)["rougeL"].fmeasure
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", help="MuSiQue-style JSON (default: ../shared/data/musique_dev.json if present)")
@@ -78,7 +60,8 @@ def main() -> None:
     t0 = time.perf_counter()
     store = build_index(docs)
     print(f"faiss index ready in {time.perf_counter() - t0:.1f} s")
-    q1, q2 = pick_questions(store, questions, k)
+    tops = [[d.page_content for d in store.similarity_search(q, k=k)] for q in questions]
+    q1, q2, _ = pick_question_pair(questions, tops)
 
     kvrag_llm = KVCachedLLM(max_tokens=args.max_tokens)  # the one changed line
     full_llm = KVCachedLLM(max_tokens=args.max_tokens, mode="full")  # kvrag off: a full prefill

@@ -8,7 +8,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvrag bench [options]   (see `kvrag bench --help`)")
+        print(
+            "usage: kvrag bench [options]   (see `kvrag bench --help`)\n"
+            "       kvrag bench {compare,merge,make-dataset,methods,store-sim,registry,kernels} ..."
+        )
         return 0
     if argv[0] == "bench":
         from kvrag.bench.__main__ import main as bench_main

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "default_cache_dir"]
+__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "DTYPE_NAMES", "default_cache_dir"]
 
 #: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
 #: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
@@ -27,7 +27,8 @@ SELECTIONS = ("hkvd", "probe", "recency")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 
-_DTYPES = ("float32", "bfloat16", "float16")
+#: Dtypes of weights and KV, by name (their torch dtypes: :mod:`kvrag.engine.dtypes`).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DEVIATIONS = ("k", "v", "kv")
 _POLICIES = ("lru", "pgdsf")
 
@@ -92,7 +93,7 @@ class EngineConfig:
         eviction_policy: which entry goes first when a tier is over budget: ``pgdsf`` (RAGCache's
             Greedy-Dual-Size-Frequency, with costs from the engine's own prefill times) or ``lru``.
             PGDSF is the default: on a Zipf stream over the dev passages it keeps more hits than
-            LRU with the same budgets (``python -m kvrag.engine.store.sim``).
+            LRU with the same budgets (``kvrag bench store-sim``).
         namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
         chunk_context: what a chunk's KV is computed behind: ``neighbor`` (other documents — the
             ones before it in ``warm``'s list, its real context when a request computes it) or
@@ -143,11 +144,10 @@ class EngineConfig:
     seed: int | None = None
     max_conversations: int = 8
     conversation_dedup: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_ratio(self.recompute_ratio)
@@ -174,8 +174,8 @@ class EngineConfig:
             raise InvalidRequestError("memory_budget_bytes must be >= 0")
         if self.disk_budget_bytes < 0:
             raise InvalidRequestError("disk_budget_bytes must be >= 0")
-        if self.disk_dtype not in _DTYPES:
-            raise InvalidRequestError(f"disk_dtype must be one of {_DTYPES}, got {self.disk_dtype!r}")
+        if self.disk_dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"disk_dtype must be one of {DTYPE_NAMES}, got {self.disk_dtype!r}")
         if self.eviction_policy not in _POLICIES:
             raise InvalidRequestError(f"eviction_policy must be one of {_POLICIES}, got {self.eviction_policy!r}")
         if not isinstance(self.namespace, str) or not self.namespace:

@@ -26,9 +26,10 @@ from _rag_data import build_index, dataset_path, format_docs, load_passages  # n
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 from multi_turn_chat import DEV_TURNS, run_turn  # noqa: E402
-from rouge_score import rouge_scorer  # noqa: E402
 
 from kvrag import ContextLengthError  # noqa: E402
+from kvrag.bench.data import pick_question_pair  # noqa: E402
+from kvrag.bench.metrics import rouge_l  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever, register_documents  # noqa: E402
 from kvrag.integrations.langchain.chat_models import to_chat_messages  # noqa: E402
 
@@ -41,21 +42,6 @@ RESULTS: list[tuple[str, bool, str]] = []
 def check(name: str, ok: bool, detail: str) -> None:
     RESULTS.append((name, ok, detail))
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
-
-
-def rouge_l(a: str, b: str) -> float:
-    return rouge_scorer.RougeScorer(["rougeL"]).score(b, a)["rougeL"].fmeasure
-
-
-def overlapping_pair(store, questions, k):
-    """The first question pair whose top-k share >= 4 documents in another order."""
-    tops = [[d.page_content for d in store.similarity_search(q, k=k)] for q in questions]
-    for i in range(len(questions)):
-        for j in range(i + 1, len(questions)):
-            common = set(tops[i]) & set(tops[j])
-            if len(common) >= 4 and [d for d in tops[i] if d in common] != [d for d in tops[j] if d in common]:
-                return questions[i], questions[j], len(common)
-    raise SystemExit("no question pair with >= 4 shared top-k documents in another order")
 
 
 def rag_check(name, make_chain, store, llm, full_llm, q1, q2, shared, repeats, answer_of):
@@ -216,7 +202,8 @@ def main() -> None:
     ratio = {} if args.recompute_ratio is None else {"recompute_ratio": args.recompute_ratio}
     llm, full_llm = KVCachedLLM(**llm_kwargs, **ratio), KVCachedLLM(**llm_kwargs, mode="full")
     llm.invoke("Say hello.")  # load and warm up the engine
-    q1, q2, shared = overlapping_pair(store, questions, 6)
+    tops = [[d.page_content for d in store.similarity_search(q, k=6)] for q in questions]
+    q1, q2, shared = pick_question_pair(questions, tops)
     if args.only in (None, "rag"):
         rag_check("LCEL stuff chain", lcel_chain, store, llm, full_llm, q1, q2, shared, args.repeats, lambda r: r)
     if args.only in (None, "chain"):

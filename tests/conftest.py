@@ -8,12 +8,28 @@ import torch  # noqa: E402
 
 # Triton decides at import (its own and its lazy submodules') whether @jit functions run in its
 # interpreter, and torch imports triton as soon as transformers builds a model: so the variable is
-# set for the whole session, before anything imports triton. Only tests/kernels/test_kernels.py launches
-# Triton kernels; on CPU tensors only the interpreter can run them. Left alone on a CUDA machine.
+# set for the whole session, before anything imports triton. Only the tests that take the
+# ``triton_device`` fixture launch Triton kernels; on CPU tensors only the interpreter can run them.
+# Left alone on a CUDA machine: there the kernels are compiled and run on the GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers import make_docs, make_tiny_llama, make_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=["cuda" if torch.cuda.is_available() else "cpu"])
+def triton_device(request) -> torch.device:
+    """The device kvrag's Triton kernels run on in tests: the GPU when there is one (kernels compiled
+    for it), else the CPU, where Triton's interpreter runs them. Skips without Triton."""
+    pytest.importorskip("triton")
+    device = torch.device(request.param)
+    if device.type == "cpu":
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.standard.max, InterpretedFunction):
+            pytest.fail("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it before any import)")
+    return device
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,9 @@ kvrag bench compare RUN_A RUN_B            # each run's own paired ratios, side 
 kvrag bench merge RUN_A RUN_B --out DIR    # pool runs of one machine/model/commit/settings
 kvrag bench make-dataset --out qa.json     # a small synthetic QA set (for tests and demos)
 kvrag bench methods                        # the registered method names
+kvrag bench store-sim --dataset QA.json --out DIR  # the store's steady state under a Zipf stream, LRU vs PGDSF
+kvrag bench registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
+kvrag bench kernels                        # Triton kernels against their references (needs a CUDA GPU)
 """
 
 from __future__ import annotations
@@ -240,7 +243,33 @@ def _methods(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"compare": _compare, "merge": _merge, "make-dataset": _make_dataset, "methods": _methods}
+def _store_sim(argv: list[str]) -> int:
+    from kvrag.bench.store_sim import main as store_sim_main
+
+    return store_sim_main(argv)
+
+
+def _registry(argv: list[str]) -> int:
+    from kvrag.bench.registry_lookup import main as registry_main
+
+    return registry_main(argv)
+
+
+def _kernels(argv: list[str]) -> int:
+    from kvrag.bench.kernels import main as kernels_main
+
+    return kernels_main(argv)
+
+
+COMMANDS = {
+    "compare": _compare,
+    "merge": _merge,
+    "make-dataset": _make_dataset,
+    "methods": _methods,
+    "store-sim": _store_sim,
+    "registry": _registry,
+    "kernels": _kernels,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ __all__ = [
     "load_dataset",
     "passage_text",
     "make_synthetic_dataset",
+    "pick_question_pair",
     "DEFAULT_SYSTEM",
     "DEFAULT_INSTRUCTIONS",
     "DEFAULT_ANSWER_HINT",
@@ -233,3 +235,38 @@ def make_synthetic_dataset(n: int = 8, passages: int = 6, words: int = 60, seed:
         rng.shuffle(ctxs)
         out.append({"question": f"Who built the {thing} of {place}?", "answers": [person], "ctxs": ctxs})
     return out
+
+
+def pick_question_pair(
+    questions: Sequence[str], top_ids: Sequence[Sequence[Hashable]], *, min_shared: int = 4
+) -> tuple[str, str, int]:
+    """Two questions whose retrieved passages overlap, in another order: kvrag's case.
+
+    The pair whose top-k lists share the most passages, counting only pairs whose shared passages
+    come back in a different order (exact prefix reuse would serve the others); the earliest pair
+    wins a tie. The examples and acceptance scripts ask the first question cold, the second warm.
+
+    Args:
+        questions: the questions, in dataset order.
+        top_ids: per question, its retrieved passages (ids or texts) in retrieval order.
+        min_shared: the fewest shared passages acceptable.
+
+    Returns:
+        (first question, second question, passages they share).
+
+    Raises:
+        InvalidRequestError: ``top_ids`` does not match ``questions``, or no pair shares
+            ``min_shared`` passages in another order.
+    """
+    if len(top_ids) != len(questions):
+        raise InvalidRequestError(f"top_ids has {len(top_ids)} lists for {len(questions)} questions")
+    best: tuple[str, str, int] | None = None
+    for i in range(len(questions)):
+        for j in range(i + 1, len(questions)):
+            shared = set(top_ids[i]) & set(top_ids[j])
+            reordered = [x for x in top_ids[i] if x in shared] != [x for x in top_ids[j] if x in shared]
+            if reordered and len(shared) >= min_shared and (best is None or len(shared) > best[2]):
+                best = (questions[i], questions[j], len(shared))
+    if best is None:
+        raise InvalidRequestError(f"no pair of questions shares >= {min_shared} retrieved passages in another order")
+    return best

@@ -27,7 +27,7 @@ class CostFeedback:
         pending = sum(r.pending_bytes() for _, r in plan.chunk_records if hasattr(r, "pending_bytes"))
         if pending:
             t_full = self.profile.full_prefill(plan.num_tokens, self.n_layers)
-            plan.ratio = self.loading.ratio(plan.ratio, pending, t_full, self.n_layers)
+            plan.ratio = self.loading.ratio(plan.ratio, pending, t_full)
 
     def observe(self, plan: Plan, token_layers: int, seconds: float) -> None:
         """After a prefill: feed the cost profile, and tell the store what its misses cost (PGDSF)."""

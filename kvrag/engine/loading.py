@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvrag.engine.dtypes import torch_dtype
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Version of kvrag's KV layout; part of every fingerprint so old caches never mix with new.
 KV_FORMAT_VERSION = 1
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _convert_lock = threading.Lock()
 
 
@@ -198,7 +198,7 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     check_architecture(config)
     hf_model = AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=_DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+        str(directory), dtype=torch_dtype(dtype), local_files_only=True, attn_implementation="sdpa"
     )
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

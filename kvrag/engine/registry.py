@@ -8,7 +8,9 @@ matches no document is simply computed.
 
 Matching: every registered text is indexed by a hash of its first ``anchor`` characters; the
 prompt is scanned with a rolling hash of the same width, and candidate positions are verified
-with a plain string comparison. Leftmost, then longest, non-overlapping matches win.
+with a plain string comparison. Leftmost, then longest, non-overlapping matches win. A lookup
+costs O(prompt) whatever the registry's size: it reads the index in place, without copying it
+(``python -m kvrag.bench registry`` measures it at 100 and 100,000 texts).
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ class ChunkRegistry:
         self.max_entries = max_entries
         self.min_chars = min_chars
         self.anchor = anchor
-        self._texts: OrderedDict[str, str] = OrderedDict()  # id -> text
-        self._by_anchor: dict[int, set[str]] = {}  # anchor hash -> ids
+        self._texts: OrderedDict[str, str] = OrderedDict()  # id -> text, oldest first; under the lock
+        # anchor hash -> the registered texts that start with it. Written only under the lock, and a
+        # bucket is replaced, never mutated: find() reads it without the lock (a dict lookup is atomic,
+        # under the GIL and in free-threaded builds alike) and sees each bucket before or after a change.
+        self._by_anchor: dict[int, tuple[str, ...]] = {}
         self._lock = threading.Lock()
         self._pow = pow(_BASE, anchor - 1, _MOD)
 
@@ -76,38 +81,25 @@ class ChunkRegistry:
                     self._texts.move_to_end(cid)
                     continue
                 self._texts[cid] = text
-                self._by_anchor.setdefault(_hash(text[: self.anchor]), set()).add(cid)
+                h = _hash(text[: self.anchor])
+                self._by_anchor[h] = self._by_anchor.get(h, ()) + (text,)
                 while len(self._texts) > self.max_entries:
-                    old_id, old = self._texts.popitem(last=False)
-                    bucket = self._by_anchor.get(_hash(old[: self.anchor]))
-                    if bucket is not None:
-                        bucket.discard(old_id)
-                        if not bucket:
-                            del self._by_anchor[_hash(old[: self.anchor])]
+                    _, old = self._texts.popitem(last=False)
+                    h = _hash(old[: self.anchor])
+                    rest = tuple(t for t in self._by_anchor.get(h, ()) if t != old)
+                    if rest:
+                        self._by_anchor[h] = rest
+                    else:
+                        self._by_anchor.pop(h, None)
         return ids
-
-    def forget(self, texts) -> None:
-        with self._lock:
-            for text in texts:
-                cid = content_id(text)
-                old = self._texts.pop(cid, None)
-                if old is not None:
-                    bucket = self._by_anchor.get(_hash(old[: self.anchor]), set())
-                    bucket.discard(cid)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._texts.clear()
-            self._by_anchor.clear()
 
     def find(self, prompt: str) -> list[tuple[int, int]]:
         """Non-overlapping (start, end) character spans of registered texts inside ``prompt``."""
         w = self.anchor
         n = len(prompt)
-        if n < w or not self._texts:
+        by_anchor = self._by_anchor  # read in place, without the lock (see __init__)
+        if n < w or not by_anchor:
             return []
-        with self._lock:
-            by_anchor = {h: [self._texts[i] for i in ids] for h, ids in self._by_anchor.items()}
         spans: list[tuple[int, int]] = []
         h = _hash(prompt[:w])
         i = 0

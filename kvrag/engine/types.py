@@ -134,7 +134,3 @@ class ScoreResult:
     tokens: int
     token_logprobs: list[float]
     stats: GenerationStats
-
-    @property
-    def mean_logprob(self) -> float:
-        return self.logprob / max(1, self.tokens)

@@ -20,14 +20,12 @@ from kvrag.kernels.reference import (
     QUERY_BLOCK,
     attention_ref,
     kv_deviation_ref,
-    rope_rerotate_ref_,
     rope_rotate_ref,
     topk_ref,
 )
 
 __all__ = [
     "rope_rotate",
-    "rope_rerotate_",
     "attention",
     "kv_deviation",
     "topk",
@@ -90,25 +88,6 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
         return rope_rotate_triton(x, cos, sin)
     return rope_rotate_ref(x, cos, sin)
-
-
-def rope_rerotate_(
-    k: torch.Tensor,
-    old_pos: torch.Tensor | None,
-    new_pos: torch.Tensor,
-    inv_freq: torch.Tensor,
-    scaling: float = 1.0,
-) -> torch.Tensor:
-    """Rotate keys k [heads, T, D] in place from positions old_pos [T] (None: no RoPE yet) to new_pos [T].
-
-    ``inv_freq`` [D/2] are the model's rotary inverse frequencies; ``scaling`` multiplies cos/sin
-    (the model's attention scaling when placing keys stored without RoPE). Returns ``k``.
-    """
-    if _triton_for(k):
-        from kvrag.kernels.triton_rope import rope_rerotate_triton_
-
-        return rope_rerotate_triton_(k, old_pos, new_pos, inv_freq, scaling)
-    return rope_rerotate_ref_(k, old_pos, new_pos, inv_freq, scaling)
 
 
 def attention(

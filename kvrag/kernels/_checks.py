@@ -12,7 +12,6 @@ __all__ = [
     "INDEX_DTYPES",
     "check_tensor",
     "check_same_device",
-    "check_writable",
     "check_launchable",
 ]
 
@@ -39,19 +38,6 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors must be on one device: {listed}")
     return first
-
-
-def check_writable(name: str, t: torch.Tensor) -> None:
-    """``t`` can be written in place element by element: no two indices share memory."""
-    dims = sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1)
-    span = 1
-    for stride, size in dims:
-        if stride < span:
-            raise ValueError(
-                f"{name} has overlapping memory (shape {tuple(t.shape)}, strides {t.stride()}); "
-                "an in-place kernel needs a tensor whose elements are distinct (e.g. not from expand())"
-            )
-        span = stride * size
 
 
 def check_launchable(device: torch.device, kernel) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rope_rotate_ref", "rope_rerotate_ref_", "attention_ref", "kv_deviation_ref", "topk_ref", "QUERY_BLOCK"]
+__all__ = ["rope_rotate_ref", "attention_ref", "kv_deviation_ref", "topk_ref", "QUERY_BLOCK"]
 
 #: Selected queries are attended in position-ordered blocks of this many rows, each block against
 #: the key prefix it can see (keys up to its last position) instead of the whole sequence.
@@ -24,8 +24,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [heads, T, D] by the angles whose cos/sin [T, D] are given.
 
-    Applied to keys stored without RoPE, this places them at the positions of ``cos``/``sin``;
-    applied with the cos/sin of ``new - old`` it re-rotates keys stored at ``old``.
+    Applied to keys stored without RoPE (kvrag's store), this places them at the positions of
+    ``cos``/``sin``.
     """
     return x * cos + _rotate_half(x) * sin
 
@@ -123,28 +123,3 @@ def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
     return torch.sort(torch.topk(scores, k, sorted=False).indices).values
-
-
-def rope_rerotate_ref_(
-    k: torch.Tensor,
-    old_pos: torch.Tensor | None,
-    new_pos: torch.Tensor,
-    inv_freq: torch.Tensor,
-    scaling: float = 1.0,
-) -> torch.Tensor:
-    """Rotate keys k [heads, T, D] in place from ``old_pos`` [T] to ``new_pos`` [T].
-
-    The angle of each pair is ``(new - old) * inv_freq`` formed in float32 (as the model's rotary
-    embedding forms ``pos * inv_freq``); the arithmetic is float32 with one rounding to k's dtype.
-    ``old_pos=None`` means keys stored without RoPE (kvrag's store); then ``scaling`` should be the
-    model's attention scaling, and 1.0 when moving keys that already carry it.
-
-    Returns:
-        ``k``.
-    """
-    delta = new_pos if old_pos is None else new_pos - old_pos
-    freqs = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    x = k.float()
-    k.copy_(x * (emb.cos() * scaling) + _rotate_half(x) * (emb.sin() * scaling))
-    return k

@@ -10,7 +10,7 @@ import pytest
 from kvrag import InvalidRequestError
 from kvrag.bench import BenchOptions, MixedRunsError, paired_ratios, parse_methods, run_bench
 from kvrag.bench.__main__ import main as bench_main
-from kvrag.bench.data import PromptFormat, load_dataset, make_synthetic_dataset
+from kvrag.bench.data import PromptFormat, load_dataset, make_synthetic_dataset, pick_question_pair
 from kvrag.bench.metrics import (
     best_f1,
     f1_score,
@@ -153,6 +153,24 @@ def test_dataset_validation(tmp_path):
             load_dataset(p)
     with pytest.raises(InvalidRequestError, match="not found"):
         load_dataset(tmp_path / "missing.json")
+
+
+def test_question_pair_shares_the_most_passages_in_another_order():
+    qs = ["q0", "q1", "q2", "q3"]
+    tops = [
+        ["a", "b", "c", "d", "e"],
+        ["a", "b", "c", "d", "x"],  # shares 4 with q0, in the same order: prefix reuse's case, skipped
+        ["e", "d", "c", "b", "y"],  # shares 4 with q0 (and 3 with q1), reordered
+        ["b", "a", "e", "c", "d"],  # shares 5 with q0, reordered: the most
+    ]
+    assert pick_question_pair(qs, tops) == ("q0", "q3", 5)
+    assert pick_question_pair(qs[:3], tops[:3]) == ("q0", "q2", 4)
+    assert pick_question_pair(qs[1:], tops[1:]) == ("q1", "q3", 4)  # q2/q3 share 4 too: the earliest wins
+    assert pick_question_pair(qs[1:3], tops[1:3], min_shared=3) == ("q1", "q2", 3)
+    with pytest.raises(InvalidRequestError, match="in another order"):
+        pick_question_pair(qs[:2], tops[:2])
+    with pytest.raises(InvalidRequestError, match="top_ids"):
+        pick_question_pair(qs, tops[:3])
 
 
 def test_prompt_format_and_zipf(tiny_tokenizer):

@@ -18,8 +18,6 @@ from kvrag.errors import KvragError
 
 __all__ = ["StoreKey", "KVRecord", "KVStore", "DamagedEntryError", "chunk_key", "token_bytes"]
 
-DEFAULT_NAMESPACE = "default"
-
 
 class DamagedEntryError(KvragError):
     """A stored entry failed verification while it was read (checksum, size, format).
@@ -139,15 +137,6 @@ class KVStore(ABC):
 
     @abstractmethod
     def remove(self, key: StoreKey) -> bool: ...
-
-    def get_layer(self, key: StoreKey, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K and V [Hkv, T, D] of one layer (tiers that read layer by layer override this)."""
-        rec = self.get(key)
-        return None if rec is None else (rec.k[layer], rec.v[layer])
-
-    def get_many(self, keys, token_ids_list=None) -> list[KVRecord | None]:
-        ids = token_ids_list or [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, ids)]
 
     def stats(self) -> dict:
         return {}

@@ -27,6 +27,7 @@ from pathlib import Path
 import diskcache
 import torch
 
+from kvrag.engine.dtypes import torch_dtype
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey
 from kvrag.errors import StoreError
@@ -144,7 +145,7 @@ class DiskStore(KVStore):
     ):
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
-        self.dtype = serial.DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         self.policy = "pgdsf" if policy == "pgdsf" else "lru"
         self._cost_sum, self._cost_n = 0.0, 0
         try:

@@ -10,8 +10,7 @@ fails the record (:class:`DamagedEntryError`) and the engine plans the request a
 
 Cache-Craft (§3.4.2) bounds the read-ahead to ``Lp = (L-1)(1 - T_prefill/T_load) + 1`` layers
 because its buffer is scarce GPU memory. Here the buffer is host memory that the record is
-promoted into anyway, so the loader reads ahead without bound; :func:`preload_depth` still
-reports Lp (a device tier with a bounded buffer would use it). CacheBlend's loading controller
+promoted into anyway, so the loader reads ahead without bound. CacheBlend's loading controller
 (§5.1) is :class:`LoadingController`: with the tier's measured throughput it raises the recompute
 ratio up to where recompute hides under loading, never below the configured ratio.
 """
@@ -25,13 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from kvrag.engine.store import serial
+from kvrag.engine.dtypes import STORED_DTYPES
 from kvrag.engine.store.base import DamagedEntryError, KVRecord
 from kvrag.engine.store.disk import DiskEntry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StreamedRecord", "Prefetcher", "ThroughputMeter", "LoadingController", "preload_depth"]
+__all__ = ["StreamedRecord", "Prefetcher", "ThroughputMeter", "LoadingController"]
 
 _PENDING, _LOADING, _READY = 0, 1, 2
 
@@ -78,8 +77,8 @@ class StreamedRecord:
         self.kind, self.context, self.meta = h.kind, h.context, h.meta
         self.stats = entry.read_stats()  # small; needed before any layer
         self._entry = entry
-        self._k = torch.empty(h.shape, dtype=serial.DTYPES[h.dtype])
-        self._v = torch.empty(h.shape, dtype=serial.DTYPES[h.dtype])
+        self._k = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
+        self._v = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
         self._state = [_PENDING] * h.shape[0]
         self._ready = 0
         self._reading = 0  # layers being read right now (the file stays open until they finish)
@@ -287,13 +286,6 @@ class Prefetcher:
                 pass
 
 
-def preload_depth(n_layers: int, t_prefill: float, t_load: float) -> int:
-    """Cache-Craft's preload depth ``Lp = max(1, (L-1)(1 - T_prefill/T_load) + 1)`` (eq. 16)."""
-    if t_load <= 0:
-        return 1
-    return max(1, min(n_layers, round((n_layers - 1) * (1 - t_prefill / t_load) + 1)))
-
-
 class LoadingController:
     """CacheBlend's loading controller (§5.1): pick the recompute ratio that hides under loading.
 
@@ -305,14 +297,13 @@ class LoadingController:
         self.meter = meter
         self.last: dict = {}
 
-    def ratio(self, configured: float, load_bytes: int, t_prefill: float | None, n_layers: int) -> float:
+    def ratio(self, configured: float, load_bytes: int, t_prefill: float | None) -> float:
         """The recompute ratio for a request that still has ``load_bytes`` to read.
 
         Args:
             configured: the request's ratio (the floor).
             load_bytes: bytes of cached KV still to be read from slower tiers.
             t_prefill: estimated seconds of a full prefill of the prompt (``None`` if unknown).
-            n_layers: the model's layers (for the preload depth reported).
         """
         tp = self.meter.throughput()
         if load_bytes <= 0 or tp is None or not t_prefill:
@@ -320,10 +311,5 @@ class LoadingController:
             return configured
         t_load = load_bytes / tp
         r = min(1.0, max(configured, t_load / t_prefill))
-        self.last = {
-            "ratio": r,
-            "t_load": t_load,
-            "t_prefill": t_prefill,
-            "preload_depth": preload_depth(n_layers, r * t_prefill, t_load),
-        }
+        self.last = {"ratio": r, "t_load": t_load, "t_prefill": t_prefill}
         return r

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.engine.dtypes import STORED_DTYPES, dtype_name
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, StoreKey
 
-__all__ = ["MAGIC", "Header", "encode", "read_header", "read_layer_into", "read_record", "DTYPES"]
+__all__ = ["MAGIC", "Header", "encode", "read_header", "read_layer_into", "read_record"]
 
 MAGIC = b"KVRAGKV1"
 FORMAT = 1
@@ -36,23 +37,13 @@ _PRELUDE = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 1 << 20  # 1 MiB: token ids and tensors are in the body, the header is small
 
-#: Dtypes allowed in the body (a name outside this table is a damaged entry).
-DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
-_NAMES = {v: k for k, v in DTYPES.items()}
-
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _nbytes(dtype: str, shape) -> int:
-    n = DTYPES[dtype].itemsize
+    n = STORED_DTYPES[dtype].itemsize
     for s in shape:
         n *= s
     return n
@@ -113,10 +104,10 @@ def encode(key: StoreKey, record: KVRecord, dtype: torch.dtype) -> bytes:
     stats = []
     for name, t in record.stats.items():
         t = t.detach().to("cpu").contiguous()
-        if t.dtype not in _NAMES:
+        if dtype_name(t.dtype) is None:
             t = t.float()
         b = _bytes_view(t)
-        stats.append([name, _NAMES[t.dtype], list(t.shape), zlib.crc32(b)])
+        stats.append([name, dtype_name(t.dtype), list(t.shape), zlib.crc32(b)])
         body.append(b)
     body_len = sum(len(b) for b in body)
     fields = {
@@ -126,7 +117,7 @@ def encode(key: StoreKey, record: KVRecord, dtype: torch.dtype) -> bytes:
         "kind": record.kind,
         "context": record.context,
         "meta": record.meta,
-        "dtype": _NAMES[dtype],
+        "dtype": dtype_name(dtype),
         "shape": list(k.shape),
         "tokens_crc": zlib.crc32(body[0]),
         "layer_crcs": layer_crcs,
@@ -212,7 +203,7 @@ def read_header(fd: int, file_size: int) -> Header:
         if type(item) is not list or len(item) != 4:
             raise _damaged("bad stats entry")
         name, sdtype, sshape, scrc = item
-        if _str(sdtype) not in DTYPES:
+        if _str(sdtype) not in STORED_DTYPES:  # the body holds nothing else
             raise _damaged(f"stats dtype {sdtype!r} not allowed")
         stats.append((_str(name), sdtype, _shape(sshape), _int(scrc, 0, 0xFFFFFFFF)))
     h = Header(
@@ -264,7 +255,7 @@ def read_stats(fd: int, h: Header) -> dict[str, torch.Tensor]:
     out = {}
     pos = h.layer_offset(h.shape[0])
     for name, dtype, shape, crc in h.stats:
-        t = torch.empty(shape, dtype=DTYPES[dtype])
+        t = torch.empty(shape, dtype=STORED_DTYPES[dtype])
         view = _bytes_view(t)
         _pread_exact(fd, [view], pos)
         if zlib.crc32(view) != crc:
@@ -276,8 +267,8 @@ def read_stats(fd: int, h: Header) -> dict[str, torch.Tensor]:
 
 def read_record(fd: int, h: Header, token_ids: torch.Tensor) -> KVRecord:
     """The whole record (every layer verified)."""
-    k = torch.empty(h.shape, dtype=DTYPES[h.dtype])
-    v = torch.empty(h.shape, dtype=DTYPES[h.dtype])
+    k = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
+    v = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
     for layer in range(h.shape[0]):
         read_layer_into(fd, h, layer, k[layer], v[layer])
     return KVRecord(token_ids, k, v, kind=h.kind, context=h.context, meta=h.meta, stats=read_stats(fd, h), tier="disk")

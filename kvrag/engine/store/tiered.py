@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvrag.engine.store import serial
+from kvrag.engine.dtypes import dtype_name, torch_dtype
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
@@ -47,7 +47,7 @@ class TieredStore(KVStore):
     def __init__(self, memory: MemoryStore, disk: DiskStore | None, dtype: str = "float16", prefetch: bool = True):
         self.memory = memory
         self.disk = disk
-        self.dtype = serial.DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         self.prefetch = prefetch
         self.meter = ThroughputMeter()
         self._prefetcher = Prefetcher()
@@ -203,7 +203,7 @@ class TieredStore(KVStore):
             policy=mem.get("policy", {}).get("name"),
             memory=mem,
             load=self.meter.stats(),
-            dtype=str(self.dtype).replace("torch.", ""),
+            dtype=dtype_name(self.dtype),
         )
         if self.disk is not None:
             out["disk"] = self.disk.stats()

@@ -13,8 +13,9 @@ taken from the engine's own measured cost profile:
   (prefetch overlaps loading with compute);
 - its speedup is ``T(0, n) / TTFT``: a full prefill of the same prompt over the request's TTFT.
 
-Run ``python -m kvrag.engine.store.sim --dataset DEV.json --out DIR`` (measures the profile with
-the bundled model first, or takes ``--profile DIR/profile.json`` from an earlier run).
+Run ``kvrag bench store-sim --dataset DEV.json --out DIR`` (or ``python -m kvrag.bench store-sim``;
+it measures the profile with the bundled model first, or takes ``--profile DIR/profile.json`` from
+an earlier run).
 """
 
 from __future__ import annotations
@@ -212,8 +213,9 @@ def plot(series: dict[str, list[dict]], path: Path, window: int = 50) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvrag bench store-sim``."""
+    ap = argparse.ArgumentParser(prog="kvrag bench store-sim", description=__doc__.split("\n")[0])
     ap.add_argument("--dataset", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", help="profile.json from an earlier run (skips measuring)")
@@ -277,7 +279,4 @@ def main(argv=None) -> None:
             f"last/second {report['steady'][p]:.2f}",
         )
     print("within budget:", report["within_budget"])
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a CUDA target, down to a cubin, on a machine without a GPU.
 
-    python -m kvrag.kernels.compile_check [--arch 75 80 90] [--dtype float16 bfloat16 float32]
+    PYTHONPATH=. python scripts/compile_check.py [--arch 75 80 90] [--dtype float16 bfloat16 float32]
 
 The interpreter tests check what the kernels compute; this checks that the compiler accepts them
 for real GPUs (Triton's front end, layouts, PTX, and ptxas, which ships inside the triton wheel),
@@ -49,15 +49,6 @@ def _specs(dtype: torch.dtype, head_dim: int) -> list[tuple[str, object, dict, d
             dict(HALF=half, **tr.launch_config(1000, half)),
         )
     )
-    for has_old in (False, True):
-        specs.append(
-            (
-                f"rope_rerotate_ old={'pos' if has_old else 'none'}",
-                tr._rope_rerotate_kernel,
-                {"X": ptr, "OLD": "*i64", "NEW": "*i64", "INV_FREQ": "*fp32", "scaling": "fp32"},
-                dict(HAS_OLD=has_old, HALF=half, **tr.launch_config(1000, half), **tr.REDUCTION),
-            )
-        )
     specs.append(
         (
             "kv_deviation",
@@ -113,7 +104,7 @@ def compile_all(archs: list[int], dtypes: list[torch.dtype], head_dims: list[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvrag.kernels.compile_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/compile_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, nargs="+", default=[80], help="CUDA compute capabilities, e.g. 75 80 90")
     p.add_argument("--dtype", nargs="+", default=["float16"], choices=["float16", "bfloat16", "float32"])
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])

@@ -2,9 +2,9 @@
 
 Run on a machine with a CUDA GPU and Triton::
 
-    python -m kvrag.kernels.bench_gpu                      # SmolLM2-135M shapes, float16
-    python -m kvrag.kernels.bench_gpu --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --seq 2048 8192
-    python -m kvrag.kernels.bench_gpu --sweep              # also try attention launch configs
+    kvrag bench kernels                      # SmolLM2-135M shapes, float16 (or python -m kvrag.bench kernels)
+    kvrag bench kernels --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --seq 2048 8192
+    kvrag bench kernels --sweep              # also try attention launch configs
 
 Every case first checks the Triton result against the reference on the same inputs (it stops on a
 mismatch), then times both interleaved (CUDA events, median of ``--reps``) and prints the ratio
@@ -36,17 +36,12 @@ SWEEP = [(bm, bn, w, st) for bm in (32, 64, 128) for bn in (32, 64) for w in (4,
 
 @dataclass
 class Case:
-    """One comparison: ``ref()`` and ``tri()`` return the same result (checked once, then timed).
-
-    ``tri_timed`` (default ``tri``) is what gets timed when the checked call has set-up that real
-    use does not (an in-place kernel checked on a fresh copy, timed in place).
-    """
+    """One comparison: ``ref()`` and ``tri()`` return the same result (checked once, then timed)."""
 
     name: str
     ref: Callable[[], object]
     tri: Callable[[], object]
     tolerance: dict
-    tri_timed: Callable[[], object] | None = None
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -80,7 +75,7 @@ def cases(
     """The kernel cases at one shape: KV [kv_heads, seq, head_dim]; ``ratio`` of the rows selected."""
     from kvrag.kernels.triton_attention import attention_triton
     from kvrag.kernels.triton_deviation import kv_deviation_triton
-    from kvrag.kernels.triton_rope import rope_rerotate_triton_, rope_rotate_triton
+    from kvrag.kernels.triton_rope import rope_rotate_triton
 
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -98,19 +93,10 @@ def cases(
     sel = torch.sort(torch.randperm(seq, generator=g)[:n_sel]).values.to(device)
     scale = d**-0.5
     akw = attention_kwargs or {}
-    scratch = k_raw.clone()
     out = [
+        # placing cached keys (stored without RoPE) at their positions in the prompt
         Case(
             "rope_rotate", lambda: R.rope_rotate_ref(k_raw, cos, sin), lambda: rope_rotate_triton(k_raw, cos, sin), tol
-        ),
-        # The engine today: cos/sin tables for the new positions, then rotation; the kernel does both,
-        # in place (timed on a scratch buffer: rotating it again and again keeps its norm).
-        Case(
-            "rope_place (raw keys -> positions)",
-            lambda: R.rope_rotate_ref(k_raw, *_tables(pos, inv, dtype)),
-            lambda: rope_rerotate_triton_(k_raw.clone(), None, pos, inv),
-            tol,
-            tri_timed=lambda: rope_rerotate_triton_(scratch, None, pos, inv),
         ),
     ]
     for label, q_pos in (
@@ -140,12 +126,6 @@ def cases(
     return out
 
 
-def _tables(pos, inv, dtype):
-    f = pos.float()[:, None] * inv[None]
-    emb = torch.cat((f, f), -1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def run(case_list: list[Case], device: torch.device, reps: int, warmup: int = 3, label: str = "") -> list[dict]:
     """Check each case's parity, then time reference and Triton interleaved; print and return rows."""
     timer = _timer(device)
@@ -154,13 +134,12 @@ def run(case_list: list[Case], device: torch.device, reps: int, warmup: int = 3,
         torch.testing.assert_close(
             case.tri(), case.ref(), **case.tolerance, msg=lambda m, name=case.name: f"{name}: {m}"
         )
-        tri = case.tri_timed or case.tri
         for _ in range(warmup):
-            case.ref(), tri()
+            case.ref(), case.tri()
         ref_ms, tri_ms = [], []
         for _ in range(reps):
             ref_ms.append(timer(case.ref))
-            tri_ms.append(timer(tri))
+            tri_ms.append(timer(case.tri))
         row = dict(case=label or case.name, ref_ms=statistics.median(ref_ms), triton_ms=statistics.median(tri_ms))
         row["ratio"] = row["ref_ms"] / row["triton_ms"] if row["triton_ms"] > 0 else float("inf")
         rows.append(row)
@@ -172,7 +151,7 @@ def run(case_list: list[Case], device: torch.device, reps: int, warmup: int = 3,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvrag.kernels.bench_gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvrag bench kernels", description=__doc__.split("\n")[0])
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -185,16 +164,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); the Triton kernels run "
-            "only on CUDA tensors. Run this on a machine with a GPU; on CPU kvrag uses the PyTorch "
-            "references (see python -m kvrag.kernels.bench_cpu).",
+            "kvrag bench kernels: no CUDA GPU here (torch.cuda.is_available() is False); the Triton "
+            "kernels run only on CUDA tensors. Run this on a machine with a GPU; on CPU kvrag uses the "
+            "PyTorch references.",
             file=sys.stderr,
         )
         return 2
     try:
         import triton
     except ImportError:
-        print("bench_gpu: triton is not installed (pip install triton)", file=sys.stderr)
+        print("kvrag bench kernels: triton is not installed (pip install triton)", file=sys.stderr)
         return 2
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     print(
@@ -217,7 +196,3 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # a config that does not fit this GPU (shared memory, registers)
                     print(f"    {(bm, bn, w, st)} failed: {type(exc).__name__}: {str(exc)[:100]}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
