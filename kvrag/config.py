@@ -100,6 +100,10 @@ class EngineConfig:
             ``sink`` (alone behind the attention-sink token, as CacheBlend does). See
             :mod:`kvrag.engine.chunks`.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
+        max_variants: most variants of one chunk's KV kept, each computed in another context
+            (Cache-Craft); a request uses the one whose context fits it best, an exact one when the
+            prompt up to the chunk is the one it was computed in (RAGCache's knowledge tree). 1
+            keeps a single KV per chunk.
         write_back: after a request, precompute and store the KV of chunks it missed.
         max_new_tokens: default generation length.
         temperature: default sampling temperature (0 = greedy).
@@ -137,6 +141,7 @@ class EngineConfig:
     namespace: str = "default"
     chunk_context: str = "neighbor"
     chunk_min_tokens: int = 1
+    max_variants: int = 4
     write_back: bool = True
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -182,6 +187,8 @@ class EngineConfig:
             raise InvalidRequestError("namespace must be a non-empty string")
         if self.max_context is not None and self.max_context < 2:
             raise InvalidRequestError("max_context must be >= 2")
+        if isinstance(self.max_variants, bool) or not isinstance(self.max_variants, int) or self.max_variants < 1:
+            raise InvalidRequestError("max_variants must be an integer >= 1")
         if self.max_new_tokens < 0:
             raise InvalidRequestError("max_new_tokens must be >= 0")
         if self.temperature < 0:

@@ -39,6 +39,7 @@ from kvrag.config import CHUNK_CONTEXTS
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
+from kvrag.engine.variants import context_id
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +107,26 @@ class ChunkComputer:
             total -= len(recent.pop(0))
         self._recent = recent
 
-    def context_ids(self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = ()) -> list[int]:
-        """Tokens a chunk is computed behind (their KV is dropped): the sink, then the tail of the
-        documents ``before`` it (none given: the documents computed last that are not in
-        ``exclude``, the chunks about to be computed, so that no chunk goes behind a copy of
-        itself; or a built-in passage)."""
+    def context_ids(
+        self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = ()
+    ) -> tuple[list[int], list[str]]:
+        """Tokens a chunk is computed behind (their KV is dropped), and the content ids of the
+        documents they come from: the sink, then the tail of the documents ``before`` it (none
+        given: the documents computed last that are not in ``exclude``, the chunks about to be
+        computed, so that no chunk goes behind a copy of itself; or a built-in passage)."""
         if self.context == "sink":
-            return list(self.sink_ids)
-        docs = [t for doc in before or () for t in doc]
+            return list(self.sink_ids), []
+        docs = [doc for doc in before or () if doc]
         if not docs:
-            docs = [t for doc in self._recent if doc not in exclude for t in doc] or self._builtin_doc()
-        return self.sink_ids + docs[-self.context_tokens :]
+            docs = [doc for doc in self._recent if doc not in exclude] or [self._builtin_doc()]
+        tail, used, room = [], [], self.context_tokens
+        for doc in reversed(docs):  # the last documents, as many as fill the context (the first cut)
+            if room <= 0:
+                break
+            tail[:0] = doc[-room:]
+            used.insert(0, context_id(doc))
+            room -= len(doc)
+        return self.sink_ids + tail, used
 
     def max_chunk_tokens(self, window: int) -> int:
         """Longest chunk that fits the context window behind its context."""
@@ -146,13 +156,16 @@ class ChunkComputer:
 
     def compute_window(self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None) -> list[KVRecord]:
         """KV records of chunks computed in one pass, each behind the ones before it in ``docs``, the
-        first behind :meth:`context_ids` of ``before``; call under the engine's lock."""
+        first behind :meth:`context_ids` of ``before``; each record's ``meta["context"]`` names the
+        documents it was computed behind. Call under the engine's lock."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
-        ids = self.context_ids(before, exclude=docs)
-        caps, pos = [], len(ids)
+        ids, context = self.context_ids(before, exclude=docs)
+        caps, contexts, pos = [], [], len(ids)
         for doc in docs:
             caps.append(KVCapture(self.adapter, pos, pos + len(doc)))
+            contexts.append(list(context))
+            context.append(context_id(doc))
             ids += doc
             pos += len(doc)
         buf = KVBuffer(self.adapter, pos)
@@ -160,8 +173,10 @@ class ChunkComputer:
         forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, last_row_only=True)  # output unused
         for doc in docs:
             self._remember(doc)
-        label = self.label
-        return [KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=label) for doc, cap in zip(docs, caps)]
+        return [
+            KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label, meta={"context": ctx})
+            for doc, cap, ctx in zip(docs, caps, contexts)
+        ]
 
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""
@@ -172,14 +187,22 @@ class ChunkComputer:
 
 
 def warm_list(
-    computer: ChunkComputer, store: KVStore, docs: list[list[int]], keys: list[StoreKey], *, lock, window_tokens: int
+    computer: ChunkComputer,
+    store: KVStore,
+    docs: list[list[int]],
+    keys: list[StoreKey],
+    *,
+    lock,
+    window_tokens: int,
+    keep: Callable[[StoreKey, KVRecord], bool] | None = None,
 ) -> int:
     """Compute and store the KV of the chunks of a list that are not cached; returns how many.
 
     The list is cut into windows of at most ``window_tokens`` (cached chunks included: what was
     cached never moves the others); a window with a missing chunk is computed as one stream behind
     the list's other documents, taken round the list and ending just before the window (never a
-    copy of a member). Each window's pass runs under ``lock``.
+    copy of a member). Each window's pass runs under ``lock``. ``keep(key, record)`` stores a
+    record (the planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
     for i, key in enumerate(keys):
@@ -200,6 +223,6 @@ def warm_list(
                 records = computer.compute_window([docs[i] for i in members], before)
             for i, record in zip(members, records):
                 if i in missing:
-                    store.put(keys[i], record)
+                    (keep or store.put)(keys[i], record)
             computed += len(missing)
     return computed

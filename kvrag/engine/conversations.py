@@ -233,15 +233,16 @@ class Conversations:
             plan.prefix_len = prefix
             plan.prefix_records = [(0, state.record(0, prefix, new, 0, "prefix"))]
             plan.chunk_records = [(s, r) for s, r in plan.chunk_records if s >= prefix]
+            plan.exact_records = [(s, r) for s, r in plan.exact_records if s >= prefix]
             for use in plan.chunks:
                 if use.start + use.length <= prefix:
                     use.hit, use.source = True, "prefix"
-                elif use.start < prefix and use.source == "store":
+                elif use.start < prefix and use.source in ("store", "tree"):
                     use.hit, use.source = False, "computed"
             spans.append((0, prefix))
         if plan.mode not in ("blend", "reuse"):
             return spans
-        covered = sorted((s, s + r.num_tokens) for s, r in plan.chunk_records)
+        covered = sorted((s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records)
         first_run = len(spans)
         for i, j, n in match_runs(state.ids, new, plan.prefix_len, limit):
             for a, b in _subtract(i, i + n, covered):

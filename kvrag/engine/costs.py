@@ -24,7 +24,9 @@ class CostFeedback:
         """Before a blend prefill: raise ``plan.ratio`` while recompute hides under loading."""
         if not self.enabled or plan.mode != "blend" or plan.is_full:
             return
-        pending = sum(r.pending_bytes() for _, r in plan.chunk_records if hasattr(r, "pending_bytes"))
+        pending = sum(
+            r.pending_bytes() for _, r in plan.exact_records + plan.chunk_records if hasattr(r, "pending_bytes")
+        )
         if pending:
             t_full = self.profile.full_prefill(plan.num_tokens, self.n_layers)
             plan.ratio = self.loading.ratio(plan.ratio, pending, t_full)

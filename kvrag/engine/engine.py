@@ -36,6 +36,7 @@ from kvrag.engine.sequence import Sequence as RunningSequence
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import Generation, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.variants import VariantIndex
 from kvrag.engine.writeback import WriteBack
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
@@ -82,6 +83,7 @@ class Engine:
             config.namespace,
             config.prefix_block_tokens,
             context_label(config.chunk_context, self.sink_ids),
+            VariantIndex(config.max_variants),
         )
         self.chunk_computer = ChunkComputer(
             self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context, self.context_window
@@ -182,6 +184,7 @@ class Engine:
             keys,
             lock=self._lock,
             window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
+            keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
         )
         return WarmResult(computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0)
 
@@ -358,7 +361,7 @@ class Engine:
                 namespace=req.namespace,
             )
             if attempts == 0:
-                limit = len(plan.chunk_records) + len(plan.prefix_records) + 1
+                limit = len(plan.cached_spans()) + 1
             attempts += 1
             if req.conversation is not None and not plan.is_full:
                 req.conversation_spans = self.conversations.attach(plan, req.conversation)

@@ -78,7 +78,7 @@ def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tup
             capture.k[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
             capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
     chunk_caps = {}
-    cached_spans = [(s, s + r.num_tokens) for s, r in plan.chunk_records]
+    cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
         seg = plan.segments[i]
         if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
@@ -101,14 +101,14 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
     capture, chunk_caps = _captures(adapter, plan, options)
     captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
 
-    if plan.is_full or (plan.prefix_len == 0 and not plan.chunk_records):
+    if plan.is_full or not plan.cached_spans():
         h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, trace=trace, last_row_only=True)
         return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps)
 
     cos, sin = adapter.rope(all_pos)
-    source = SpanSource(adapter, plan.prefix_records + plan.chunk_records, cos, sin)
+    source = SpanSource(adapter, plan.cached_spans(), cos, sin)
     candidates = plan.candidates().to(adapter.device)
-    rows = all_pos >= plan.prefix_len
+    rows = ~plan.reused_exactly().to(adapter.device)
     if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
@@ -147,11 +147,12 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
         prompt_tokens=n,
         cached_tokens=plan.cached_tokens,
         prefix_tokens=plan.prefix_len,
+        exact_tokens=plan.exact_tokens,
         recomputed_tokens=res.recomputed_tokens,
         computed_tokens=res.computed_tokens,
         compute_fraction=res.trace.token_layers / full_work if full_work else 0.0,
         chunk_hits=sum(c.hit for c in plan.chunks),
         chunk_misses=sum(not c.hit for c in plan.chunks),
-        chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier) for c in plan.chunks],
+        chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier, c.fix) for c in plan.chunks],
         prefill_s=prefill_s,
     )

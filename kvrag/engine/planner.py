@@ -17,6 +17,7 @@ from kvrag.engine.model import ModelAdapter
 from kvrag.engine.prefix import PrefixCache
 from kvrag.engine.runner import KVBuffer
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, chunk_key
+from kvrag.engine.variants import ExactDigest, VariantIndex, VariantInfo, context_id, fix_overhead, variant_key
 from kvrag.kernels import rope_rotate
 
 __all__ = ["Segment", "ChunkUse", "Plan", "Planner", "SpanSource"]
@@ -43,10 +44,13 @@ class ChunkUse:
     index: int  # segment index
     start: int
     length: int
-    key: StoreKey
+    key: StoreKey  # the chunk's own key (its first variant's)
     hit: bool
-    source: str  # "store", "prefix" (covered by an exact prefix), "computed"
-    tier: str = ""  # for "store": the tier the KV came from ("memory", "disk")
+    source: str  # "store" (blended), "tree" (an exact variant), "prefix" (inside an exact prefix), "computed"
+    tier: str = ""  # for "store"/"tree": the tier the KV came from ("memory", "disk", ...)
+    context: tuple[str, ...] = ()  # content ids of the chunks before it in this prompt
+    digest: str | None = None  # digest of every token before it (see kvrag.engine.variants)
+    fix: float | None = None  # the used variant's cache fix overhead (Cache-Craft's CFO without alpha)
 
 
 @dataclass(slots=True)
@@ -60,7 +64,8 @@ class Plan:
     namespace: str = "default"  # the tenant whose cache entries the plan uses
     prefix_len: int = 0  # [0, prefix_len) reused exactly from the prefix cache
     prefix_records: list[tuple[int, KVRecord]] = field(default_factory=list)
-    chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of hits
+    chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of blended hits
+    exact_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of exact variants
     chunks: list[ChunkUse] = field(default_factory=list)
 
     @property
@@ -78,17 +83,34 @@ class Plan:
 
     @property
     def cached_tokens(self) -> int:
-        return self.prefix_len + sum(r.num_tokens for _, r in self.chunk_records)
+        return self.prefix_len + sum(r.num_tokens for _, r in self.chunk_records + self.exact_records)
+
+    @property
+    def exact_tokens(self) -> int:
+        """Prompt tokens whose KV is reused exactly: the exact prefix and exact chunk variants."""
+        return self.prefix_len + sum(r.num_tokens for _, r in self.exact_records)
+
+    def cached_spans(self) -> list[tuple[int, KVRecord]]:
+        """Every (start, record) the prefill places: prefix blocks, exact variants, blended hits."""
+        return self.prefix_records + self.exact_records + self.chunk_records
+
+    def reused_exactly(self) -> torch.Tensor:
+        """[N] bool: positions whose KV is reused exactly (the exact prefix, exact chunk variants)."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool)
+        mask[: self.prefix_len] = True
+        for start, rec in self.exact_records:
+            mask[start : start + rec.num_tokens] = True
+        return mask
 
     def candidates(self) -> torch.Tensor:
-        """[N] bool: positions holding cached chunk KV."""
+        """[N] bool: positions holding blended cached chunk KV (what a selection may recompute)."""
         mask = torch.zeros(self.num_tokens, dtype=torch.bool)
         for start, rec in self.chunk_records:
             mask[start : start + rec.num_tokens] = True
         return mask
 
     def exact_end(self) -> int:
-        """Positions [0, exact_end) get exact KV (first cached chunk starts the approximation)."""
+        """Positions [0, exact_end) get exact KV (the first blended chunk starts the approximation)."""
         return min((s for s, _ in self.chunk_records), default=self.num_tokens)
 
     def first_chunk_start(self) -> int:
@@ -115,7 +137,16 @@ class SpanSource:
 class Planner:
     """Tokenises segments and looks up cached KV for them."""
 
-    def __init__(self, tokenizer, store: KVStore, fingerprint: str, namespace: str, block: int, context_label: str):
+    def __init__(
+        self,
+        tokenizer,
+        store: KVStore,
+        fingerprint: str,
+        namespace: str,
+        block: int,
+        context_label: str,
+        variants: VariantIndex | None = None,
+    ):
         self.tokenizer = tokenizer
         self.store = store
         self.fingerprint = fingerprint
@@ -123,6 +154,7 @@ class Planner:
         self.prefix_cache = PrefixCache(store, fingerprint, block)
         self.kv_shape: tuple[int, int, int] | None = None  # (layers, KV heads, head dim) of the model
         self.context_label = context_label  # how chunk KV was computed (part of every chunk key)
+        self.variants = variants if variants is not None else VariantIndex()
         self._tok_cache: OrderedDict[str, list[int]] = OrderedDict()
         bos = getattr(tokenizer, "bos_token_id", None)
         with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
@@ -140,6 +172,51 @@ class Planner:
         else:
             self._tok_cache.move_to_end(text)
         return ids
+
+    def _best_variant(
+        self, key: StoreKey, ids: list[int], context: tuple[str, ...], digest: str | None
+    ) -> tuple[VariantInfo | None, KVRecord | None]:
+        """The stored variant of a chunk with the lowest fix overhead here (an exact one first).
+
+        Variants the store no longer has are dropped from the index on the way; with none indexed,
+        the chunk's own key may still hold its first variant (a disk tier after a restart).
+        """
+        ranked = sorted(self.variants.variants(key), key=lambda v: (fix_overhead(v, context, digest), -v.reuses))
+        for info in ranked:
+            rec = self.store.get(info.key, ids)
+            if rec is not None and self._fits(rec):
+                return info, rec
+            self.variants.drop(key, info.key)
+        rec = self.store.get(key, ids)
+        if rec is None or not self._fits(rec):
+            return None, None
+        info = VariantInfo.from_record(key, rec)
+        self.variants.add(key, info)
+        return info, rec
+
+    def keep_variant(self, key: StoreKey, record: KVRecord, context: tuple[str, ...], exact: str | None = None) -> bool:
+        """Store ``record`` as a variant of the chunk whose own key is ``key``; False if not kept.
+
+        The first variant goes under ``key`` itself, later ones under keys derived from their
+        context (the same context, or the same exact digest, is kept once). Past the per-chunk cap
+        the least reused variant leaves the store.
+        """
+        info = VariantInfo(key, context, exact)
+        if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
+            if not any(v.key == key for v in self.variants.variants(key)):
+                held = self.store.get(key)
+                if held is not None:
+                    self.variants.add(key, VariantInfo.from_record(key, held))
+            tag = f"exact:{exact}" if exact is not None else "context:" + ",".join(context)
+            info.key = variant_key(key, tag)
+            if self.store.contains(info.key):
+                return False
+        record.meta = {**record.meta, **info.meta()}
+        if not self.store.put(info.key, record):
+            return False
+        for old in self.variants.add(key, info):
+            self.store.remove(old)
+        return True
 
     def _fits(self, rec) -> bool:
         """A record whose KV has another model's shape is unusable (only a forged entry has one)."""
@@ -198,29 +275,33 @@ class Planner:
             if bad is not None:
                 plan.prefix_len = plan.prefix_records[bad][0]
                 plan.prefix_records = plan.prefix_records[:bad]
+        exact = ExactDigest(id_list)
+        before: list[str] = []  # content ids of the chunks so far
         for i, s in enumerate(segments):
             if s.kind != "chunk":
                 continue
             key = self.chunk_key(s.ids, namespace)
+            use = ChunkUse(i, s.start, len(s.ids), key, False, "computed", context=tuple(before))
+            plan.chunks.append(use)
+            before.append(context_id(s.ids))
             if s.end <= plan.prefix_len:
-                plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, True, "prefix"))
+                use.hit, use.source = True, "prefix"
                 continue
-            rec = None
-            if mode in ("blend", "reuse") and s.start >= plan.prefix_len:
-                rec = self.store.get(key, s.ids)
-                if rec is not None and (s.end > limit or not self._fits(rec)):  # keep the last token computed
-                    rec = None
-            if rec is not None:
+            if s.start < plan.prefix_len:
+                continue
+            use.digest = exact.at(s.start)
+            if mode not in ("blend", "reuse") or s.end > limit:  # the last token is always computed
+                continue
+            info, rec = self._best_variant(key, s.ids, use.context, use.digest)
+            if rec is None:
+                continue
+            use.hit, use.tier, use.fix = True, rec.tier, fix_overhead(info, use.context, use.digest)
+            if info.exact is not None and info.exact == use.digest:
+                use.source = "tree"
+                plan.exact_records.append((s.start, rec))
+            else:
+                use.source = "store"
                 plan.chunk_records.append((s.start, rec))
-            plan.chunks.append(
-                ChunkUse(
-                    i,
-                    s.start,
-                    len(s.ids),
-                    key,
-                    rec is not None,
-                    "store" if rec else "computed",
-                    rec.tier if rec is not None else "",
-                )
-            )
+            self.variants.used(info)
+            self.store.record_reuse(info.key, use.fix)
         return plan

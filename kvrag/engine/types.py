@@ -14,8 +14,9 @@ class ChunkInfo:
     start: int
     tokens: int
     hit: bool
-    source: str  # "store" (cached chunk KV), "prefix" (inside a reused exact prefix), "computed"
-    tier: str = ""  # for "store": where the KV came from, "memory" or "disk"
+    source: str  # "store" (cached KV, blended), "tree" (an exact variant), "prefix" (an exact prefix), "computed"
+    tier: str = ""  # for "store"/"tree": where the KV came from ("memory", "disk", ...)
+    fix: float | None = None  # the reused variant's cache fix overhead (0: exact; ~CCI: foreign company)
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class GenerationStats:
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
         prefix_tokens: prompt tokens reused from the exact prefix cache.
+        exact_tokens: prompt tokens whose KV was reused exactly (exact prefix + exact chunk variants,
+            RAGCache's knowledge-tree hits); ``cached_tokens - exact_tokens`` were blended.
         recomputed_tokens: cached chunk tokens whose KV was recomputed through the last layer.
         computed_tokens: prompt tokens computed through the last layer (uncached text, question,
             recomputed chunk tokens).
@@ -50,6 +53,7 @@ class GenerationStats:
     prompt_tokens: int
     cached_tokens: int = 0
     prefix_tokens: int = 0
+    exact_tokens: int = 0
     recomputed_tokens: int = 0
     computed_tokens: int = 0
     compute_fraction: float = 1.0

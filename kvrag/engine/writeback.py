@@ -107,26 +107,33 @@ class WriteBack:
                     prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
                 )
             )
+        exact_end = plan.exact_end()
         for use in self._kept_misses(plan):
-            if use.key in self._pending:
+            cap = res.chunk_captures.get(use.index)
+            # a chunk computed here is a variant computed behind this prompt's chunks; exact if
+            # everything before it was (the knowledge tree's path), else blended KV came before it
+            context = use.context if cap is not None else ()
+            exact = use.digest if cap is not None and use.start + use.length <= exact_end else None
+            job = (use.key, context, exact)
+            if job in self._pending:
                 continue
-            self._pending.add(use.key)
-            ids, cap = list(plan.segments[use.index].ids), res.chunk_captures.get(use.index)
-            self._writer.submit(lambda key=use.key, ids=ids, cap=cap: self._write_chunk(key, ids, cap))
+            self._pending.add(job)
+            ids = list(plan.segments[use.index].ids)
+            self._writer.submit(lambda job=job, ids=ids, cap=cap: self._write_chunk(job, ids, cap))
 
-    def _write_chunk(self, key, ids: list[int], capture: KVCapture | None) -> None:
+    def _write_chunk(self, job, ids: list[int], capture: KVCapture | None) -> None:
+        key, context, exact = job
         try:
-            if self.store.contains(key):
-                return
             if capture is not None:
                 record = self.computer.record_from_capture(ids, capture)
             else:
+                if self.store.contains(key):
+                    return
                 with self._lock:
                     record = self.computer.compute(ids)
-            if not self.store.contains(key):
-                self.store.put(key, record)
+            self.planner.keep_variant(key, record, context, exact)
         finally:
-            self._pending.discard(key)
+            self._pending.discard(job)
 
     def flush(self) -> None:
         """Wait until every scheduled job has run."""

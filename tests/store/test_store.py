@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvrag.engine.store import DamagedEntryError, DiskStore, MemoryStore, TieredStore, build_store, serial
-from kvrag.engine.store.policy import FrequencyReusePolicy, LRUPolicy, PGDSFPolicy
+from kvrag.engine.store.policy import LRUPolicy, PGDSFPolicy
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
 from kvrag.engine.store.profile import CostProfile
 from tests.store.helpers import Payload, entry_path, key, record, same, token_ids
@@ -208,20 +208,27 @@ def test_build_store_from_config(tmp_path):
 # -- policies and costs ------------------------------------------------------------------------
 
 
-def test_lru_and_frequency_reuse_order():
+def test_lru_order():
     lru = LRUPolicy()
     for k in "abc":
         lru.insert(k, 1)
     lru.access("a", True)
     assert lru.victim() == "b"
-    fr = FrequencyReusePolicy()
+
+
+def test_pgdsf_counts_reuses_by_their_fix_overhead():
+    """Cache-Craft's frequency-reuse inside PGDSF: a reuse with fix overhead CFO counts 1/CFO accesses."""
+    p = PGDSFPolicy()
     for k in "abc":
-        fr.insert(k, 1)
-    fr.record_reuse("a", 0.5)  # f_r = 2
-    fr.record_reuse("b", 0.1)  # f_r = 10
-    assert fr.victim() == "c" and fr.score("b") == pytest.approx(10)
-    fr.remove("c")
-    assert fr.victim() == "a"
+        p.insert(k, 1)
+        p.record_cost(k, 1.0)
+    for k, cfo in (("a", 0.5), ("b", 0.05), ("c", 1.0)):
+        p.access(k, True)
+        p.record_reuse(k, cfo)
+    assert p.value_of("a")[0] == 2 and p.value_of("b")[0] == 10 and p.value_of("c")[0] == 1  # b floored at 0.1
+    assert p.victim() == "c"
+    p.record_reuse("c", 0.01)  # an exact reuse moves it up
+    assert p.victim() == "a"
 
 
 def test_pgdsf_priority_clock_and_cost():
@@ -259,7 +266,7 @@ def test_pgdsf_keeps_hot_entries_that_lru_drops():
     assert hits["pgdsf"] > hits["lru"]
 
 
-@pytest.mark.parametrize("policy", ["lru", "pgdsf", "frequency-reuse"])
+@pytest.mark.parametrize("policy", ["lru", "pgdsf"])
 def test_a_pinned_batch_never_evicts_its_own_members(policy):
     """PGDSF ranks old, often used entries above fresh ones: without pins, warming a batch into a
     full tier evicts the batch's first members to make room for its last."""

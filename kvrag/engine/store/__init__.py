@@ -3,7 +3,7 @@
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey, chunk_key
 from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
-from kvrag.engine.store.policy import EvictionPolicy, FrequencyReusePolicy, LRUPolicy, PGDSFPolicy, make_policy
+from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, PGDSFPolicy, make_policy
 from kvrag.engine.store.tiered import TieredStore, build_store
 
 __all__ = [
@@ -19,6 +19,5 @@ __all__ = [
     "EvictionPolicy",
     "LRUPolicy",
     "PGDSFPolicy",
-    "FrequencyReusePolicy",
     "make_policy",
 ]

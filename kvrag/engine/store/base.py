@@ -150,7 +150,7 @@ class KVStore(ABC):
         """Report what computing these missed entries cost per non-cached token (PGDSF's cost)."""
 
     def record_reuse(self, key: StoreKey, cfo: float) -> None:
-        """Report a reuse with Cache-Craft fix budget ``cfo`` (frequency-reuse score f_r += 1/CFO)."""
+        """Report a reuse with cache fix overhead ``cfo`` (Cache-Craft's frequency-reuse: it counts 1/CFO)."""
 
     def clear(self) -> None:
         """Drop every entry."""

@@ -17,7 +17,7 @@ class MemoryStore(KVStore):
 
     Args:
         budget_bytes: the most bytes of records kept (a record larger than this is refused).
-        policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``, ``frequency-reuse``).
+        policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``).
     """
 
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | str | None = None) -> None:

@@ -11,9 +11,9 @@ next victim. It keeps no tensors, so it is cheap to test on its own.
   each victim, so entries not used for a while age out. Frequencies count accesses in a window
   (the last ``window`` distinct keys, resident or not), so a popular chunk that was evicted comes
   back with its history.
-- :class:`FrequencyReusePolicy`: Cache-Craft's frequency-reuse score (§3.4.1), ``f_r += 1/CFO`` per
-  reuse; the lowest score goes first. It waits for the Cache-Craft planner to report CFOs through
-  :meth:`KVStore.record_reuse`.
+  The frequency is Cache-Craft's frequency-reuse (§3.3): a reuse reported with its cache fix
+  overhead (:meth:`KVStore.record_reuse`, the planner does for every chunk variant it uses) counts
+  ``1 / CFO`` accesses, so variants that fit their prompts well outlive those that need fixing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "FrequencyReusePolicy", "make_policy", "POLICIES"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "make_policy", "POLICIES", "CFO_FLOOR"]
+
+#: A reuse with cache fix overhead ``cfo`` counts ``1 / max(cfo, CFO_FLOOR)`` accesses (an exact
+#: reuse 10, a chunk reused in foreign company ~2): Cache-Craft's frequency-reuse.
+CFO_FLOOR = 0.1
 
 
 class EvictionPolicy(ABC):
@@ -94,7 +98,7 @@ class LRUPolicy(EvictionPolicy):
 
 @dataclass(slots=True)
 class _Meta:
-    frequency: int = 0
+    frequency: float = 0.0  # accesses, reuses weighted by 1/CFO
     total_cost: float = 0.0
     costed: int = 0  # requests that computed the entry (m in RAGCache's formula 3)
 
@@ -159,6 +163,13 @@ class PGDSFPolicy(EvictionPolicy):
         if hit and key in self._prio:
             self._reprioritise(key)
 
+    def record_reuse(self, key, cfo: float) -> None:
+        # the access itself counted 1 already; a reuse that needed little fixing counts more
+        extra = 1.0 / max(float(cfo), CFO_FLOOR) - 1.0
+        if extra > 0 and key in self._prio:
+            self._touch(key).frequency += extra
+            self._reprioritise(key)
+
     def record_cost(self, key, seconds_per_token: float) -> None:
         if not seconds_per_token > 0:
             return
@@ -198,7 +209,7 @@ class PGDSFPolicy(EvictionPolicy):
         meta = self._meta.get(key)
         if meta is None:
             return 1, None
-        return max(1, meta.frequency), (meta.total_cost / meta.costed if meta.costed else None)
+        return max(1, round(meta.frequency)), (meta.total_cost / meta.costed if meta.costed else None)
 
     def describe(self) -> dict:
         return {
@@ -209,43 +220,11 @@ class PGDSFPolicy(EvictionPolicy):
         }
 
 
-class FrequencyReusePolicy(EvictionPolicy):
-    """Cache-Craft's frequency-reuse score: ``f_r += 1 / CFO`` on each reuse; lowest first, then oldest."""
-
-    name = "frequency-reuse"
-
-    def __init__(self, min_cfo: float = 1e-3) -> None:
-        self.min_cfo = min_cfo
-        self._score: OrderedDict = OrderedDict()
-
-    def insert(self, key, size: int) -> None:
-        self._score.setdefault(key, 0.0)
-        self._score.move_to_end(key)
-
-    def access(self, key, hit: bool) -> None:
-        if hit and key in self._score:
-            self._score.move_to_end(key)
-
-    def record_reuse(self, key, cfo: float) -> None:
-        if key in self._score:
-            self._score[key] += 1.0 / max(float(cfo), self.min_cfo)
-
-    def remove(self, key) -> None:
-        self._score.pop(key, None)
-
-    def victim(self, skip=frozenset()):
-        # oldest first among equal scores: dict order is recency order
-        return min((k for k in self._score if k not in skip), key=self._score.__getitem__, default=None)
-
-    def score(self, key) -> float:
-        return self._score.get(key, 0.0)
-
-
-POLICIES = {"lru": LRUPolicy, "pgdsf": PGDSFPolicy, "frequency-reuse": FrequencyReusePolicy}
+POLICIES = {"lru": LRUPolicy, "pgdsf": PGDSFPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """A new policy by name (``lru``, ``pgdsf`` or ``frequency-reuse``)."""
+    """A new policy by name (``lru`` or ``pgdsf``)."""
     try:
         return POLICIES[name]()
     except KeyError:

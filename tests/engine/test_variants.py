@@ -1,0 +1,107 @@
+"""Chunk-KV variants: Cache-Craft's fix overhead, the variant index, exact chunk sequences (knowledge tree)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.engine.store.base import StoreKey
+from kvrag.engine.variants import (
+    ExactDigest,
+    VariantIndex,
+    VariantInfo,
+    context_id,
+    fix_overhead,
+    order_penalty,
+    prefix_overlap,
+)
+from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs
+
+
+def key(name: str) -> StoreKey:
+    return StoreKey("default", name * 8)
+
+
+def test_prefix_overlap_weighs_the_context_the_prompt_still_has():
+    info = VariantInfo(key("a"), ("x", "y", "z"))
+    assert prefix_overlap(info, ["x", "y", "z"]) == 1.0
+    assert prefix_overlap(info, ["q", "y"]) == pytest.approx(1 / 3)
+    assert prefix_overlap(info, []) == 0.0
+    weighted = VariantInfo(key("a"), ("x", "y"), weights=(0.9, 0.1))  # Cache-Craft's inter-attention
+    assert prefix_overlap(weighted, ["x"]) == pytest.approx(0.9)
+    alone = VariantInfo(key("a"), ())  # computed behind nothing: fits a prompt with nothing before it
+    assert (prefix_overlap(alone, []), prefix_overlap(alone, ["x"])) == (1.0, 0.0)
+
+
+def test_order_penalty_is_the_normalised_kendall_tau_distance():
+    assert order_penalty(["a", "b", "c"], ["a", "b", "c"]) == 0.0
+    assert order_penalty(["a", "b", "c"], ["c", "b", "a"]) == 1.0
+    assert order_penalty(["a", "b", "c"], ["b", "a", "c", "d"]) == pytest.approx(1 / 3)
+    assert order_penalty(["a", "b"], ["b", "x"]) == 0.0  # fewer than two in common
+
+
+def test_fix_overhead_is_zero_for_an_exact_variant_and_grows_with_mismatch():
+    info = VariantInfo(key("a"), ("x", "y", "z"), exact="d1", cci=0.8)
+    assert fix_overhead(info, ["x", "y", "z"], "d1") == 0.0
+    same = fix_overhead(info, ["x", "y", "z"], "other")
+    swapped = fix_overhead(info, ["y", "x", "z"], "other")
+    foreign = fix_overhead(info, ["q"], "other")
+    assert same == 0.0 < swapped < foreign == pytest.approx(0.8)
+
+
+def test_exact_digest_names_everything_before_a_position():
+    a, b = ExactDigest([1, 2, 3, 4]), ExactDigest([1, 2, 9, 4])
+    assert a.at(2) == b.at(2) and a.at(3) != b.at(3)
+    with pytest.raises(ValueError):
+        a.at(1)
+
+
+def test_variant_index_keeps_the_most_reused_within_its_cap():
+    index = VariantIndex(max_variants=2)
+    base = key("b")
+    first, second, third = VariantInfo(key("1"), ("x",)), VariantInfo(key("2"), ("y",)), VariantInfo(key("3"), ())
+    assert index.add(base, first) == [] and index.add(base, second) == []
+    index.used(first)
+    assert index.add(base, third) == [second.key]  # the least reused goes, never the one just added
+    assert [v.key for v in index.variants(base)] == [first.key, third.key]
+    index.drop(base, first.key)
+    index.drop(base, third.key)
+    assert index.variants(base) == [] and len(index) == 0
+    assert VariantInfo.from_record(base, _record_with({"context": ["x"], "exact": "d", "cci": 2.0})).cci is None
+
+
+def _record_with(meta):
+    from kvrag.engine.store.base import KVRecord
+
+    return KVRecord(torch.tensor([1]), torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), meta=meta)
+
+
+def test_a_cold_request_leaves_an_exact_sequence_the_next_one_reuses_exactly(tiny_engine):
+    """RAGCache's knowledge tree: chunks a request computed behind an exact prefix are kept with the
+    digest of everything before them; a prompt with the same lead and the same chunks in the same
+    order reuses them exactly (nothing recomputed, the full prefill's logits), whatever follows."""
+    docs = make_docs(3, seed=31)
+    cold = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=1)
+    assert cold.stats.chunk_misses == 3
+    tiny_engine.flush()
+    again = tiny_engine.generate(docs, PREFIX, "another question?" + SUFFIX, max_new_tokens=1)
+    assert [c.source for c in again.stats.chunks] == ["tree"] * 3
+    assert again.stats.recomputed_tokens == 0 and again.stats.exact_tokens == again.stats.cached_tokens
+    assert all(c.fix == 0.0 for c in again.stats.chunks)
+    exact = last_logits(tiny_engine, docs, "blend", 0.15)
+    torch.testing.assert_close(exact, last_logits(tiny_engine, docs, "full"), rtol=1e-4, atol=1e-4)
+    # another order: the first chunk is still on the tree's path; the others are blended
+    moved = tiny_engine.generate([docs[0], docs[2], docs[1]], PREFIX, SUFFIX, max_new_tokens=1)
+    assert [c.source for c in moved.stats.chunks] == ["tree", "store", "store"]
+    assert 0 < moved.stats.chunks[1].fix
+
+
+def test_warmed_chunks_remember_their_context(tiny_engine):
+    docs = make_docs(3, seed=32)
+    tiny_engine.warm(docs)
+    ids = [tiny_engine.planner.tokenize(d) for d in docs]
+    infos = tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(ids[2]))
+    assert len(infos) == 1 and infos[0].context[-2:] == (context_id(ids[0]), context_id(ids[1]))
+    g = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=1)  # the warm order: the context fits
+    h = tiny_engine.generate(docs[::-1], PREFIX, SUFFIX, max_new_tokens=1)
+    assert g.stats.chunks[2].fix < h.stats.chunks[0].fix
