@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "DTYPE_NAMES", "default_cache_dir"]
+__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "DTYPE_NAMES", "AUTO", "default_cache_dir"]
 
 #: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
 #: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
@@ -21,9 +21,11 @@ __all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "DTYPE_NAMES
 #: used as is (recompute ratio 0).
 MODES = ("full", "prefix", "blend", "reuse")
 #: Which cached tokens ``blend`` recomputes: CacheBlend's high-KV-deviation tokens by gradual
-#: filtering; the blocks of chunk tokens a deep-layer probe finds most changed; or the cached
-#: tokens nearest the question (recomputed in full, no check layer).
-SELECTIONS = ("hkvd", "probe", "recency")
+#: filtering; the blocks of chunk tokens a deep-layer probe finds most changed; the cached
+#: tokens nearest the question (recomputed in full, no check layer); or the chunks the question
+#: attends to, whole, then the probe's blocks (Cache-Craft's focused chunks); or Cache-Craft's own
+#: per-chunk budget from the variants' fix overhead, tokens by their stored inter-attention.
+SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 
@@ -56,7 +58,17 @@ class EngineConfig:
         max_context: context window in tokens; default the model's ``max_position_embeddings``.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         mode: default prefill mode, one of :data:`MODES`.
-        recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``.
+        recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``, or
+            ``"auto"`` (the default): each request recomputes what it needs. With the ``probe``
+            selection that is every probed block whose KV deviation reaches ``auto_threshold``, at
+            most ``auto_max_ratio`` of the cached tokens: little when the chunks were computed in
+            this very company (exact variants need nothing), more when they come from foreign
+            company. Other selections, and models without a threshold, use ``auto_ratio``.
+        auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens).
+        auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None`` takes
+            the model's calibrated value (``kvrag bench calibrate``; the bundled model ships one).
+        auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
+            a selection without a probe).
         selection: which cached tokens ``blend`` recomputes: ``probe`` (default; cached chunks are cut
             into blocks of ``probe_stride`` tokens, a probe computes each block's middle token up
             to ``probe_layer``, and blocks are recomputed whole in order of that token's KV
@@ -122,7 +134,10 @@ class EngineConfig:
     max_context: int | None = None
     num_threads: int | None = None
     mode: str = "blend"
-    recompute_ratio: float = 0.15
+    recompute_ratio: float | str = "auto"
+    auto_max_ratio: float = 0.3
+    auto_threshold: float | None = None
+    auto_ratio: float = 0.15
     selection: str = "probe"
     check_layer: int = 1
     filter_schedule: tuple[float, ...] = (2.0, 1.5)
@@ -155,7 +170,15 @@ class EngineConfig:
             raise InvalidRequestError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
-        check_ratio(self.recompute_ratio)
+        self.recompute_ratio = check_ratio(self.recompute_ratio)
+        check_share("auto_max_ratio", self.auto_max_ratio)
+        check_share("auto_ratio", self.auto_ratio)
+        if self.auto_threshold is not None and (
+            isinstance(self.auto_threshold, bool)
+            or not isinstance(self.auto_threshold, (int, float))
+            or not self.auto_threshold >= 0
+        ):
+            raise InvalidRequestError(f"auto_threshold must be a number >= 0 or None, got {self.auto_threshold!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {self.chunk_context!r}")
         if self.selection not in SELECTIONS:
@@ -218,10 +241,23 @@ class EngineConfig:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
 
-def check_ratio(ratio: float) -> float:
-    """Validate a recompute ratio (a number in [0, 1])."""
+#: ``recompute_ratio="auto"``: each request recomputes what it needs (see :class:`EngineConfig`).
+AUTO = "auto"
+
+
+def check_ratio(ratio: float | str) -> float | str:
+    """Validate a recompute ratio: a number in [0, 1], or ``"auto"``."""
+    if ratio == AUTO:
+        return AUTO
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise InvalidRequestError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")
+        raise InvalidRequestError(f"recompute_ratio must be a number in [0, 1] or 'auto', got {ratio!r}")
     if not 0.0 <= float(ratio) <= 1.0:
-        raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio}")
+        raise InvalidRequestError(f"recompute_ratio must be in [0, 1] or 'auto', got {ratio}")
     return float(ratio)
+
+
+def check_share(name: str, value: float) -> float:
+    """Validate a share (a number in [0, 1])."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise InvalidRequestError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)

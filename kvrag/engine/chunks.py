@@ -36,10 +36,12 @@ from importlib import resources
 import torch
 
 from kvrag.config import CHUNK_CONTEXTS
+from kvrag.engine.attention_stats import Segment, Tap, block_middles, chunk_statistics
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.engine.variants import context_id
+from kvrag.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class ChunkComputer:
         #: most tokens of other documents behind a chunk (0 with the sink context)
         self.context_tokens = 0 if context == "sink" else min(MAX_CONTEXT_TOKENS, window // 4)
         self._recent: list[list[int]] = []  # the documents computed last (oldest first), enough for a context
+        self.stats_stride = STATS_STRIDE
         self._builtin: list[int] | None = None
 
     def _builtin_doc(self) -> list[int]:
@@ -109,11 +112,12 @@ class ChunkComputer:
 
     def context_ids(
         self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = ()
-    ) -> tuple[list[int], list[str]]:
-        """Tokens a chunk is computed behind (their KV is dropped), and the content ids of the
-        documents they come from: the sink, then the tail of the documents ``before`` it (none
-        given: the documents computed last that are not in ``exclude``, the chunks about to be
-        computed, so that no chunk goes behind a copy of itself; or a built-in passage)."""
+    ) -> tuple[list[int], list[tuple[str, int]]]:
+        """Tokens a chunk is computed behind (their KV is dropped), and the documents they come
+        from as (content id, tokens in the context): the sink, then the tail of the documents
+        ``before`` it (none given: the documents computed last that are not in ``exclude``, the
+        chunks about to be computed, so that no chunk goes behind a copy of itself; or a built-in
+        passage)."""
         if self.context == "sink":
             return list(self.sink_ids), []
         docs = [doc for doc in before or () if doc]
@@ -123,8 +127,9 @@ class ChunkComputer:
         for doc in reversed(docs):  # the last documents, as many as fill the context (the first cut)
             if room <= 0:
                 break
-            tail[:0] = doc[-room:]
-            used.insert(0, context_id(doc))
+            part = doc[-room:]
+            tail[:0] = part
+            used.insert(0, (context_id(doc), len(part)))
             room -= len(doc)
         return self.sink_ids + tail, used
 
@@ -157,26 +162,33 @@ class ChunkComputer:
     def compute_window(self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None) -> list[KVRecord]:
         """KV records of chunks computed in one pass, each behind the ones before it in ``docs``, the
         first behind :meth:`context_ids` of ``before``; each record's ``meta["context"]`` names the
-        documents it was computed behind. Call under the engine's lock."""
+        documents it was computed behind, with Cache-Craft's attention statistics of the chunk
+        (:func:`attach_statistics`). Call under the engine's lock."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
-        ids, context = self.context_ids(before, exclude=docs)
-        caps, contexts, pos = [], [], len(ids)
+        ids, used = self.context_ids(before, exclude=docs)
+        segments, pos = [], len(ids) - sum(n for _, n in used)
+        for cid, n in used:  # the context documents' positions
+            segments.append(Segment(pos, pos + n, cid))
+            pos += n
+        caps, spans = [], []
         for doc in docs:
             caps.append(KVCapture(self.adapter, pos, pos + len(doc)))
-            contexts.append(list(context))
-            context.append(context_id(doc))
+            spans.append((pos, pos + len(doc)))
             ids += doc
             pos += len(doc)
+        tap = Tap([m for a, b in spans for m in block_middles(a, b, self.stats_stride)], self.adapter.n_layers)
         buf = KVBuffer(self.adapter, pos)
         ids_t = torch.tensor(ids, dtype=torch.long)
-        forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, last_row_only=True)  # output unused
-        for doc in docs:
+        forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, taps=[tap], last_row_only=True)
+        records = []
+        for doc, cap, (a, b) in zip(docs, caps, spans):
             self._remember(doc)
-        return [
-            KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label, meta={"context": ctx})
-            for doc, cap, ctx in zip(docs, caps, contexts)
-        ]
+            rec = KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label)
+            attach_statistics(rec, tap, buf, (a, b), segments, self.adapter.scale, self.stats_stride)
+            records.append(rec)
+            segments.append(Segment(a, b, context_id(doc)))
+        return records
 
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""
@@ -184,6 +196,64 @@ class ChunkComputer:
         return KVRecord(
             torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label, meta={"computed": "in-request"}
         )
+
+
+#: Dimensions of the lexical vectors :func:`similarity_order` hashes token ids into.
+LEXICAL_DIMS = 2048
+
+
+def _lexical_vectors(docs: Sequence[list[int]]) -> torch.Tensor:
+    """[n, LEXICAL_DIMS] tf-idf of hashed token ids (a cheap similarity when no embeddings are given)."""
+    counts = torch.zeros(len(docs), LEXICAL_DIMS)
+    for i, doc in enumerate(docs):
+        ids = torch.tensor(doc, dtype=torch.long) % LEXICAL_DIMS
+        counts[i].index_add_(0, ids, torch.ones(len(doc)))
+    df = (counts > 0).sum(dim=0).float()
+    return counts * torch.log((1 + len(docs)) / (1 + df))
+
+
+def similarity_order(docs: Sequence[list[int]], embeddings=None) -> list[int]:
+    """An order of ``docs`` in which each is near the ones most like it (FusionRAG's offline step).
+
+    A greedy chain: from the first document, always on to the most similar one not placed yet
+    (cosine similarity of ``embeddings`` [n, d] when given, e.g. the retriever's own vectors, else
+    of lexical tf-idf vectors). Computed in a stream, each chunk's KV is then computed behind the
+    passages most like it: the company it will keep in prompts.
+    """
+    n = len(docs)
+    if n <= 2:
+        return list(range(n))
+    x = torch.as_tensor(embeddings, dtype=torch.float32) if embeddings is not None else _lexical_vectors(docs)
+    if x.dim() != 2 or x.shape[0] != n:
+        raise InvalidRequestError(f"embeddings must be [n_chunks, dim] = [{n}, d], got {tuple(x.shape)}")
+    x = torch.nn.functional.normalize(x, dim=1)
+    placed = torch.zeros(n, dtype=torch.bool)
+    order, current = [0], 0
+    placed[0] = True
+    for _ in range(n - 1):
+        scores = x @ x[current]
+        scores[placed] = -float("inf")
+        current = int(torch.argmax(scores))
+        placed[current] = True
+        order.append(current)
+    return order
+
+
+#: One query in this many tokens of a chunk is sampled for its attention statistics.
+STATS_STRIDE = 16
+
+
+def attach_statistics(
+    record: KVRecord, tap: Tap, buf: KVBuffer, span: tuple[int, int], segments: list[Segment], scale: float, stride: int
+) -> None:
+    """Record where a chunk's KV was computed: ``meta["context"]`` (the context chunks' ids) and,
+    when the tap saw the chunk, Cache-Craft's ``cci`` and ``weights`` in the meta and the blocks'
+    inter-attention in ``stats["block_inter"]``."""
+    record.meta = {**record.meta, "context": [s.id for s in segments]}
+    stats = chunk_statistics(tap, buf, span, segments, scale, stride)
+    if stats is not None:
+        record.meta.update(cci=stats.cci, weights=list(stats.weights))
+        record.stats = {**record.stats, "block_inter": stats.block_inter}
 
 
 def warm_list(
@@ -195,6 +265,7 @@ def warm_list(
     lock,
     window_tokens: int,
     keep: Callable[[StoreKey, KVRecord], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Compute and store the KV of the chunks of a list that are not cached; returns how many.
 
@@ -203,6 +274,7 @@ def warm_list(
     the list's other documents, taken round the list and ending just before the window (never a
     copy of a member). Each window's pass runs under ``lock``. ``keep(key, record)`` stores a
     record (the planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
+    ``progress(windows done, windows)`` is called after each window.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
     for i, key in enumerate(keys):
@@ -211,18 +283,20 @@ def warm_list(
             unique.append(i)
     computed = 0
     with store.pinned(keys):  # a batch never evicts its own members
-        for window in computer.windows([docs[i] for i in unique], window_tokens):
+        windows = computer.windows([docs[i] for i in unique], window_tokens)
+        for done, window in enumerate(windows, 1):
             members = [unique[w] for w in window]
             missing = {i for i in members if not store.contains(keys[i])}
-            if not missing:
-                continue
-            first, inside = members[0], {keys[i] for i in members}
-            ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
-            before = [docs[j] for j in ring if keys[j] not in inside]
-            with lock:
-                records = computer.compute_window([docs[i] for i in members], before)
-            for i, record in zip(members, records):
-                if i in missing:
-                    (keep or store.put)(keys[i], record)
-            computed += len(missing)
+            if missing:
+                first, inside = members[0], {keys[i] for i in members}
+                ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
+                before = [docs[j] for j in ring if keys[j] not in inside]
+                with lock:
+                    records = computer.compute_window([docs[i] for i in members], before)
+                for i, record in zip(members, records):
+                    if i in missing:
+                        (keep or store.put)(keys[i], record)
+                computed += len(missing)
+            if progress is not None:
+                progress(done, len(windows))
     return computed

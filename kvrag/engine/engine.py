@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from typing_extensions import Unpack
 
-from kvrag.config import EngineConfig
-from kvrag.engine import loading
-from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label, warm_list
+from kvrag.config import AUTO, EngineConfig
+from kvrag.engine import calibration, loading
+from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label, similarity_order, warm_list
 from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.costs import CostFeedback
 from kvrag.engine.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner
+from kvrag.engine.progress import progress_reporter
 from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.requests import (
     Request,
@@ -32,6 +33,7 @@ from kvrag.engine.requests import (
     request_parts,
 )
 from kvrag.engine.sampling import SamplingParams, TextStream, sample
+from kvrag.engine.selection import auto_kind
 from kvrag.engine.sequence import Sequence as RunningSequence
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
@@ -94,6 +96,15 @@ class Engine:
         self.conversations = Conversations(self.adapter, config.max_conversations)
         self._lock = threading.RLock()
         self.writeback = WriteBack(config, self.store, self.planner, self.chunk_computer, self._lock)
+        probe = calibration.probe_key(
+            config.resolved_probe_layer(self.adapter.n_layers), config.probe_stride, config.deviation
+        )
+        #: the probe deviation from which ``recompute_ratio="auto"`` recomputes a block (None: unknown)
+        self.auto_threshold = (
+            config.auto_threshold
+            if config.auto_threshold is not None
+            else calibration.load_threshold(config.resolved_cache_dir(), self.fingerprint, probe)
+        )
         self._closed = False
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -157,35 +168,68 @@ class Engine:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
         return self.registry.split(check_text("prompt", prompt))
 
-    def warm(self, chunks: Sequence[str], *, namespace: str | None = None) -> WarmResult:
+    def warm(
+        self,
+        chunks: Sequence[str],
+        *,
+        order: str = "given",
+        embeddings=None,
+        progress: bool | Callable[[int, int], None] = False,
+        namespace: str | None = None,
+    ) -> WarmResult:
         """Precompute and store the KV of chunks that are not cached yet (for tenant ``namespace``).
 
-        With ``chunk_context="neighbor"`` (default) the list is computed as one stream in this order
-        (windows of up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are
-        cached), each chunk behind the documents before it, the first behind the list's last ones:
-        closer to how they will appear inside prompts. Requests from other threads wait while a
-        window computes (one prefill of up to ``MAX_STREAM_TOKENS`` tokens). With ``"sink"`` each
-        chunk is computed alone behind the attention-sink token (CacheBlend).
+        With ``chunk_context="neighbor"`` (default) the list is computed as one stream (windows of
+        up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are cached), each chunk
+        behind the documents before it, the first behind the list's last ones: closer to how they
+        will appear inside prompts. Requests from other threads wait while a window computes (one
+        prefill of up to ``MAX_STREAM_TOKENS`` tokens). With ``"sink"`` each chunk is computed alone
+        behind the attention-sink token (CacheBlend).
+
+        Args:
+            chunks: document texts.
+            order: ``"given"`` computes the list in its order: give the passages you expect to be
+                retrieved together, in retrieval order. ``"similar"`` (for a whole corpus) first puts
+                each passage next to the ones most like it, so its KV is computed in the company it
+                will keep in prompts (FusionRAG's offline step; see :func:`~kvrag.engine.chunks.similarity_order`).
+            embeddings: [n, d] vectors of ``chunks`` for ``order="similar"`` (the retriever's own);
+                default a lexical similarity.
+            progress: show a progress bar (tqdm when installed, else log lines), or a callback
+                ``progress(windows done, windows)``.
+            namespace: the tenant whose cache is warmed (default ``config.namespace``).
         """
         self._check_open()
         chunks = check_chunks(chunks)
         namespace = check_namespace(self.config, namespace)
+        if order not in ("given", "similar"):
+            raise InvalidRequestError(f"order must be 'given' or 'similar', got {order!r}")
+        if embeddings is not None and order != "similar":
+            raise InvalidRequestError("embeddings are used with order='similar' only")
         t0 = time.perf_counter()
-        docs = [ids for ids in (self.planner.tokenize(t) for t in chunks) if ids]
+        tokenized = [self.planner.tokenize(t) for t in chunks]
+        kept = [i for i, ids in enumerate(tokenized) if ids]
+        docs = [tokenized[i] for i in kept]
         limit = self.chunk_computer.max_chunk_tokens(self.context_window)
         for ids in docs:
             if len(ids) > limit:
                 raise ContextLengthError(len(ids), limit, "a single chunk behind its context")
+        if order == "similar":
+            if embeddings is not None and len(embeddings) != len(chunks):
+                raise InvalidRequestError(f"embeddings has {len(embeddings)} rows for {len(chunks)} chunks")
+            vectors = None if embeddings is None else [embeddings[i] for i in kept]
+            docs = [docs[i] for i in similarity_order(docs, vectors)]
         keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
-        computed = warm_list(
-            self.chunk_computer,
-            self.store,
-            docs,
-            keys,
-            lock=self._lock,
-            window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
-            keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
-        )
+        with progress_reporter(progress, "kvrag warm") as report:
+            computed = warm_list(
+                self.chunk_computer,
+                self.store,
+                docs,
+                keys,
+                lock=self._lock,
+                window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
+                keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
+                progress=report,
+            )
         return WarmResult(computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0)
 
     def generate(
@@ -352,13 +396,15 @@ class Engine:
             # each failed attempt drops the damaged entry it met, so a request is planned again at
             # most once per cached entry it uses; past that (entries keep failing) it runs in full
             mode = req.mode if attempts < limit else "full"
+            ratio, auto, threshold = self._budget(req)
             plan = self.planner.plan(
                 req.segments,
                 req.ids,
                 mode=mode,
-                ratio=req.ratio,
+                ratio=ratio,
                 use_prefix=use_prefix and mode != "full",
                 namespace=req.namespace,
+                auto=auto,
             )
             if attempts == 0:
                 limit = len(plan.cached_spans()) + 1
@@ -377,6 +423,7 @@ class Engine:
                 selection=req.selection,
                 capture_end=capture_end,
                 capture_chunks=self.writeback.captures(plan),
+                auto_threshold=threshold,
             )
             t0 = time.perf_counter()
             try:
@@ -388,6 +435,16 @@ class Engine:
                 continue
             self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0)
             return plan, res
+
+    def _budget(self, req: Request) -> tuple[float, bool, float | None]:
+        """(ratio, auto, threshold) of a request: ``"auto"`` measures with a threshold where it can."""
+        cfg = self.config
+        if req.ratio != AUTO:
+            return float(req.ratio), False, None
+        kind = auto_kind(req.selection)
+        if kind == "self" or (kind == "threshold" and self.auto_threshold is not None):
+            return cfg.auto_max_ratio, True, self.auto_threshold
+        return cfg.auto_ratio, False, None
 
     # -- a request's life: prefill, decode one token at a time, finish (gpt-fast's split) ----------
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.engine.attention_stats import Tap, block_middles
+from kvrag.engine.chunks import STATS_STRIDE
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, SpanSource
 from kvrag.engine.runner import KVBuffer, KVCapture, Trace, forward
@@ -28,6 +30,7 @@ class PrefillOptions:
         capture_block: the prefix cache's block size (the capture starts on a block boundary).
         capture_chunks: segment indices of missed chunks whose KV, computed whole in this prompt,
             is kept (write-back of their real context).
+        auto_threshold: with ``plan.auto``, the deviation from which a measuring strategy recomputes.
     """
 
     selection: str = "probe"
@@ -39,6 +42,7 @@ class PrefillOptions:
     capture_end: int = 0
     capture_block: int = 16
     capture_chunks: tuple[int, ...] = ()
+    auto_threshold: float | None = None
 
     @classmethod
     def from_config(cls, config, n_layers: int, **fields) -> PrefillOptions:
@@ -64,6 +68,7 @@ class PrefillResult:
     computed_tokens: int  # prompt tokens computed through the last layer (incl. uncached text)
     capture: KVCapture | None  # exact pre-RoPE KV kept for the prefix cache
     chunk_captures: dict[int, KVCapture]  # segment index -> KV the request computed for that chunk
+    tap: Tap | None = None  # the captured chunks' sampled queries (their attention statistics)
 
 
 def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
@@ -100,10 +105,13 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
     ids = plan.ids.to(adapter.device)
     capture, chunk_caps = _captures(adapter, plan, options)
     captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
+    middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
+    tap = Tap(sorted(middles), adapter.n_layers) if middles else None
+    taps = [tap] if tap is not None else []
 
     if plan.is_full or not plan.cached_spans():
-        h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, trace=trace, last_row_only=True)
-        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps)
+        h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True)
+        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, tap)
 
     cos, sin = adapter.rope(all_pos)
     source = SpanSource(adapter, plan.cached_spans(), cos, sin)
@@ -113,15 +121,16 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
             spans=[(s, s + r.num_tokens) for s, r in plan.chunk_records], source=source, captures=captures,
-            trace=trace, options=options,
+            taps=taps, trace=trace, options=options,
         )  # fmt: skip
         h, pos = get_selection(options.selection)(blend)
     else:  # prefix mode has no candidates; reuse never recomputes them
         pos = all_pos[rows & ~candidates]
         h, pos = forward(
-            adapter, buf, ids[pos], pos, n, source=source, capture=captures, trace=trace, last_row_only=True
+            adapter, buf, ids[pos], pos, n, source=source, capture=captures, taps=taps, trace=trace, last_row_only=True
         )
-    return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), int(pos.numel()), capture, chunk_caps)
+    computed = int(pos.numel())
+    return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), computed, capture, chunk_caps, tap)
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -141,9 +150,11 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
     """What a prefill did, for :attr:`Generation.stats`."""
     n = plan.num_tokens
     full_work = n * n_layers
+    blended = sum(r.num_tokens for _, r in plan.chunk_records)
     return GenerationStats(
         mode=plan.mode,
-        recompute_ratio=plan.ratio,
+        recompute_ratio=(res.recomputed_tokens / blended if blended else 0.0) if plan.auto else plan.ratio,
+        auto=plan.auto,
         prompt_tokens=n,
         cached_tokens=plan.cached_tokens,
         prefix_tokens=plan.prefix_len,

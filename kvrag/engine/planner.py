@@ -58,10 +58,11 @@ class Plan:
     """A prefill plan for one request."""
 
     mode: str
-    ratio: float
+    ratio: float  # the recompute budget's share of blended tokens (with ``auto``: its cap)
     segments: list[Segment]
     ids: torch.Tensor  # [N]
     namespace: str = "default"  # the tenant whose cache entries the plan uses
+    auto: bool = False  # recompute what the selection measures is needed, up to ``ratio``
     prefix_len: int = 0  # [0, prefix_len) reused exactly from the prefix cache
     prefix_records: list[tuple[int, KVRecord]] = field(default_factory=list)
     chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of blended hits
@@ -75,7 +76,7 @@ class Plan:
     @property
     def is_full(self) -> bool:
         """Every token is computed, nothing reused: ``full`` mode, or ``blend`` at ratio 1.0."""
-        return self.mode == "full" or (self.mode == "blend" and self.ratio >= 1.0)
+        return self.mode == "full" or (self.mode == "blend" and self.ratio >= 1.0 and not self.auto)
 
     @property
     def boundaries(self) -> list[int]:
@@ -199,22 +200,25 @@ class Planner:
 
         The first variant goes under ``key`` itself, later ones under keys derived from their
         context (the same context, or the same exact digest, is kept once). Past the per-chunk cap
-        the least reused variant leaves the store.
+        the least reused variant leaves the store. The record's meta keeps the context (and its
+        attention statistics, when measured) so the variant can be scored again from the record.
         """
-        info = VariantInfo(key, context, exact)
+        record.meta = {**record.meta, "context": list(context)}
+        if exact is not None:
+            record.meta["exact"] = exact
+        slot = key
         if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
             if not any(v.key == key for v in self.variants.variants(key)):
                 held = self.store.get(key)
                 if held is not None:
                     self.variants.add(key, VariantInfo.from_record(key, held))
             tag = f"exact:{exact}" if exact is not None else "context:" + ",".join(context)
-            info.key = variant_key(key, tag)
-            if self.store.contains(info.key):
+            slot = variant_key(key, tag)
+            if self.store.contains(slot):
                 return False
-        record.meta = {**record.meta, **info.meta()}
-        if not self.store.put(info.key, record):
+        if not self.store.put(slot, record):
             return False
-        for old in self.variants.add(key, info):
+        for old in self.variants.add(key, VariantInfo.from_record(slot, record)):
             self.store.remove(old)
         return True
 
@@ -255,10 +259,11 @@ class Planner:
         ratio: float,
         use_prefix: bool,
         namespace: str | None = None,
+        auto: bool = False,
     ) -> Plan:
         """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt."""
         namespace = namespace or self.namespace
-        plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids, namespace=namespace)
+        plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids, namespace=namespace, auto=auto)
         id_list = ids.tolist()
         if plan.is_full:
             for i, s in enumerate(segments):

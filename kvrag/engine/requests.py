@@ -34,7 +34,7 @@ class Request:
     segments: list[Segment]
     ids: torch.Tensor  # [N]
     mode: str
-    ratio: float
+    ratio: float | str  # a share, or "auto"
     sampling: SamplingParams  # resolved: no None fields
     selection: str = "probe"
     namespace: str = "default"  # the tenant: cache entries and conversations of others are never seen
@@ -58,7 +58,7 @@ class RequestArgs(TypedDict, total=False):
         stop: stop string(s); the text is cut before the first one.
         seed: sampling seed.
         mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (:data:`kvrag.config.MODES`).
-        recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1).
+        recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1), or ``"auto"``.
         selection: which cached tokens ``blend`` recomputes, one of :data:`kvrag.config.SELECTIONS`.
         conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
             answer) is reused where the new prompt repeats it (exact prefix, and shifted history
@@ -78,7 +78,7 @@ class RequestArgs(TypedDict, total=False):
     stop: str | Sequence[str] | None
     seed: int | None
     mode: str | None
-    recompute_ratio: float | None
+    recompute_ratio: float | str | None
     selection: str | None
     conversation_id: str | None
     dedup: bool | None
@@ -124,7 +124,7 @@ def check_chunks(chunks) -> list[str]:
     return out
 
 
-def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | None) -> tuple[str, float]:
+def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | str | None) -> tuple[str, float | str]:
     mode = cfg.mode if mode is None else mode
     if mode not in MODES:
         raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")

@@ -21,7 +21,7 @@ import torch
 from kvrag.engine.model import ModelAdapter
 from kvrag.kernels import attention
 
-__all__ = ["KVBuffer", "KVSource", "Selector", "KVCapture", "Trace", "forward"]
+__all__ = ["KVBuffer", "KVSource", "Selector", "QueryTap", "KVCapture", "Trace", "forward"]
 
 
 class KVBuffer:
@@ -67,6 +67,13 @@ class Selector(Protocol):
         """Given this layer's fresh q [H, R, D], k [Hkv, R, D] (both with RoPE) and v [Hkv, R, D]
         of rows at ``pos`` [R] (the buffer still holds the cached KV there), return the indices of
         rows to keep, or None."""
+
+
+class QueryTap(Protocol):
+    """Sees every layer's queries (with RoPE) of the rows a pass computes."""
+
+    def observe(self, layer: int, pos: torch.Tensor, q: torch.Tensor) -> None:
+        """q [H, R, D] of rows at ``pos`` [R] on ``layer``."""
 
 
 class KVCapture:
@@ -131,6 +138,7 @@ def forward(
     source: KVSource | None = None,
     selector: Selector | None = None,
     capture: list[KVCapture] | tuple = (),
+    taps: list[QueryTap] | tuple = (),
     trace: Trace | None = None,
     hidden: torch.Tensor | None = None,
     layers: tuple[int, int] | None = None,
@@ -144,6 +152,7 @@ def forward(
     A selector that keeps no rows ends the pass after writing that layer's KV (a probe).
 
     Args:
+        taps: keep the queries (with RoPE) of some positions as they are computed (attention statistics).
         hidden: [R, E] the rows' hidden state entering the first layer of ``layers``, instead of
             embedding ``ids`` (a pass that resumes another one).
         layers: (first, stop) the layers run; all of them by default.
@@ -167,6 +176,8 @@ def forward(
             cap.take(layer, pos, k, v, contiguous)
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
+        for tap in taps:
+            tap.observe(layer, pos, q)
         keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
         _write(buf.k[layer], pos, k, contiguous)
         _write(buf.v[layer], pos, v, contiguous)

@@ -25,7 +25,9 @@ class GenerationStats:
 
     Attributes:
         mode: prefill mode used.
-        recompute_ratio: HKVD ratio used (blend).
+        recompute_ratio: share of the blended cached tokens recomputed (``blend``): the ratio asked
+            for, or with ``recompute_ratio="auto"`` the share the request measured it needed.
+        auto: the budget was measured per request (``recompute_ratio="auto"`` with a probe).
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
         prefix_tokens: prompt tokens reused from the exact prefix cache.
@@ -51,6 +53,7 @@ class GenerationStats:
     mode: str
     recompute_ratio: float
     prompt_tokens: int
+    auto: bool = False
     cached_tokens: int = 0
     prefix_tokens: int = 0
     exact_tokens: int = 0

@@ -13,10 +13,12 @@ import queue
 import threading
 from collections.abc import Callable
 
-from kvrag.engine.chunks import ChunkComputer
+from kvrag.engine.attention_stats import Segment
+from kvrag.engine.chunks import STATS_STRIDE, ChunkComputer, attach_statistics
 from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.runner import KVCapture
 from kvrag.engine.store.base import KVStore
+from kvrag.engine.variants import context_id
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,11 @@ class WriteBack:
                 )
             )
         exact_end = plan.exact_end()
-        for use in self._kept_misses(plan):
+        segments = [Segment(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
+        kept = {u.index for u in self._kept_misses(plan)}
+        for n, use in enumerate(plan.chunks):
+            if use.index not in kept:
+                continue
             cap = res.chunk_captures.get(use.index)
             # a chunk computed here is a variant computed behind this prompt's chunks; exact if
             # everything before it was (the knowledge tree's path), else blended KV came before it
@@ -119,13 +125,20 @@ class WriteBack:
                 continue
             self._pending.add(job)
             ids = list(plan.segments[use.index].ids)
-            self._writer.submit(lambda job=job, ids=ids, cap=cap: self._write_chunk(job, ids, cap))
+            measured = (res.tap, res.buf, segments[:n]) if res.tap is not None else None
+            self._writer.submit(
+                lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
+            )
 
-    def _write_chunk(self, job, ids: list[int], capture: KVCapture | None) -> None:
+    def _write_chunk(self, job, ids: list[int], capture: KVCapture | None, measured=None) -> None:
         key, context, exact = job
         try:
             if capture is not None:
                 record = self.computer.record_from_capture(ids, capture)
+                if measured is not None:  # Cache-Craft's statistics, from the request's own queries and KV
+                    tap, buf, segments = measured
+                    span = (capture.start, capture.end)
+                    attach_statistics(record, tap, buf, span, segments, self.computer.adapter.scale, STATS_STRIDE)
             else:
                 if self.store.contains(key):
                     return

@@ -86,7 +86,7 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(tiny_engin
         torch.testing.assert_close(res.buf.v[0, :, start:end], buf.v[0, :, start:end], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("selection", ["hkvd", "probe"])
+@pytest.mark.parametrize("selection", ["hkvd", "probe", "focus", "craft"])
 def test_deviation_from_full_shrinks_as_ratio_grows(tiny_engine, selection):
     errors = {r: 0.0 for r in (0.0, 0.2, 0.5, 1.0)}
     for seed in range(3):

@@ -21,12 +21,12 @@ def test_probe_blocks_spend_the_budget_on_whole_blocks_by_deviation():
     assert positions.tolist() == [8, 24, 36, 48, 58]  # each block's middle token
     deviation = torch.tensor([0.5, 3.0, 1.0, 2.0, 0.0])
     # budget ceil(0.5 * 60) = 30: [16,32) whole (16), then the first 14 of [40,56)
-    chosen = probe_blocks(spans, 64, 16, positions, deviation, 0.5)
+    chosen = probe_blocks(spans, 64, 16, positions, deviation, math.ceil(0.5 * 60))
     assert chosen.nonzero().squeeze(1).tolist() == list(range(16, 32)) + list(range(40, 54))
-    assert int(probe_blocks(spans, 64, 16, positions, deviation, 0.15).sum()) == math.ceil(0.15 * 60)
+    assert int(probe_blocks(spans, 64, 16, positions, deviation, math.ceil(0.15 * 60)).sum()) == math.ceil(0.15 * 60)
     # all of it: every block that changed at all; never the zero-deviation one (KV cached in this
     # very context)
-    everything = probe_blocks(spans, 64, 16, positions, deviation, 1.0)
+    everything = probe_blocks(spans, 64, 16, positions, deviation, 60)
     assert everything.nonzero().squeeze(1).tolist() == list(range(0, 56))
 
 
@@ -51,8 +51,8 @@ def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monke
     seen = []
     original = probe_module.probe_blocks
 
-    def spy(spans, n, stride, positions, deviation, ratio):
-        chosen = original(spans, n, stride, positions, deviation, ratio)
+    def spy(spans, n, stride, positions, deviation, budget, threshold=0.0, chosen=None):
+        chosen = original(spans, n, stride, positions, deviation, budget, threshold, chosen)
         seen.append((spans, positions, deviation, chosen))
         return chosen
 
@@ -73,3 +73,54 @@ def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monke
     assert round(g.stats.compute_fraction * g.stats.prompt_tokens * layers) == (
         (uncached + int(chosen.sum())) * layers + positions.numel() * probe_layer
     )
+
+
+def test_focused_chunks_cut_where_cache_crafts_entropy_grows_fastest():
+    from kvrag.engine.selection.focus import focused_chunks
+
+    assert focused_chunks([0.1, 5.0, 0.2, 0.15]) == [1]  # one chunk stands out
+    assert sorted(focused_chunks([3.0, 0.1, 2.9, 0.2, 0.1, 0.05])) == [0, 2]
+    assert focused_chunks([1.0, 1.0]) == [0] and focused_chunks([]) == []
+
+
+def test_focus_recomputes_whole_the_chunks_the_question_reads(tiny_engine, monkeypatch):
+    """The budget goes to whole chunks in order of the question's attention (measured by the
+    probe's first pass over the cached KV); the rest to the most deviated blocks."""
+    import kvrag.engine.selection.focus as focus_module
+
+    chunks = make_docs(4, words=60, seed=5)
+    tiny_engine.warm(chunks)
+    seen = {}
+    original = focus_module._chunk_attention
+
+    def spy(p, meter):
+        attention, focused = original(p, meter)
+        seen.update(spans=p.spans, attention=attention, budget=math.ceil(p.plan.ratio * sum(b - a for a, b in p.spans)))
+        return attention, focused
+
+    monkeypatch.setattr(focus_module, "_chunk_attention", spy)
+    g = tiny_engine.generate(chunks[::-1], PREFIX, SUFFIX, selection="focus", recompute_ratio=0.4, max_new_tokens=1)
+    first = max(range(4), key=lambda i: seen["attention"][i])
+    a, b = seen["spans"][first]
+    assert b - a <= seen["budget"]  # 60-word chunks: one fits a 40% budget whole
+    assert g.stats.recomputed_tokens == seen["budget"]
+    assert all(x >= 0 for x in seen["attention"]) and len(seen["attention"]) == 4
+
+
+def test_craft_shares_the_budget_by_fix_overhead_and_size():
+    from kvrag.engine.selection.craft import craft_budgets
+
+    assert craft_budgets([100, 100, 50], [0.5, 0.0, 1.0], 40) == [20, 0, 20]
+    assert craft_budgets([10, 100], [1.0, 1.0], 50) == [4, 46]  # by fix x size; the remainder to the biggest
+    assert craft_budgets([10, 100], [1.0, 0.05], 50) == [10, 40]  # never more than a chunk has: the rest moves on
+    assert sum(craft_budgets([30, 30, 30], [0.3, 0.3, 0.3], 10)) == 10
+    assert craft_budgets([10], [0.0], 5) == [0]
+
+
+def test_craft_recomputes_the_chunks_blocks_its_statistics_rank_first(tiny_engine):
+    chunks = make_docs(4, words=60, seed=6)
+    tiny_engine.warm(chunks)
+    g = tiny_engine.generate(chunks[::-1], PREFIX, SUFFIX, selection="craft", recompute_ratio=0.3, max_new_tokens=1)
+    cached = sum(c.tokens for c in g.stats.chunks if c.source == "store")
+    assert g.stats.recomputed_tokens == math.ceil(0.3 * cached)
+    assert all(c.fix is not None and 0 < c.fix <= 1 for c in g.stats.chunks)

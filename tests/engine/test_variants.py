@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrag import InvalidRequestError
 from kvrag.engine.store.base import StoreKey
 from kvrag.engine.variants import (
     ExactDigest,
@@ -105,3 +106,32 @@ def test_warmed_chunks_remember_their_context(tiny_engine):
     g = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=1)  # the warm order: the context fits
     h = tiny_engine.generate(docs[::-1], PREFIX, SUFFIX, max_new_tokens=1)
     assert g.stats.chunks[2].fix < h.stats.chunks[0].fix
+
+
+def test_similarity_order_puts_each_passage_next_to_the_ones_most_like_it():
+    from kvrag.engine.chunks import similarity_order
+
+    a, b = list(range(100, 140)), list(range(300, 340))
+    docs = [a, b, a[:35] + [1, 2, 3, 4, 5], b[:36] + [9, 8, 7, 6]]
+    order = similarity_order(docs)
+    assert order[0] == 0 and set(order) == {0, 1, 2, 3}
+    assert abs(order.index(0) - order.index(2)) == 1 and abs(order.index(1) - order.index(3)) == 1
+    vectors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [0.1, 0.9]])
+    assert similarity_order(docs, vectors) == [0, 2, 3, 1]
+
+
+def test_warm_in_similar_order_computes_each_chunk_behind_its_neighbours(tiny_engine):
+    docs = make_docs(4, seed=33)
+    reports = []
+    w = tiny_engine.warm(
+        docs,
+        order="similar",
+        embeddings=[[1, 0], [0, 1], [1, 0.1], [0.1, 1]],
+        progress=lambda d, t: reports.append((d, t)),
+    )
+    assert w.computed == 4 and reports[-1][0] == reports[-1][1]
+    ids = [tiny_engine.planner.tokenize(d) for d in docs]
+    third = tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(ids[2]))[0]
+    assert third.context[-1] == context_id(ids[0])  # 2 was computed right behind 0, its most similar
+    with pytest.raises(InvalidRequestError, match="order"):
+        tiny_engine.warm(docs, order="random")

@@ -3,15 +3,28 @@
 - ``probe`` (default, :mod:`.probe`): 16-token blocks ranked by a deep-layer probe's KV deviation.
 - ``hkvd`` (:mod:`.hkvd`): CacheBlend's high-KV-deviation tokens by gradual filtering from layer 1.
 - ``recency`` (:mod:`.recency`): the cached tokens nearest the question.
+- ``focus`` (:mod:`.focus`): whole chunks the question attends to (Cache-Craft's focused chunks),
+  then the probe's most deviated blocks.
+- ``craft`` (:mod:`.craft`): Cache-Craft's per-chunk budget from the fix overhead, tokens ranked
+  by the attention statistics stored with the variant.
 
 A strategy is a function of a :class:`BlendPass` registered under its name
 (:func:`register_selection`); ``fusion.prefill`` looks it up with :func:`get_selection`.
 """
 
+from kvrag.engine.selection import craft as _craft  # noqa: F401  (registers "craft")
+from kvrag.engine.selection import focus as _focus  # noqa: F401  (registers "focus")
 from kvrag.engine.selection import hkvd as _hkvd  # noqa: F401  (registers "hkvd")
 from kvrag.engine.selection import probe as _probe  # noqa: F401  (registers "probe")
 from kvrag.engine.selection import recency as _recency  # noqa: F401  (registers "recency")
-from kvrag.engine.selection.base import BlendPass, Strategy, get_selection, register_selection, registered_selections
+from kvrag.engine.selection.base import (
+    BlendPass,
+    Strategy,
+    auto_kind,
+    get_selection,
+    register_selection,
+    registered_selections,
+)
 from kvrag.engine.selection.hkvd import HKVDSelector, keep_schedule
 from kvrag.engine.selection.probe import BlockProbe, probe_blocks, probe_sample
 from kvrag.engine.selection.recency import recency_window
@@ -22,6 +35,7 @@ __all__ = [
     "register_selection",
     "get_selection",
     "registered_selections",
+    "auto_kind",
     "HKVDSelector",
     "keep_schedule",
     "BlockProbe",

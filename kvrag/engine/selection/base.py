@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrag.engine.model import ModelAdapter
-from kvrag.engine.runner import KVBuffer, KVCapture, Selector, Trace, forward
+from kvrag.engine.runner import KVBuffer, KVCapture, QueryTap, Selector, Trace, forward
 
 if TYPE_CHECKING:
     from kvrag.engine.fusion import PrefillOptions
     from kvrag.engine.planner import Plan, SpanSource
 
-__all__ = ["BlendPass", "Strategy", "register_selection", "get_selection", "registered_selections"]
+__all__ = ["BlendPass", "Strategy", "register_selection", "get_selection", "registered_selections", "auto_kind"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -41,6 +41,7 @@ class BlendPass:
         spans: [(start, end)] of the cached chunks, in prompt order.
         source: cached KV of the plan, placed at its positions per layer.
         captures: KV captures the prefill must feed (prefix cache, missed chunks).
+        taps: query taps the prefill must feed (the missed chunks' attention statistics).
         trace: rows computed per layer.
         options: the prefill's options (selection parameters).
     """
@@ -55,6 +56,7 @@ class BlendPass:
     spans: list[tuple[int, int]]
     source: SpanSource
     captures: list[KVCapture]
+    taps: list[QueryTap]
     trace: Trace
     options: PrefillOptions
 
@@ -88,6 +90,7 @@ class BlendPass:
             source=self.source,
             selector=selector,
             capture=self.captures if record else (),
+            taps=self.taps if record else (),
             trace=self.trace if record else None,
             hidden=hidden,
             layers=layers,
@@ -99,16 +102,34 @@ class BlendPass:
 Strategy = Callable[[BlendPass], tuple[torch.Tensor, torch.Tensor]]
 
 _STRATEGIES: dict[str, Strategy] = {}
+_AUTO: dict[str, str] = {}
+#: How a strategy spends ``recompute_ratio="auto"``: ``"threshold"`` measures a deviation and
+#: recomputes what reaches the model's calibrated threshold; ``"self"`` decides on its own (e.g.
+#: from the variants' fix overhead). Either way within the cap (``plan.auto``, ``plan.ratio``).
+AUTO_KINDS = ("threshold", "self")
 
 
-def register_selection(name: str, strategy: Strategy) -> Strategy:
-    """Make ``strategy`` available as ``selection=name`` (the name must be in ``kvrag.config.SELECTIONS``)."""
+def register_selection(name: str, strategy: Strategy, *, auto: str | None = None) -> Strategy:
+    """Make ``strategy`` available as ``selection=name`` (the name must be in ``kvrag.config.SELECTIONS``).
+
+    ``auto``: how it spends ``recompute_ratio="auto"`` (one of :data:`AUTO_KINDS`); ``None``: it
+    takes a fixed share (``config.auto_ratio``).
+    """
     from kvrag.config import SELECTIONS
 
     if name not in SELECTIONS:
         raise ValueError(f"selection {name!r} is not in kvrag.config.SELECTIONS; add it there (validation, docs)")
+    if auto is not None and auto not in AUTO_KINDS:
+        raise ValueError(f"auto must be one of {AUTO_KINDS} or None, got {auto!r}")
     _STRATEGIES[name] = strategy
+    if auto is not None:
+        _AUTO[name] = auto
     return strategy
+
+
+def auto_kind(name: str) -> str | None:
+    """How the strategy ``name`` spends an ``auto`` budget (:data:`AUTO_KINDS`), or None."""
+    return _AUTO.get(name)
 
 
 def get_selection(name: str) -> Strategy:

@@ -164,8 +164,10 @@ class GenerationFields(BaseModel):
         default=None,
         description=f"Prefill mode, one of {', '.join(MODES)}; None = the engine's default. full reuses nothing.",
     )
-    recompute_ratio: float | None = Field(
-        default=None, description="Share of cached chunk tokens recomputed in blend (0..1); None = engine default."
+    recompute_ratio: float | Literal["auto"] | None = Field(
+        default=None,
+        description="Share of cached chunk tokens recomputed in blend (0..1), or 'auto' (each request "
+        "recomputes what it needs); None = engine default (auto).",
     )
     selection: Selection | None = Field(
         default=None,
@@ -193,7 +195,7 @@ class GenerationFields(BaseModel):
 
     @field_validator("recompute_ratio")
     @classmethod
-    def _check_ratio(cls, value: float | None) -> float | None:
+    def _check_ratio(cls, value: float | str | None) -> float | str | None:
         return None if value is None else check_ratio(value)
 
     def _given_engine(self) -> Engine | None:

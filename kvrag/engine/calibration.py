@@ -1,0 +1,69 @@
+"""Per-model calibration of ``recompute_ratio="auto"``: the probe deviation from which a block is recomputed.
+
+A probe's KV deviation has a scale of its own for every model (and probe layer, block size and
+deviation kind). ``kvrag bench calibrate`` measures, on dev questions, the threshold that makes
+``auto`` recompute what a fixed budget would in the favourable case, and writes it here:
+``<cache_dir>/calibration/<model fingerprint>.json``. The bundled model's value ships with kvrag
+(``kvrag/engine/data/calibration.json``), keyed the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["probe_key", "load_threshold", "save_threshold"]
+
+
+def probe_key(probe_layer: int, probe_stride: int, deviation: str) -> str:
+    """The probe settings a threshold belongs to."""
+    return f"layer={probe_layer},stride={probe_stride},deviation={deviation}"
+
+
+def _read(path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _shipped() -> dict:
+    try:
+        text = resources.files("kvrag.engine").joinpath("data/calibration.json").read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _value(entry, probe: str) -> float | None:
+    if not isinstance(entry, dict):
+        return None
+    value = (entry.get(probe) or {}).get("threshold") if isinstance(entry.get(probe), dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+
+def load_threshold(cache_dir: Path, fingerprint: str, probe: str) -> float | None:
+    """The calibrated threshold for this model and probe: the user's own first, then the shipped one."""
+    mine = _value(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"), probe)
+    return mine if mine is not None else _value(_shipped().get(fingerprint), probe)
+
+
+def save_threshold(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts: dict) -> Path:
+    """Record a calibrated threshold (and what it was measured on) for this model and probe."""
+    path = Path(cache_dir) / "calibration" / f"{fingerprint}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _read(path)
+    data[probe] = {"threshold": float(threshold), **facts}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
