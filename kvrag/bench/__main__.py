@@ -8,6 +8,7 @@ kvrag bench methods                        # the registered method names
 kvrag bench store-sim --dataset QA.json --out DIR  # the store's steady state under a Zipf stream, LRU vs PGDSF
 kvrag bench registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
 kvrag bench kernels                        # Triton kernels against their references (needs a CUDA GPU)
+kvrag bench calibrate --dataset QA.json    # the model's constants of recompute_ratio="auto"
 """
 
 from __future__ import annotations
@@ -261,7 +262,14 @@ def _kernels(argv: list[str]) -> int:
     return kernels_main(argv)
 
 
+def _calibrate(argv: list[str]) -> int:
+    from kvrag.bench.calibrate import main as calibrate_main
+
+    return calibrate_main(argv)
+
+
 COMMANDS = {
+    "calibrate": _calibrate,
     "compare": _compare,
     "merge": _merge,
     "make-dataset": _make_dataset,

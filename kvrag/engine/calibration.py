@@ -18,7 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["probe_key", "load_threshold", "save_threshold"]
+__all__ = ["probe_key", "load", "save"]
 
 
 def probe_key(probe_layer: int, probe_stride: int, deviation: str) -> str:
@@ -43,21 +43,27 @@ def _shipped() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _value(entry, probe: str) -> float | None:
+def _number(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else None
+
+
+def _entry(data, probe: str) -> dict:
+    entry = data.get(probe) if isinstance(data, dict) else None
     if not isinstance(entry, dict):
-        return None
-    value = (entry.get(probe) or {}).get("threshold") if isinstance(entry.get(probe), dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+        return {}
+    return {k: v for k in ("threshold", "alpha") if (v := _number(entry.get(k))) is not None}
 
 
-def load_threshold(cache_dir: Path, fingerprint: str, probe: str) -> float | None:
-    """The calibrated threshold for this model and probe: the user's own first, then the shipped one."""
-    mine = _value(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"), probe)
-    return mine if mine is not None else _value(_shipped().get(fingerprint), probe)
+def load(cache_dir: Path, fingerprint: str, probe: str) -> dict:
+    """The calibrated ``threshold`` and ``alpha`` for this model and probe (either may be missing):
+    the user's own (``kvrag bench calibrate``) first, then the one shipped with kvrag."""
+    mine = _entry(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"), probe)
+    return mine or _entry(_shipped().get(fingerprint), probe)
 
 
-def save_threshold(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts: dict) -> Path:
-    """Record a calibrated threshold (and what it was measured on) for this model and probe."""
+def save(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts: dict) -> Path:
+    """Record a calibrated threshold (with ``alpha`` and what they were measured on) for this model and probe."""
     path = Path(cache_dir) / "calibration" / f"{fingerprint}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _read(path)

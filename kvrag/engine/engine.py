@@ -99,12 +99,13 @@ class Engine:
         probe = calibration.probe_key(
             config.resolved_probe_layer(self.adapter.n_layers), config.probe_stride, config.deviation
         )
+        calibrated = calibration.load(config.resolved_cache_dir(), self.fingerprint, probe)
         #: the probe deviation from which ``recompute_ratio="auto"`` recomputes a block (None: unknown)
         self.auto_threshold = (
-            config.auto_threshold
-            if config.auto_threshold is not None
-            else calibration.load_threshold(config.resolved_cache_dir(), self.fingerprint, probe)
+            config.auto_threshold if config.auto_threshold is not None else calibrated.get("threshold")
         )
+        #: Cache-Craft's alpha for ``selection="craft"`` with ``"auto"``
+        self.auto_alpha = calibrated.get("alpha", 1.0)
         self._closed = False
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -424,6 +425,7 @@ class Engine:
                 capture_end=capture_end,
                 capture_chunks=self.writeback.captures(plan),
                 auto_threshold=threshold,
+                auto_alpha=self.auto_alpha,
             )
             t0 = time.perf_counter()
             try:

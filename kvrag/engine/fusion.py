@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class PrefillOptions:
         capture_chunks: segment indices of missed chunks whose KV, computed whole in this prompt,
             is kept (write-back of their real context).
         auto_threshold: with ``plan.auto``, the deviation from which a measuring strategy recomputes.
+        auto_alpha: with ``plan.auto``, Cache-Craft's alpha (``selection="craft"``).
     """
 
     selection: str = "probe"
@@ -43,6 +44,7 @@ class PrefillOptions:
     capture_block: int = 16
     capture_chunks: tuple[int, ...] = ()
     auto_threshold: float | None = None
+    auto_alpha: float = 1.0
 
     @classmethod
     def from_config(cls, config, n_layers: int, **fields) -> PrefillOptions:
@@ -69,6 +71,7 @@ class PrefillResult:
     capture: KVCapture | None  # exact pre-RoPE KV kept for the prefix cache
     chunk_captures: dict[int, KVCapture]  # segment index -> KV the request computed for that chunk
     tap: Tap | None = None  # the captured chunks' sampled queries (their attention statistics)
+    measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
 
 
 def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
@@ -117,6 +120,7 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
     source = SpanSource(adapter, plan.cached_spans(), cos, sin)
     candidates = plan.candidates().to(adapter.device)
     rows = ~plan.reused_exactly().to(adapter.device)
+    measured: dict = {}
     if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
@@ -124,13 +128,15 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
             taps=taps, trace=trace, options=options,
         )  # fmt: skip
         h, pos = get_selection(options.selection)(blend)
+        measured = blend.measured
     else:  # prefix mode has no candidates; reuse never recomputes them
         pos = all_pos[rows & ~candidates]
         h, pos = forward(
             adapter, buf, ids[pos], pos, n, source=source, capture=captures, taps=taps, trace=trace, last_row_only=True
         )
     computed = int(pos.numel())
-    return PrefillResult(buf, h[-1:], trace, int(candidates[pos].sum()), computed, capture, chunk_caps, tap)
+    recomputed = int(candidates[pos].sum())
+    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, tap, measured)
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ name (:func:`get_selection`); new ones plug in with :func:`register_selection` a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +44,8 @@ class BlendPass:
         taps: query taps the prefill must feed (the missed chunks' attention statistics).
         trace: rows computed per layer.
         options: the prefill's options (selection parameters).
+        measured: what the strategy measured, for calibration and benchmarks (e.g. the probe's
+            ``block_sizes`` and ``block_deviation``, [B] each).
     """
 
     adapter: ModelAdapter
@@ -59,6 +61,7 @@ class BlendPass:
     taps: list[QueryTap]
     trace: Trace
     options: PrefillOptions
+    measured: dict = field(default_factory=dict)
 
     @property
     def uncached(self) -> torch.Tensor:

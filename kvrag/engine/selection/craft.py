@@ -19,9 +19,6 @@ from kvrag.engine.selection.base import BlendPass, register_selection
 
 __all__ = ["craft_budgets", "craft"]
 
-#: Cache-Craft's alpha for ``recompute_ratio="auto"`` (CFO = alpha * CCI * (1 - beta')).
-AUTO_ALPHA = 1.0
-
 
 def craft_budgets(sizes: list[int], fixes: list[float], budget: int) -> list[int]:
     """Tokens per chunk: ``budget`` shared in proportion to ``fix * size``, never more than a chunk has."""
@@ -55,7 +52,8 @@ def craft(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     fixes = [fix.get(a, 1.0) for a, _ in p.spans]
     cap = math.ceil(p.plan.ratio * sum(sizes))
     if p.plan.auto:
-        budgets = [min(s, math.ceil(AUTO_ALPHA * f * s)) for s, f in zip(sizes, fixes)]
+        alpha = p.options.auto_alpha  # Cache-Craft's alpha, calibrated per model
+        budgets = [min(s, math.ceil(alpha * f * s)) for s, f in zip(sizes, fixes)]
         budgets = craft_budgets(sizes, fixes, cap) if sum(budgets) > cap else budgets
     else:
         budgets = craft_budgets(sizes, fixes, cap)

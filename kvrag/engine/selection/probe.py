@@ -165,6 +165,9 @@ def three_passes(p: BlendPass, choose: Choose, *, focus: bool = False) -> tuple[
     measured = (sample | late)[a_pos]
     p.run(a_pos[measured], hidden=h_a[measured], selector=meter, layers=(layer, layer + 1), record=False)
 
+    ends = torch.tensor([b for _, b in _blocks(p.spans, o.probe_stride)])
+    starts = torch.tensor([a for a, _ in _blocks(p.spans, o.probe_stride)])
+    p.measured.update(block_sizes=ends - starts, block_deviation=meter.deviation.detach().cpu())
     chosen = choose(p, meter).to(p.adapter.device)
     b_pos = p.all_pos[chosen | (p.uncached & ~early)]
     h_b, b_pos = p.run(b_pos, layers=(0, layer))
