@@ -35,6 +35,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "fingerprint_model",
     "eos_ids",
+    "atomic_write_text",
 ]
 
 #: Name of the bundled default model.
@@ -114,13 +115,14 @@ def _file_digest(path: Path, cache_dir: Path) -> str:
     memo[memo_key] = digest
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(memo_path, json.dumps(memo))
+        atomic_write_text(memo_path, json.dumps(memo))
     except OSError:  # a read-only cache dir only costs us the memo
         pass
     return digest
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file whole or not at all (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w") as f:
