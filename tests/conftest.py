@@ -14,7 +14,20 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
 from tests.helpers import FAMILIES, make_docs, make_tiny_model, make_tokenizer  # noqa: E402
+
+# Fuzz tests: deterministic (the same examples every run, no example database) and bounded.
+settings.register_profile(
+    "kvrag",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=80,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("kvrag")
 
 
 @pytest.fixture(scope="session", params=["cuda" if torch.cuda.is_available() else "cpu"])
