@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvrag.engine.fusion import prefill
+from kvrag.engine.fusion import PrefillOptions, prefill
 from kvrag.engine.loading import KV_FORMAT_VERSION, atomic_write_text
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Segment
@@ -103,7 +103,7 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
     forward(adapter, KVBuffer(adapter, m), alone, torch.arange(m, device=device), m, capture=[cap])
     record = KVRecord(torch.tensor(chunk), cap.k, cap.v)
     plan = Plan(mode="reuse", ratio=0.0, segments=segments, ids=ids.cpu(), chunk_records=[(start, record)])
-    placed = prefill(adapter, plan, n).buf
+    placed = prefill(adapter, plan, n, options=PrefillOptions()).buf
     shifted = torch.arange(start - len(sink), end, device=device)[None]
     out = hf_model(alone[None], position_ids=shifted, past_key_values=DynamicCache(), use_cache=True)
     for layer, theirs in enumerate(out.past_key_values.layers):
@@ -117,7 +117,7 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
 
     # ratio 1.0: the fused prefill equals transformers' forward
     plan = Plan(mode="blend", ratio=1.0, segments=segments, ids=ids.cpu())
-    ours = adapter.logits(prefill(adapter, plan, n).last_hidden)[0]
+    ours = adapter.logits(prefill(adapter, plan, n, options=PrefillOptions()).last_hidden)[0]
     theirs = hf_model(ids[None], logits_to_keep=1).logits[0, -1]
     err = _rel_error(ours, theirs)
     if not err <= tol or int(ours.argmax()) != int(theirs.argmax()):
