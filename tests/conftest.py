@@ -14,7 +14,20 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import make_docs, make_tiny_llama, make_tokenizer  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from tests.helpers import FAMILIES, make_docs, make_tiny_model, make_tokenizer  # noqa: E402
+
+# Fuzz tests: deterministic (the same examples every run, no example database) and bounded.
+settings.register_profile(
+    "kvrag",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=80,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("kvrag")
 
 
 @pytest.fixture(scope="session", params=["cuda" if torch.cuda.is_available() else "cpu"])
@@ -39,7 +52,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_tokenizer):
-    return make_tiny_llama(len(tiny_tokenizer))
+    return make_tiny_model(len(tiny_tokenizer))
 
 
 @pytest.fixture
@@ -47,6 +60,21 @@ def tiny_engine(tiny_model, tiny_tokenizer):
     from kvrag import Engine
 
     engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_model(request, tiny_tokenizer):
+    """A tiny random model of each supported family (``tests.helpers.FAMILY_CONFIGS``)."""
+    return make_tiny_model(len(tiny_tokenizer), request.param)
+
+
+@pytest.fixture
+def family_engine(family_model, tiny_tokenizer):
+    from kvrag import Engine
+
+    engine = Engine.from_model(family_model, tiny_tokenizer, max_new_tokens=8)
     yield engine
     engine.close()
 

@@ -41,9 +41,31 @@ def make_tokenizer():
     return hf
 
 
-def make_tiny_llama(vocab_size: int, *, layers: int = 6, seed: int = 0, **overrides):
-    """A random Llama small enough for fast tests; weights scaled so attention is not uniform."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: Per family, what its tiny test model sets beyond the shared small dimensions. Windows are
+#: shorter than the test prompts (~300 tokens), so that sliding-window attention matters; Gemma 3
+#: mixes sliding and global layers, each kind with its own RoPE.
+FAMILY_CONFIGS = {
+    "llama": {},
+    "mistral": dict(sliding_window=48),
+    "qwen2": dict(use_sliding_window=True, sliding_window=48, max_window_layers=3),
+    "qwen3": dict(head_dim=32),
+    "gemma3_text": dict(
+        head_dim=32,
+        sliding_window=40,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+}
+FAMILIES = tuple(FAMILY_CONFIGS)
+
+
+def make_tiny_model(vocab_size: int, family: str = "llama", *, layers: int = 6, seed: int = 0, **overrides):
+    """A random model of a family, built offline from ``AutoConfig.for_model``, small enough for
+    fast tests. Weights are scaled so that attention is not uniform, and norms and biases (zero or
+    one at init) are randomised so that a norm or bias applied wrongly shows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(
         vocab_size=vocab_size,
@@ -53,7 +75,6 @@ def make_tiny_llama(vocab_size: int, *, layers: int = 6, seed: int = 0, **overri
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -61,9 +82,17 @@ def make_tiny_llama(vocab_size: int, *, layers: int = 6, seed: int = 0, **overri
         pad_token_id=0,
         initializer_range=0.15,
     )
+    if family == "llama":
+        cfg["rope_theta"] = 10000.0
+    cfg.update(FAMILY_CONFIGS[family])
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **cfg)).eval()
+    if family != "llama":  # the Llama fixture keeps the weights the older tests were tuned on
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith(".bias"):
+                    p.add_(torch.randn_like(p) * 0.2)
     model.config._attn_implementation = "sdpa"
     return model
 

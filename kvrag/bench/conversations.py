@@ -34,6 +34,8 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     methods = ordered(ctx.opt("conv_methods") or ctx.methods)
     if not any(m.name == "full" for m in methods):
         raise InvalidRequestError("the conversations workload needs 'full' among its methods")
+    if ctx.fmt.style != "chat":
+        raise InvalidRequestError("the conversations workload needs a model with a chat template (this one has none)")
     if any(m.exact_prefix_writer for m in methods):
         raise InvalidRequestError("'prefix' would serve the other methods' turns from its cache; not in workload c")
     turns, top_k = ctx.opt("conv_turns", 3), ctx.opt("conv_top_k", 2)

@@ -108,7 +108,12 @@ def load_dataset(path: str | Path, n: int | None = None) -> list[QAItem]:
 
 
 class PromptFormat:
-    """Builds the reference request inside a tokenizer's chat template.
+    """Builds the reference request inside a tokenizer's chat template, or as a completion prompt.
+
+    A tokenizer without a chat template (a base model such as Gemma 3 270M) gets a completion
+    prompt: the system prompt and instructions as plain paragraphs, the passages, then
+    ``Question: ...``, the answer hint and ``Answer:``; the model continues from there until its
+    end token (``<eos>``) or the token limit. :attr:`style` says which one was built.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
@@ -131,6 +136,8 @@ class PromptFormat:
         messages = [{"role": "user", "content": user}]
         if system:
             messages.insert(0, {"role": "system", "content": system})
+        #: ``chat`` (the tokenizer's chat template) or ``completion`` (no template)
+        self.style = "chat" if getattr(tokenizer, "chat_template", None) is not None else "completion"
         rendered = self._render(tokenizer, messages, system)
         if rendered.count(_DOCS) != 1 or rendered.count("\x01") != 1:
             raise InvalidRequestError("the chat template altered the prompt layout; cannot place passages")
@@ -139,8 +146,7 @@ class PromptFormat:
 
     @staticmethod
     def _render(tokenizer, messages: list[dict], system: str) -> str:
-        if getattr(tokenizer, "chat_template", None) is None:
-            # no template: plain text, the instructions first
+        if getattr(tokenizer, "chat_template", None) is None:  # completion style (see the class)
             return "".join(f"{m['content']}\n\n" for m in messages) + "Answer:"
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -172,6 +172,7 @@ def run_bench(
                 engine.config.replace(eviction_policy=policy.strip(), **(opts.config or {}))
         meta = run_metadata(engine, run_id, list(argv or []), settings)
         fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
+        meta["prompt_style"] = fmt.style
         options = dict(
             top_k=opts.top_k,
             repeat=opts.repeat,

@@ -44,7 +44,6 @@ from kvrag.engine.registry import content_id
 from kvrag.engine.runner import KVBuffer
 from kvrag.engine.store.base import KVRecord
 from kvrag.errors import InvalidRequestError
-from kvrag.kernels import rope_rotate
 
 __all__ = ["ConversationState", "Conversations", "match_runs", "check_conversation_id", "MIN_RUN"]
 
@@ -261,14 +260,11 @@ class Conversations:
             return
         n = min(len(ids), buf.length)
         ids = ids[:n]
-        cos, sin = self.adapter.rope(torch.arange(n, device=self.adapter.device))
-        scale = float(self.adapter.rope_scaling) ** 2
+        rope = self.adapter.rope(torch.arange(n, device=self.adapter.device))
         k = torch.empty_like(buf.k[:, :, :n])
         with torch.inference_mode():
-            for layer in range(buf.k.shape[0]):  # undo RoPE: rotate by minus the angle
-                k[layer] = rope_rotate(buf.k[layer, :, :n], cos, -sin)
-            if scale != 1.0:
-                k /= scale
+            for layer in range(buf.k.shape[0]):  # undo each layer's own RoPE
+                k[layer] = self.adapter.remove_rope(layer, buf.k[layer, :, :n], *rope.layer(layer))
         v = buf.v[:, :, :n]
         with self._lock:
             old = self._live.pop(conversation_id, None)

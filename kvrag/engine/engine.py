@@ -16,6 +16,7 @@ from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label,
 from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.costs import CostFeedback
 from kvrag.engine.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
+from kvrag.engine.gate import load_gate
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.progress import progress_reporter
@@ -78,6 +79,10 @@ class Engine:
         bos = tokenizer.bos_token_id
         sink = bos if bos is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
+        # blend/reuse only where placement and ratio 1.0 are proven exact for these weights (cached)
+        self.gate = load_gate(
+            self.adapter, hf_model, self.sink_ids, fingerprint=self.fingerprint, cache_dir=config.resolved_cache_dir()
+        )
         self.planner = Planner(
             tokenizer,
             self.store,
@@ -364,6 +369,7 @@ class Engine:
         if conversation is not None and (cfg.conversation_dedup if dedup is None else dedup):
             parts, deduplicated = self.conversations.dedup(conversation, parts)
         mode, ratio = check_mode(cfg, mode, recompute_ratio)
+        self.gate.require(self.model_name, mode, ratio)
         selection = check_selection(cfg, selection)
         with self._lock:  # the tokenizer memo is shared
             segments, ids = self.planner.segment(parts)

@@ -116,8 +116,7 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
         h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True)
         return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, tap)
 
-    cos, sin = adapter.rope(all_pos)
-    source = SpanSource(adapter, plan.cached_spans(), cos, sin)
+    source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos))
     candidates = plan.candidates().to(adapter.device)
     rows = ~plan.reused_exactly().to(adapter.device)
     measured: dict = {}

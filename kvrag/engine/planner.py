@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrag.engine.model import ModelAdapter
+from kvrag.engine.model import ModelAdapter, RopeTable
 from kvrag.engine.prefix import PrefixCache
 from kvrag.engine.runner import KVBuffer
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, chunk_key
@@ -119,19 +119,24 @@ class Plan:
 
 
 class SpanSource:
-    """Cached KV of a plan (prefix blocks and chunk hits), placed layer by layer at its positions."""
+    """Cached KV of a plan (prefix blocks and chunk hits), placed layer by layer at its positions.
 
-    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], cos: torch.Tensor, sin: torch.Tensor):
+    Stored keys carry no RoPE; each layer's keys are rotated with that layer's own RoPE (Gemma 3's
+    local and global layers differ).
+    """
+
+    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], rope: RopeTable):
         self.adapter = adapter
         self.spans = spans
-        self.cos, self.sin = cos, sin  # [N, D] for every position of the prompt
+        self.rope = rope  # cos/sin [N, D] of every position of the prompt, per layer
 
     def fill(self, layer: int, buf: KVBuffer) -> None:
         dtype = self.adapter.dtype
+        cos, sin = self.rope.layer(layer)
         for start, rec in self.spans:
             end = start + rec.num_tokens
             k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
-            buf.k[layer, :, start:end] = rope_rotate(k.to(dtype), self.cos[start:end], self.sin[start:end])
+            buf.k[layer, :, start:end] = rope_rotate(k.to(dtype), cos[start:end], sin[start:end])
             buf.v[layer, :, start:end] = v.to(dtype)
 
 

@@ -6,9 +6,10 @@ by a selector), full reuse (only uncached rows), decoding (one row) and scoring 
 A pass can run a range of layers and another resume from its hidden states: the probe selection
 runs some rows to a middle layer, decides, and joins them with the rows it chose.
 
-The KV of a sequence lives in a preallocated :class:`KVBuffer`; keys there carry RoPE for their
-position. Cached KV enters through a :class:`KVSource`, one layer at a time, just before that
-layer runs (so a slower tier can prefetch layer l+1 while layer l computes).
+The KV of a sequence lives in a preallocated :class:`KVBuffer`; keys there carry their layer's
+RoPE for their position. Sliding-window layers attend to the last ``window`` keys only. Cached KV
+enters through a :class:`KVSource`, one layer at a time, just before that layer runs (so a slower
+tier can prefetch layer l+1 while layer l computes).
 """
 
 from __future__ import annotations
@@ -165,15 +166,16 @@ def forward(
     """
     first, stop = layers if layers is not None else (0, adapter.n_layers)
     h = adapter.embed(ids) if hidden is None else hidden
-    cos, sin = adapter.rope(pos)
+    rope = adapter.rope(pos)
     contiguous = _is_contiguous(pos)
-    masks: dict = {}  # attention masks of the current rows, shared by the layers
+    masks: dict = {}  # window -> attention masks of the current rows, shared by the layers of that window
     for layer in range(first, stop):
         if source is not None:
             source.fill(layer, buf)
         q, k, v = adapter.qkv(layer, h)
         for cap in capture:
             cap.take(layer, pos, k, v, contiguous)
+        cos, sin = rope.layer(layer)
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         for tap in taps:
@@ -184,14 +186,16 @@ def forward(
         if keep is not None and keep.numel() == 0:  # no row goes on: the pass ends at this layer's KV
             return h[:0], pos[:0]
         if keep is not None and keep.numel() != pos.numel():
-            q, h, pos, cos, sin = q[:, keep], h[keep], pos[keep], cos[keep], sin[keep]
+            q, h, pos, rope = q[:, keep], h[keep], pos[keep], rope[keep]
             contiguous, masks = _is_contiguous(pos), {}
         if trace is not None:
             trace.rows_per_layer.append(int(pos.numel()))
         q_pos = pos
         if last_row_only and layer == adapter.n_layers - 1:
             q, h, q_pos, masks = q[:, -1:], h[-1:], pos[-1:], {}
-        out = attention(q, q_pos, buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len], adapter.scale, masks)
+        window = adapter.windows[layer]
+        kv = buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len]
+        out = attention(q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window)
         h = adapter.finish_layer(layer, h, out)
     if stop == adapter.n_layers:
         buf.length = max(buf.length, seq_len)

@@ -57,8 +57,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
             object.__setattr__(self, "stop", tuple(stops))
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
-            raise InvalidRequestError(f"seed must be an integer, got {s!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not -(2**63) <= s < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64) (torch's range), got {s!r}")
 
     def resolved(self, defaults) -> SamplingParams:
         """Every ``None`` field taken from ``defaults`` (an :class:`~kvrag.EngineConfig`); ``stop`` a tuple."""

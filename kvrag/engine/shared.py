@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 from kvrag.config import EngineConfig
+from kvrag.engine.bundled import BUNDLED, find_bundled
 from kvrag.engine.engine import Engine
-from kvrag.engine.loading import _ALIASES
 
 __all__ = ["get_engine", "drop_engines"]
 
@@ -29,8 +29,9 @@ def get_engine(model: str | None = None, **config) -> Engine:
         model: as for :meth:`Engine.from_pretrained` (``None`` = bundled SmolLM2-135M-Instruct).
         **config: :class:`EngineConfig` fields (dtype, device, recompute_ratio, ...).
     """
-    if model is not None and str(model).strip().lower() in _ALIASES:
-        model = None  # a name of the bundled model: the same engine as the default
+    bundled = find_bundled(model) if isinstance(model, str) else None
+    if bundled is not None:  # any name of a bundled model: one engine per model
+        model = None if bundled is BUNDLED[0] else bundled.name
     cfg = EngineConfig(**config).replace(model=model) if model is not None else EngineConfig(**config)
     key = _key(cfg)
     engine = _engines.get(key)

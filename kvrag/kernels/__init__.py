@@ -96,18 +96,20 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    masks: dict[int, torch.Tensor] | None = None,
+    masks: dict | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D].
 
+    ``window``: a sliding-window layer's size (row at p sees keys (p - window, p]); None: global.
     ``masks``: a dict the reference path keeps the rows' attention masks in, to be passed again
-    with the same ``q_pos`` (the Triton kernel needs none).
+    with the same ``q_pos`` and ``window`` (the Triton kernel needs none).
     """
     if _triton_for(q):
         from kvrag.kernels.triton_attention import attention_triton
 
-        return attention_triton(q, q_pos, k, v, scale)
-    return attention_ref(q, q_pos, k, v, scale, masks=masks)
+        return attention_triton(q, q_pos, k, v, scale, window=window)
+    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window)
 
 
 def kv_deviation(k_new, k_old, v_new, v_old, what: str = "kv") -> torch.Tensor:

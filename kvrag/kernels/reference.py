@@ -37,7 +37,8 @@ def attention_ref(
     v: torch.Tensor,
     scale: float,
     block: int = QUERY_BLOCK,
-    masks: dict[int, torch.Tensor] | None = None,
+    masks: dict[int, tuple[int, torch.Tensor]] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows at given positions over a full KV sequence.
 
@@ -49,17 +50,22 @@ def attention_ref(
         scale: softmax scale.
         block: query rows per block.
         masks: a cache of the blocks' masks, filled on first use: pass the same dict to calls with
-            the same ``q_pos`` and ``block`` (every layer of a pass) and a new one when they change.
+            the same ``q_pos``, ``block`` and ``window`` (every layer of a kind in a pass) and a new
+            one when they change.
+        window: sliding-window attention: row i sees only keys (q_pos[i] - window, q_pos[i]]
+            (each block then reads at most ``window + block`` keys); None for global attention.
 
     Returns:
-        [H, Tq, D]; row i attends to keys 0..q_pos[i].
+        [H, Tq, D]; row i attends to keys 0..q_pos[i] (the last ``window`` of them with a window).
     """
     tq, s = q.shape[1], k.shape[1]
     if tq == 0:
         return q.new_empty(q.shape)
     gqa = q.shape[0] != k.shape[0]
     first, last = int(q_pos[0]), int(q_pos[-1])
-    if last - first + 1 == tq and last == s - 1:  # a contiguous tail: plain causal attention
+    if window is not None and last < window:
+        window = None  # every row sees all the keys before it anyway
+    if window is None and last - first + 1 == tq and last == s - 1:  # a contiguous tail: plain causal attention
         if tq == s:
             return F.scaled_dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
@@ -72,21 +78,30 @@ def attention_ref(
             return F.scaled_dot_product_attention(
                 padded[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
             )[0, :, first:]
+    if window is not None and tq == 1:  # decoding on a sliding-window layer: the last keys only
+        lo = max(0, first - window + 1)
+        return F.scaled_dot_product_attention(
+            q[None], k[None, :, lo : first + 1], v[None, :, lo : first + 1], scale=scale, enable_gqa=gqa
+        )[0]
     masks = {} if masks is None else masks
     out = torch.empty_like(q)
     for start in range(0, tq, block):
-        mask = masks.get(start)
-        if mask is None or mask.dtype != q.dtype:  # additive: SDPA would convert a bool mask on every call
+        cached = masks.get(start)
+        if cached is None or cached[1].dtype != q.dtype:  # additive: SDPA would convert a bool mask on every call
             pos = q_pos[start : start + block]
-            keys = torch.arange(int(pos[-1]) + 1, device=q.device)
-            mask = torch.zeros((pos.numel(), keys.numel()), dtype=q.dtype, device=q.device)
-            mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
-            masks[start] = mask
-        end = mask.shape[1]
+            lo = 0 if window is None else max(0, int(pos[0]) - window + 1)
+            keys = torch.arange(lo, int(pos[-1]) + 1, device=q.device)
+            hidden = keys[None, :] > pos[:, None]
+            if window is not None:
+                hidden |= keys[None, :] <= pos[:, None] - window
+            mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+            cached = masks[start] = (lo, mask)
+        lo, mask = cached
+        end = lo + mask.shape[1]
         out[:, start : start + block] = F.scaled_dot_product_attention(
             q[None, :, start : start + block],
-            k[None, :, :end],
-            v[None, :, :end],
+            k[None, :, lo:end],
+            v[None, :, lo:end],
             attn_mask=mask,
             scale=scale,
             enable_gqa=gqa,

@@ -2,7 +2,9 @@
 
 Flash-attention style forward (online softmax in float32, exp2): one program per block of query
 rows and query head; it walks the keys from 0 up to the largest position in its block, masking
-each row to keys ``<= its position``. Grouped-query heads read their shared KV head directly
+each row to keys ``<= its position`` (and, on a sliding-window layer, ``> its position - window``:
+the walk then starts at the block's first visible key, so a block reads at most ``window +
+BLOCK_M`` keys). Grouped-query heads read their shared KV head directly
 (head ``h`` uses KV head ``h // (H // Hkv)``, as transformers' ``repeat_kv``). Rows need not be
 contiguous; the loop bound comes from the block's own positions, so no ordering is assumed.
 Reference: :func:`kvrag.kernels.reference.attention_ref`.
@@ -47,6 +49,7 @@ def _attention_kernel(
     seq_len,
     group,
     qk_scale,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,13 +74,16 @@ def _attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     hi = tl.minimum(tl.max(pos, axis=0) + 1, seq_len).to(tl.int32)  # keys this block can see
+    # with a window, the walk starts at the first key the block's lowest row sees (a key block's start)
+    lowest = tl.min(tl.where(row_ok, pos, hi), axis=0)
+    lo = tl.where(window > 0, tl.maximum(lowest - window + 1, 0) // BLOCK_N * BLOCK_N, 0).to(tl.int32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + kv_head * skh
     v_base = V + kv_head * svh
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         cols64 = cols.to(tl.int64)
@@ -93,6 +99,7 @@ def _attention_kernel(
         else:
             s = tl.dot(q, kt)
         visible = (cols64[None, :] <= pos[:, None]) & col_ok[None, :]
+        visible = visible & ((window <= 0) | (cols64[None, :] > pos[:, None] - window))
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -163,6 +170,7 @@ def attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`~kvrag.kernels.reference.attention_ref` (any strides).
 
@@ -174,11 +182,15 @@ def attention_triton(
         scale: softmax scale.
         block_m, block_n, num_warps, num_stages: launch tuning (powers of two >= 16 for blocks);
             defaults suit head dims 64-128.
+        window: sliding-window size (row i sees keys (q_pos[i] - window, q_pos[i]]); None: global.
 
     Returns:
-        [H, Tq, D] contiguous, dtype of ``q``; row i attends to keys 0..q_pos[i].
+        [H, Tq, D] contiguous, dtype of ``q``; row i attends to keys 0..q_pos[i] (the last
+        ``window`` of them with a window).
     """
     h, tq, d, hkv, s = _check(q, q_pos, k, v)
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     device = check_same_device(q=q, q_pos=q_pos, k=k, v=v)
     check_launchable(device, _attention_kernel)
     if not math.isfinite(scale):
@@ -214,6 +226,7 @@ def attention_triton(
         s,
         h // hkv,
         float(scale) * _LOG2E,
+        window or 0,
         HEAD_DIM=d,
         # Triton's interpreter multiplies bfloat16 bit patterns in tl.dot; on CPU tensors (only the
         # interpreter runs those) bfloat16 goes through float32. GPUs use bfloat16 tensor cores.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from kvrag import InvalidRequestError
 from kvrag.bench import BenchOptions, MixedRunsError, paired_ratios, parse_methods, run_bench
 from kvrag.bench.__main__ import main as bench_main
-from kvrag.bench.data import PromptFormat, load_dataset, make_synthetic_dataset, pick_question_pair
+from kvrag.bench.data import DEFAULT_SYSTEM, PromptFormat, load_dataset, make_synthetic_dataset, pick_question_pair
 from kvrag.bench.metrics import (
     best_f1,
     f1_score,
@@ -180,6 +181,13 @@ def test_prompt_format_and_zipf(tiny_tokenizer):
     assert req.prefix.startswith("<|im_start|>system") and req.prefix.endswith("\n\n")
     assert req.suffix.startswith(f"Question: {items[0].question}\nAnswer within 5 words.")
     assert req.suffix.endswith("<|im_start|>assistant\n") and req.chunks[0] == items[0].passages[2]
+    assert fmt.style == "chat"
+    base = copy.deepcopy(tiny_tokenizer)  # a base model's tokenizer: no chat template
+    base.chat_template = None
+    plain = PromptFormat(base).request(items[0], [2, 0, 1], workload="questions", request=0)
+    assert PromptFormat(base).style == "completion" and plain.chunks == req.chunks
+    assert plain.prefix.startswith(DEFAULT_SYSTEM) and "<|im_start|>" not in plain.prefix + plain.suffix
+    assert plain.suffix == f"Question: {items[0].question}\nAnswer within 5 words.\n\nAnswer:"
     reqs, pool = zipf_requests(items, 50, 3, 1.2, seed=0)
     assert all(len(set(p)) == 3 for _, p in reqs)
     counts = [sum(p.count(i) for _, p in reqs) for i in range(len(pool["pool"]))]

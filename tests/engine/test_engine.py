@@ -1,4 +1,4 @@
-"""Engine core on a tiny random Llama: exactness, fusion, reuse, decoding, errors."""
+"""Engine core on tiny random models: exactness (every family), fusion, reuse, decoding, errors."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams
 from kvrag.engine.fusion import PrefillOptions, prefill
@@ -15,34 +16,36 @@ from kvrag.engine.runner import KVBuffer, forward
 from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs, prompt_ids
 
 
-def test_full_prefill_matches_transformers(tiny_engine, docs):
-    ids = prompt_ids(tiny_engine, docs)
-    ours = last_logits(tiny_engine, docs, "full")
+def test_full_prefill_matches_transformers(family_engine, docs):
+    ids = prompt_ids(family_engine, docs)
+    ours = last_logits(family_engine, docs, "full")
     with torch.inference_mode():
-        theirs = tiny_engine.hf_model(ids[None]).logits[0, -1].float()
+        theirs = family_engine.hf_model(ids[None]).logits[0, -1].float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_all_positions_match_transformers(tiny_engine, docs):
-    ids = prompt_ids(tiny_engine, docs)
+def test_all_positions_match_transformers(family_engine, docs):
+    ad = family_engine.adapter
+    ids = prompt_ids(family_engine, docs)
     n = int(ids.shape[0])
-    buf = KVBuffer(tiny_engine.adapter, n)
-    h, _ = forward(tiny_engine.adapter, buf, ids, torch.arange(n), n)
-    with torch.inference_mode():
-        out = tiny_engine.hf_model(ids[None], use_cache=True)
-    torch.testing.assert_close(tiny_engine.adapter.logits(h), out.logits[0].float(), rtol=1e-4, atol=1e-4)
+    assert any(w is not None and w < n for w in ad.windows) or ad.config.model_type in ("llama", "qwen3")
+    buf = KVBuffer(ad, n)
+    h, _ = forward(ad, buf, ids, torch.arange(n), n)
+    with torch.inference_mode():  # a plain cache keeps every position of sliding-window layers too
+        out = family_engine.hf_model(ids[None], past_key_values=DynamicCache(), use_cache=True)
+    torch.testing.assert_close(ad.logits(h), out.logits[0].float(), rtol=1e-4, atol=1e-4)
     # the KV buffer equals transformers' cache (keys with RoPE applied)
     cache = out.past_key_values
-    for layer in range(tiny_engine.adapter.n_layers):
+    for layer in range(ad.n_layers):
         torch.testing.assert_close(buf.k[layer, :, :n], cache.layers[layer].keys[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(buf.v[layer, :, :n], cache.layers[layer].values[0], rtol=1e-4, atol=1e-5)
 
 
-def test_a_pass_resumed_from_hidden_states_equals_one_pass(tiny_engine, docs):
+def test_a_pass_resumed_from_hidden_states_equals_one_pass(family_engine, docs):
     """forward over layers [0, L) then [L, end) from the hidden states equals one pass; with
     last_row_only the KV is the same and the last row's output too."""
-    ad = tiny_engine.adapter
-    ids = prompt_ids(tiny_engine, docs)
+    ad = family_engine.adapter
+    ids = prompt_ids(family_engine, docs)
     n = int(ids.shape[0])
     one, split = KVBuffer(ad, n), KVBuffer(ad, n)
     h_one, _ = forward(ad, one, ids, torch.arange(n), n)
@@ -54,36 +57,43 @@ def test_a_pass_resumed_from_hidden_states_equals_one_pass(tiny_engine, docs):
     torch.testing.assert_close(h_split, h_one[-1:], rtol=1e-5, atol=1e-5)
 
 
-def test_ratio_one_is_exactly_full(tiny_engine, docs):
-    tiny_engine.warm(docs)
-    full = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=12)
-    blend1 = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
+def test_ratio_one_is_exactly_full(family_engine, docs):
+    family_engine.warm(docs)
+    full = family_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=12)
+    blend1 = family_engine.generate(docs, PREFIX, SUFFIX, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
     assert blend1.token_ids == full.token_ids
-    assert torch.equal(last_logits(tiny_engine, docs, "blend", 1.0), last_logits(tiny_engine, docs, "full"))
+    assert torch.equal(last_logits(family_engine, docs, "blend", 1.0), last_logits(family_engine, docs, "full"))
     assert blend1.stats.cached_tokens == 0 and blend1.stats.compute_fraction == 1.0
 
 
-def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(tiny_engine, docs):
-    """Layer-0 keys do not depend on context: the stored keys rotated to a chunk's new place
-    must equal the keys a full prefill computes at that place."""
-    tiny_engine.warm(docs)
-    ids = prompt_ids(tiny_engine, docs)
-    n = int(ids.shape[0])
-    plan = tiny_engine.planner.plan(
-        *tiny_engine.planner.segment([("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]),
-        mode="reuse",
-        ratio=0.0,
-        use_prefix=False,
-    )
-    res = prefill(tiny_engine.adapter, plan, n, options=PrefillOptions())
-    buf = KVBuffer(tiny_engine.adapter, n)
-    forward(tiny_engine.adapter, buf, ids, torch.arange(n), n)
-    assert len(plan.chunk_records) == len(docs)
-    for start, rec in plan.chunk_records:
-        end = start + rec.num_tokens
-        assert start > 0  # not where they were computed
-        torch.testing.assert_close(res.buf.k[0, :, start:end], buf.k[0, :, start:end], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(res.buf.v[0, :, start:end], buf.v[0, :, start:end], rtol=1e-5, atol=1e-5)
+def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(family_model, tiny_tokenizer, docs):
+    """A chunk's KV computed alone behind the sink token (stored without RoPE) and placed at its
+    place in the prompt equals, on every layer, the KV transformers computes for the sink and the
+    chunk at those positions (the same context, shifted): RoPE is each layer's own."""
+    engine = Engine.from_model(family_model, tiny_tokenizer, chunk_context="sink")
+    try:
+        engine.warm(docs)
+        ids = prompt_ids(engine, docs)
+        n = int(ids.shape[0])
+        parts = [("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]
+        plan = engine.planner.plan(*engine.planner.segment(parts), mode="reuse", ratio=0.0, use_prefix=False)
+        res = prefill(engine.adapter, plan, n, options=PrefillOptions())
+        assert len(plan.chunk_records) == len(docs)
+        for start, rec in plan.chunk_records:
+            end = start + rec.num_tokens
+            assert start > 1  # not where they were computed
+            alone = torch.tensor([engine.sink_ids + rec.token_ids.tolist()])
+            with torch.inference_mode():
+                out = engine.hf_model(
+                    alone, position_ids=torch.arange(start - 1, end)[None], past_key_values=DynamicCache()
+                )
+            for layer, theirs in enumerate(out.past_key_values.layers):
+                torch.testing.assert_close(res.buf.k[layer, :, start:end], theirs.keys[0, :, 1:], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    res.buf.v[layer, :, start:end], theirs.values[0, :, 1:], rtol=1e-4, atol=1e-4
+                )
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("selection", ["hkvd", "probe", "focus", "craft"])
@@ -100,17 +110,17 @@ def test_deviation_from_full_shrinks_as_ratio_grows(tiny_engine, selection):
     assert errors[0.0] > errors[0.2] > errors[0.5] > errors[1.0]
 
 
-def test_warm_then_hits(tiny_engine, docs):
-    cold = tiny_engine.generate(docs, PREFIX, SUFFIX)
+def test_warm_then_hits(family_engine, docs):
+    cold = family_engine.generate(docs, PREFIX, SUFFIX)
     assert cold.stats.chunk_hits == 0 and cold.stats.chunk_misses == len(docs)
-    w = tiny_engine.warm(docs[:2])  # before write-back of the cold request can have stored them
-    tiny_engine.flush()
-    assert w.computed + w.cached == 2 and w.tokens == sum(tiny_engine.count_tokens(d) for d in docs[:2])
-    again = tiny_engine.warm(docs)  # write-back has kept every chunk the cold request missed
+    w = family_engine.warm(docs[:2])  # before write-back of the cold request can have stored them
+    family_engine.flush()
+    assert w.computed + w.cached == 2 and w.tokens == sum(family_engine.count_tokens(d) for d in docs[:2])
+    again = family_engine.warm(docs)  # write-back has kept every chunk the cold request missed
     assert (again.computed, again.cached) == (0, len(docs))
-    hot = tiny_engine.generate(list(reversed(docs)), PREFIX, SUFFIX)
+    hot = family_engine.generate(list(reversed(docs)), PREFIX, SUFFIX)
     assert hot.stats.chunk_hits == len(docs) and hot.stats.chunk_misses == 0
-    assert hot.stats.cached_tokens >= sum(tiny_engine.count_tokens(d) for d in docs)
+    assert hot.stats.cached_tokens >= sum(family_engine.count_tokens(d) for d in docs)
     assert 0 < hot.stats.recomputed_tokens < hot.stats.cached_tokens
     assert hot.stats.compute_fraction < 0.7
 
@@ -237,33 +247,35 @@ def test_write_back_makes_misses_hits(tiny_engine, docs):
     assert g.stats.chunk_hits == 2
 
 
-def test_reuse_mode_computes_only_uncached_tokens(tiny_engine, docs):
-    tiny_engine.warm(docs)
-    g = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="reuse")
+def test_reuse_mode_computes_only_uncached_tokens(family_engine, docs):
+    family_engine.warm(docs)
+    g = family_engine.generate(docs, PREFIX, SUFFIX, mode="reuse")
     assert g.stats.recomputed_tokens == 0
     assert g.stats.computed_tokens == g.stats.prompt_tokens - g.stats.cached_tokens
 
 
-def test_no_chunks_is_plain_generation(tiny_engine):
+def test_no_chunks_is_plain_generation(family_engine):
     prompt = "the king was born in"
-    g = tiny_engine.generate(prefix=prompt, max_new_tokens=10)
-    ids = tiny_engine.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    g = family_engine.generate(prefix=prompt, max_new_tokens=10)
+    ids = family_engine.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.inference_mode():
-        ref = tiny_engine.hf_model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = family_engine.hf_model.generate(
+            ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     assert g.token_ids == ref[0, ids.shape[1] :].tolist()[: len(g.token_ids)]
     assert g.stats.chunk_hits == g.stats.chunk_misses == 0
 
 
-def test_exact_prefix_reuse_is_exact(tiny_engine, docs):
-    first = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
-    tiny_engine.flush()
-    second = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
-    full = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=10)
+def test_exact_prefix_reuse_is_exact(family_engine, docs):
+    first = family_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
+    family_engine.flush()
+    second = family_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
+    full = family_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=10)
     assert first.stats.prefix_tokens == 0
-    assert second.stats.prefix_tokens >= second.stats.prompt_tokens - tiny_engine.config.prefix_block_tokens
+    assert second.stats.prefix_tokens >= second.stats.prompt_tokens - family_engine.config.prefix_block_tokens
     assert second.token_ids == full.token_ids == first.token_ids
     torch.testing.assert_close(
-        last_logits(tiny_engine, docs, "prefix"), last_logits(tiny_engine, docs, "full"), rtol=1e-4, atol=1e-4
+        last_logits(family_engine, docs, "prefix"), last_logits(family_engine, docs, "full"), rtol=1e-4, atol=1e-4
     )
 
 

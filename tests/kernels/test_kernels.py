@@ -128,13 +128,15 @@ def test_attention_gqa_matches_reference(tk, dtype, heads, kv_heads):
 
 @pytest.mark.parametrize("kind", ["tail", "all", "decode", "first", "empty"])
 @pytest.mark.parametrize("d", [16, 128])
-def test_attention_selections_and_head_dims(tk, kind, d):
+@pytest.mark.parametrize("window", [None, 9])
+def test_attention_selections_and_head_dims(tk, kind, d, window):
     s, dev = (70 if d == 16 else 45), tk.device
     q_pos = _selection(kind, s).to(dev)
     q = rand(4, q_pos.numel(), d, seed=6, device=dev)
     k, v = rand(2, s, d, seed=7, device=dev), rand(2, s, d, seed=8, device=dev)
-    got = tk.attention(q, q_pos, k, v, 0.3)
-    torch.testing.assert_close(got.cpu(), R.attention_ref(*cpu(q, q_pos, k, v), 0.3), **TOL[torch.float32])
+    got = tk.attention(q, q_pos, k, v, 0.3, window=window)
+    want = R.attention_ref(*cpu(q, q_pos, k, v), 0.3, window=window)
+    torch.testing.assert_close(got.cpu(), want, **TOL[torch.float32])
 
 
 def test_attention_many_row_blocks_and_int32_positions(tk):
@@ -245,11 +247,15 @@ def test_package_imports_and_runs_without_triton():
 # -- the engine through the dispatch layer ----------------------------------------------------
 
 
-def test_engine_outputs_unchanged_through_triton_kernels(tk, tiny_model, tiny_tokenizer, docs, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_engine_outputs_unchanged_through_triton_kernels(tk, family, tiny_tokenizer, docs, monkeypatch):
     """The tiny engine, on the kernels' device, generates the same greedy tokens with every kernel
-    on the Triton path as on the references, in full and blend modes."""
+    on the Triton path as on the references, in full and blend modes; Gemma 3 brings sliding
+    windows shorter than the prompt and a RoPE per layer kind."""
     from kvrag import Engine
-    from tests.helpers import PREFIX, SUFFIX
+    from tests.helpers import PREFIX, SUFFIX, make_tiny_model
+
+    tiny_model = make_tiny_model(len(tiny_tokenizer), family)
 
     calls: dict[str, int] = {}
     for name in TRITON_MODULES:
@@ -307,18 +313,24 @@ def test_kernels_compile_for_a_gpu_target(tmp_path):
 
 
 @pytest.mark.parametrize("first", [0, 1, 7, 30, 31, 50])
-def test_attention_reference_paths_match_dense_softmax(first):
-    """Every path of the reference (square causal, padded tail, masked blocks) against plain math."""
+@pytest.mark.parametrize("window", [None, 1, 9, 40])
+def test_attention_reference_paths_match_dense_softmax(first, window):
+    """Every path of the reference (square causal, padded tail, masked blocks, sliding windows,
+    decoding in a window) against plain math."""
     s, d = 61, 16
     for q_pos in (torch.arange(first, s), _selection("scattered", s)[_selection("scattered", s) >= first]):
         q = rand(6, q_pos.numel(), d, seed=13)
         k, v = rand(2, s, d, seed=14), rand(2, s, d, seed=15)
         kk, vv = k.repeat_interleave(3, dim=0), v.repeat_interleave(3, dim=0)
         scores = (q @ kk.transpose(1, 2)) * 0.25
-        scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos[:, None], float("-inf"))
-        want = torch.softmax(scores, dim=-1) @ vv
-        torch.testing.assert_close(R.attention_ref(q, q_pos, k, v, 0.25, block=8), want, rtol=1e-5, atol=1e-5)
+        keys = torch.arange(s)[None, :]
+        hidden = keys > q_pos[:, None]
+        if window is not None:  # row at p sees keys (p - window, p]
+            hidden |= keys <= q_pos[:, None] - window
+        want = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ vv
+        got = R.attention_ref(q, q_pos, k, v, 0.25, block=8, window=window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         masks: dict = {}  # kept across calls with the same rows (the layers of a pass): same output
-        first_call = R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks)
-        assert torch.equal(R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks), first_call)
+        first_call = R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks, window=window)
+        assert torch.equal(R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks, window=window), first_call)
         torch.testing.assert_close(first_call, want, rtol=1e-5, atol=1e-5)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 
 import torch
 
+from kvrag.engine.store import serial
 from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +39,35 @@ def same(rec, ref: KVRecord) -> bool:
         and torch.equal(rec.v.float(), ref.v.float())
         and torch.equal(rec.token_ids, ref.token_ids)
     )
+
+
+#: Ways an entry's bytes get damaged (:func:`damage`).
+DAMAGE = ("truncate", "extend", "flip", "overwrite", "splice", "garbage")
+
+
+def damage(blob: bytes, how: str, rng, other: bytes) -> bytes:
+    """``blob`` (an encoded entry) damaged one way; ``other`` is another entry of the same layout
+    (``splice`` puts this entry's header on its body). ``rng`` is a ``random.Random``."""
+    out = bytearray(blob)
+    if how == "truncate":
+        return bytes(out[: rng.randrange(len(out))])
+    if how == "extend":
+        return bytes(out) + rng.randbytes(rng.randint(1, 64))
+    if how == "flip":
+        for pos in rng.sample(range(len(out) * 8), rng.randint(1, 8)):
+            out[pos // 8] ^= 1 << (pos % 8)
+        return bytes(out)
+    if how == "overwrite":
+        start = rng.randrange(len(out))
+        out[start : start + 8] = rng.randbytes(rng.randint(1, 8))
+        return bytes(out)
+    if how == "splice":
+        _, header_len, _ = struct.unpack("<8sII", blob[:16])  # the documented prelude
+        cut = (16 + header_len + 63) // 64 * 64  # the body starts at the next 64-byte boundary
+        return blob[:cut] + other[cut:]
+    if how == "garbage":
+        return serial.MAGIC + rng.randbytes(rng.randint(0, 300))
+    raise ValueError(how)
 
 
 def subprocess_env() -> dict:
