@@ -24,7 +24,10 @@ import torch
 
 from kvrag.engine.runner import KVBuffer
 
-__all__ = ["Tap", "Segment", "ChunkStatistics", "chunk_statistics", "block_middles"]
+__all__ = ["STATS_STRIDE", "Tap", "Segment", "ChunkStatistics", "chunk_statistics", "block_middles"]
+
+#: One query in this many tokens of a chunk is sampled for its attention statistics.
+STATS_STRIDE = 16
 
 
 def block_middles(start: int, end: int, stride: int) -> list[int]:
@@ -88,12 +91,20 @@ class ChunkStatistics:
 
 
 def chunk_statistics(
-    tap: Tap, buf: KVBuffer, chunk: tuple[int, int], segments: list[Segment], scale: float, stride: int
+    tap: Tap,
+    buf: KVBuffer,
+    chunk: tuple[int, int],
+    segments: list[Segment],
+    scale: float,
+    stride: int,
+    windows: list[int | None] | None = None,
 ) -> ChunkStatistics | None:
     """Cache-Craft's statistics of the chunk at positions ``chunk`` behind the context ``segments``.
 
     ``tap`` must have observed the chunk's block middles (:func:`block_middles`) on every layer and
-    ``buf`` hold the KV of every position up to the chunk's end. ``None`` if the tap missed a layer.
+    ``buf`` hold the KV of every position up to the chunk's end; ``windows`` are the layers'
+    attention windows (a query at p sees keys (p - w, p] on a sliding-window layer). ``None`` if
+    the tap missed a layer.
     """
     start, end = chunk
     middles = block_middles(start, end, stride)
@@ -112,7 +123,9 @@ def chunk_statistics(
         k = buf.k[layer, :, :end].float()  # [Hkv, K, D]
         k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, S, K]
-        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=0)  # [S, K]
+        window = windows[layer] if windows else None
+        seen = causal if window is None else causal & (keys[None, :] > qpos[:, None] - window)
+        weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).mean(dim=0)  # [S, K]
         seg_mass = torch.stack([weights[:, s.start : s.end].sum(dim=1) for s in segments], dim=1) if segments else None
         intra = weights[:, start:end].sum(dim=1)  # [S]
         # sums over the chunk's queries, estimated from one query per block

@@ -36,7 +36,7 @@ from importlib import resources
 import torch
 
 from kvrag.config import CHUNK_CONTEXTS
-from kvrag.engine.attention_stats import Segment, Tap, block_middles, chunk_statistics
+from kvrag.engine.attention_stats import STATS_STRIDE, Segment, Tap, block_middles, chunk_statistics
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
@@ -185,7 +185,7 @@ class ChunkComputer:
         for doc, cap, (a, b) in zip(docs, caps, spans):
             self._remember(doc)
             rec = KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label)
-            attach_statistics(rec, tap, buf, (a, b), segments, self.adapter.scale, self.stats_stride)
+            attach_statistics(rec, tap, buf, (a, b), segments, self.adapter, self.stats_stride)
             records.append(rec)
             segments.append(Segment(a, b, context_id(doc)))
         return records
@@ -239,18 +239,20 @@ def similarity_order(docs: Sequence[list[int]], embeddings=None) -> list[int]:
     return order
 
 
-#: One query in this many tokens of a chunk is sampled for its attention statistics.
-STATS_STRIDE = 16
-
-
 def attach_statistics(
-    record: KVRecord, tap: Tap, buf: KVBuffer, span: tuple[int, int], segments: list[Segment], scale: float, stride: int
+    record: KVRecord,
+    tap: Tap,
+    buf: KVBuffer,
+    span: tuple[int, int],
+    segments: list[Segment],
+    adapter: ModelAdapter,
+    stride: int = STATS_STRIDE,
 ) -> None:
     """Record where a chunk's KV was computed: ``meta["context"]`` (the context chunks' ids) and,
     when the tap saw the chunk, Cache-Craft's ``cci`` and ``weights`` in the meta and the blocks'
     inter-attention in ``stats["block_inter"]``."""
     record.meta = {**record.meta, "context": [s.id for s in segments]}
-    stats = chunk_statistics(tap, buf, span, segments, scale, stride)
+    stats = chunk_statistics(tap, buf, span, segments, adapter.scale, stride, adapter.windows)
     if stats is not None:
         record.meta.update(cci=stats.cci, weights=list(stats.weights))
         record.stats = {**record.stats, "block_inter": stats.block_inter}

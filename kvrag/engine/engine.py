@@ -432,6 +432,7 @@ class Engine:
                 capture_chunks=self.writeback.captures(plan),
                 auto_threshold=threshold,
                 auto_alpha=self.auto_alpha,
+                keep_recomputed=self.writeback.keeps_recomputed(plan),
             )
             t0 = time.perf_counter()
             try:

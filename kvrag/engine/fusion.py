@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrag.engine.attention_stats import Tap, block_middles
-from kvrag.engine.chunks import STATS_STRIDE
+from kvrag.engine.attention_stats import STATS_STRIDE, Tap, block_middles
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.planner import Plan, SpanSource
 from kvrag.engine.runner import KVBuffer, KVCapture, Trace, forward
@@ -32,6 +31,7 @@ class PrefillOptions:
             is kept (write-back of their real context).
         auto_threshold: with ``plan.auto``, the deviation from which a measuring strategy recomputes.
         auto_alpha: with ``plan.auto``, Cache-Craft's alpha (``selection="craft"``).
+        keep_recomputed: keep cached chunks a strategy recomputes whole as new variants.
     """
 
     selection: str = "probe"
@@ -45,6 +45,7 @@ class PrefillOptions:
     capture_chunks: tuple[int, ...] = ()
     auto_threshold: float | None = None
     auto_alpha: float = 1.0
+    keep_recomputed: bool = False
 
     @classmethod
     def from_config(cls, config, n_layers: int, **fields) -> PrefillOptions:
@@ -70,7 +71,7 @@ class PrefillResult:
     computed_tokens: int  # prompt tokens computed through the last layer (incl. uncached text)
     capture: KVCapture | None  # exact pre-RoPE KV kept for the prefix cache
     chunk_captures: dict[int, KVCapture]  # segment index -> KV the request computed for that chunk
-    tap: Tap | None = None  # the captured chunks' sampled queries (their attention statistics)
+    taps: dict[int, Tap] = field(default_factory=dict)  # segment index -> the tap holding its sampled queries
     measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
 
 
@@ -114,12 +115,13 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
 
     if plan.is_full or not plan.cached_spans():
         h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True)
-        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, tap)
+        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap))
 
     source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos))
     candidates = plan.candidates().to(adapter.device)
     rows = ~plan.reused_exactly().to(adapter.device)
     measured: dict = {}
+    kept_taps = dict.fromkeys(chunk_caps, tap)
     if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
@@ -128,6 +130,10 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
         )  # fmt: skip
         h, pos = get_selection(options.selection)(blend)
         measured = blend.measured
+        index = {u.start: u.index for u in plan.chunks}
+        for start, (cap, whole_tap) in blend.kept.items():  # cached chunks recomputed whole: new variants
+            chunk_caps[index[start]] = cap
+            kept_taps[index[start]] = whole_tap
     else:  # prefix mode has no candidates; reuse never recomputes them
         pos = all_pos[rows & ~candidates]
         h, pos = forward(
@@ -135,7 +141,7 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
         )
     computed = int(pos.numel())
     recomputed = int(candidates[pos].sum())
-    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, tap, measured)
+    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, kept_taps, measured)
 
 
 def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:

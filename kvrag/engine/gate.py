@@ -56,9 +56,10 @@ class GateResult:
     check: str = ""
     detail: str = ""
 
-    def require(self, model: str, mode: str, ratio: float) -> None:
+    def require(self, model: str, mode: str, ratio: float | str) -> None:
         """Raise if ``mode`` would reuse cached KV on a model that failed the gate."""
-        if self.ok or mode not in ("blend", "reuse") or (mode == "blend" and ratio >= 1.0):
+        exact = mode == "blend" and not isinstance(ratio, str) and ratio >= 1.0  # ratio 1.0 reuses nothing
+        if self.ok or mode not in ("blend", "reuse") or exact:
             return
         raise UnsupportedModelError(
             f"mode={mode!r} is refused for model {model!r}: kvrag's self-test at load failed the "

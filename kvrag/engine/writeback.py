@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from kvrag.engine.attention_stats import Segment
-from kvrag.engine.chunks import STATS_STRIDE, ChunkComputer, attach_statistics
+from kvrag.engine.chunks import ChunkComputer, attach_statistics
 from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.runner import KVCapture
 from kvrag.engine.store.base import KVStore
@@ -89,9 +89,17 @@ class WriteBack:
 
     def _kept_misses(self, plan: Plan) -> list:
         """The plan's missed chunks whose KV is worth keeping."""
-        if not self.config.write_back or plan.mode not in ("blend", "reuse"):
+        if not self.keeps(plan):
             return []
         return [u for u in plan.chunks if not u.hit and u.length >= self.config.chunk_min_tokens]
+
+    def keeps(self, plan: Plan) -> bool:
+        """Whether what this request computes of its chunks is kept (write-back, a mode that reuses)."""
+        return self.config.write_back and plan.mode in ("blend", "reuse")
+
+    def keeps_recomputed(self, plan: Plan) -> bool:
+        """Whether cached chunks the request recomputes whole are kept as new variants (neighbor context)."""
+        return self.keeps(plan) and self.computer.context == "neighbor" and self.config.max_variants > 1
 
     def captures(self, plan: Plan) -> tuple[int, ...]:
         """Segments of missed chunks whose KV the request computes and can keep (neighbor context)."""
@@ -111,21 +119,22 @@ class WriteBack:
             )
         exact_end = plan.exact_end()
         segments = [Segment(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
-        kept = {u.index for u in self._kept_misses(plan)}
+        kept = {u.index for u in self._kept_misses(plan)} | {i for i in res.chunk_captures if self.keeps(plan)}
         for n, use in enumerate(plan.chunks):
             if use.index not in kept:
                 continue
             cap = res.chunk_captures.get(use.index)
-            # a chunk computed here is a variant computed behind this prompt's chunks; exact if
-            # everything before it was (the knowledge tree's path), else blended KV came before it
+            # a chunk computed here is a variant computed behind this prompt's chunks; exact if it
+            # was missed and everything before it was exact (the knowledge tree's path)
             context = use.context if cap is not None else ()
-            exact = use.digest if cap is not None and use.start + use.length <= exact_end else None
+            exact = use.digest if cap is not None and not use.hit and use.start + use.length <= exact_end else None
             job = (use.key, context, exact)
             if job in self._pending:
                 continue
             self._pending.add(job)
             ids = list(plan.segments[use.index].ids)
-            measured = (res.tap, res.buf, segments[:n]) if res.tap is not None else None
+            tap = res.taps.get(use.index)
+            measured = (tap, res.buf, segments[:n]) if tap is not None else None
             self._writer.submit(
                 lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
             )
@@ -138,7 +147,7 @@ class WriteBack:
                 if measured is not None:  # Cache-Craft's statistics, from the request's own queries and KV
                     tap, buf, segments = measured
                     span = (capture.start, capture.end)
-                    attach_statistics(record, tap, buf, span, segments, self.computer.adapter.scale, STATS_STRIDE)
+                    attach_statistics(record, tap, buf, span, segments, self.computer.adapter)
             else:
                 if self.store.contains(key):
                     return

@@ -38,6 +38,8 @@ def test_a_broken_adapter_is_refused_blend_and_reuse(tiny_model, tiny_tokenizer,
                 engine.generate(docs, PREFIX, SUFFIX, mode=mode, recompute_ratio=0.15)
         with pytest.raises(UnsupportedModelError, match="placement"):
             engine.score("the answer", docs, PREFIX, SUFFIX, mode="blend")
+        with pytest.raises(UnsupportedModelError, match="placement"):  # the default: recompute_ratio="auto"
+            engine.generate(docs, PREFIX, SUFFIX)
         # full and prefix still work, and blend at ratio 1.0 (a full prefill, nothing reused)
         for mode in ("full", "prefix"):
             assert engine.generate(docs, PREFIX, SUFFIX, mode=mode).stats.prompt_tokens > 0

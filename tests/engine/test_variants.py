@@ -135,3 +135,22 @@ def test_warm_in_similar_order_computes_each_chunk_behind_its_neighbours(tiny_en
     assert third.context[-1] == context_id(ids[0])  # 2 was computed right behind 0, its most similar
     with pytest.raises(InvalidRequestError, match="order"):
         tiny_engine.warm(docs, order="random")
+
+
+def test_a_chunk_recomputed_whole_becomes_a_variant_for_this_company(tiny_engine):
+    """Cache-Craft's variants: a cached chunk that a request recomputes whole (focus) is kept as a
+    new variant computed behind this prompt's chunks; the same company next time uses it."""
+    docs = make_docs(4, words=60, seed=34)
+    tiny_engine.warm(docs)
+    order = docs[::-1]
+    g = tiny_engine.generate(order, PREFIX, SUFFIX, selection="focus", recompute_ratio=0.5, max_new_tokens=1)
+    tiny_engine.flush()
+    ids = [tiny_engine.planner.tokenize(d) for d in order]
+    counts = [len(tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(x))) for x in ids]
+    assert max(counts) == 2  # the warm() variant and this prompt's
+    again = tiny_engine.generate(order, PREFIX, SUFFIX, selection="focus", recompute_ratio=0.5, max_new_tokens=1)
+    fixes = [c.fix for c in again.stats.chunks]
+    for n, chunk in zip(counts, again.stats.chunks):
+        if n == 2:
+            assert chunk.fix == 0.0  # computed in exactly this company
+    assert g.stats.chunk_hits == again.stats.chunk_hits == 4 and min(fixes) == 0.0

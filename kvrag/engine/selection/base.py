@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrag.engine.attention_stats import STATS_STRIDE, Tap, block_middles
 from kvrag.engine.model import ModelAdapter
 from kvrag.engine.runner import KVBuffer, KVCapture, QueryTap, Selector, Trace, forward
 
@@ -46,6 +47,8 @@ class BlendPass:
         options: the prefill's options (selection parameters).
         measured: what the strategy measured, for calibration and benchmarks (e.g. the probe's
             ``block_sizes`` and ``block_deviation``, [B] each).
+        kept: start -> (KV capture, query tap) of cached chunks the strategy recomputes whole,
+            kept as new variants computed in this prompt's company (:meth:`keep_whole`).
     """
 
     adapter: ModelAdapter
@@ -62,6 +65,19 @@ class BlendPass:
     trace: Trace
     options: PrefillOptions
     measured: dict = field(default_factory=dict)
+    kept: dict[int, tuple[KVCapture, Tap]] = field(default_factory=dict)
+
+    def keep_whole(self, start: int, end: int) -> None:
+        """Keep the KV of the cached chunk at [start, end), which the strategy recomputes whole on
+        every layer from now on, as a variant of that chunk computed in this prompt's company
+        (with its attention statistics). Call before the passes that recompute it."""
+        if not self.options.keep_recomputed:
+            return
+        cap = KVCapture(self.adapter, start, end)
+        tap = Tap(block_middles(start, end, STATS_STRIDE), self.adapter.n_layers)
+        self.captures.append(cap)
+        self.taps.append(tap)
+        self.kept[start] = (cap, tap)
 
     @property
     def uncached(self) -> torch.Tensor:

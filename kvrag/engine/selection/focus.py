@@ -6,7 +6,8 @@ needs is the KV of the chunks the question attends to. Cache-Craft (§3.2.2, Alg
 the question's attention to each chunk, cumulated layer by layer, and finds the *focused* chunks;
 it stops recomputing the others. Here the probe's first pass runs the question's rows up to the
 probe layer over the cached KV, so the focused chunks are known before anything is recomputed,
-and the budget goes to them whole, in order of the question's attention; what is left goes to the
+and the budget goes to them whole, in order of the question's attention (the one that does not fit
+whole gives its first tokens, which depend most on what precedes it); what is left goes to the
 most deviated blocks of the other chunks, as ``probe`` does.
 
 With ``recompute_ratio="auto"`` a focused chunk is recomputed whole when its probed deviation
@@ -86,10 +87,14 @@ def _by_focus(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
         a, b = p.spans[i]
         if p.plan.auto and deviation[i] < threshold:  # computed in company like this one: blocks will do
             continue
-        if b - a > budget:
+        # a chunk that does not fit gives its first tokens: they depend most on what precedes it
+        take = min(b - a, budget)
+        chosen[a : a + take] = True
+        if take == b - a:
+            p.keep_whole(a, b)  # recomputed in this prompt's company: a new variant of the chunk
+        budget -= take
+        if budget <= 0:
             break
-        chosen[a:b] = True
-        budget -= b - a
     return probe_blocks(p.spans, n, stride, meter.positions, meter.deviation, budget, threshold, chosen)
 
 

@@ -56,9 +56,10 @@ class BlockProbe:
         question: torch.Tensor | None = None,
         keys: torch.Tensor | None = None,
         scale: float = 1.0,
+        windows: list[int | None] | None = None,
     ) -> None:
         self.sample, self.layer, self.what = sample, layer, deviation
-        self.question, self.keys, self.scale = question, keys, scale
+        self.question, self.keys, self.scale, self.windows = question, keys, scale, windows
         self.positions: torch.Tensor | None = None  # [S] sampled positions
         self.deviation: torch.Tensor | None = None  # [S] their deviation on ``layer``
         self.attention: torch.Tensor | None = None  # [K] the question's attention mass on each key of ``keys``
@@ -83,8 +84,12 @@ class BlockProbe:
         asking = self.question[pos].nonzero().squeeze(1)
         keys = buf.k[layer][:, self.keys]  # [Hkv, K, D]: cached KV at every chunk position on this layer
         keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], dim=0)  # [H, K, D]
-        scores = torch.matmul(q[:, asking], keys.transpose(1, 2)) * self.scale  # [H, Rq, K]
-        mass = torch.softmax(scores.float(), dim=-1).sum(dim=(0, 1))  # [K]
+        scores = torch.matmul(q[:, asking], keys.transpose(1, 2)).float() * self.scale  # [H, Rq, K]
+        window = self.windows[layer] if self.windows else None
+        if window is not None:  # a sliding-window layer: each question row sees the last ``window`` keys
+            far = self.keys[None, :] <= pos[asking][:, None] - window  # [Rq, K]
+            scores = scores.masked_fill(far, float("-inf"))
+        mass = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=(0, 1))  # [K]
         self.attention = mass  # on the probe layer
         self.by_layer.append(mass)
 
@@ -160,7 +165,15 @@ def three_passes(p: BlendPass, choose: Choose, *, focus: bool = False) -> tuple[
     late = p.uncached & ~early if focus else torch.zeros_like(early)
     a_pos = p.all_pos[early | sample | late]
     keys = p.all_pos[p.candidates] if focus else None
-    meter = BlockProbe(sample, layer, o.deviation, question=late if focus else None, keys=keys, scale=p.adapter.scale)
+    meter = BlockProbe(
+        sample,
+        layer,
+        o.deviation,
+        question=late if focus else None,
+        keys=keys,
+        scale=p.adapter.scale,
+        windows=p.adapter.windows,
+    )
     h_a, _ = p.run(a_pos, layers=(0, layer), selector=meter if focus else None)
     measured = (sample | late)[a_pos]
     p.run(a_pos[measured], hidden=h_a[measured], selector=meter, layers=(layer, layer + 1), record=False)
