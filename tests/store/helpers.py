@@ -133,13 +133,15 @@ def _full_disk(directory: str, limit: int) -> None:
     )
 
 
-def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool) -> None:
-    """Answer the questions in ``docs_path`` with an engine over a disk tier; report answers and tiers."""
+def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool, remote_url=None) -> None:
+    """Answer the questions in ``docs_path`` with an engine over a disk tier (or, given
+    ``remote_url``, over a remote tier alone); report answers and tiers."""
     from kvrag import Engine
 
     job = json.load(open(docs_path))
+    tiers = dict(remote_url=remote_url) if remote_url else dict(disk_tier=True)
     engine = Engine.from_pretrained(
-        model_dir, cache_dir=cache_dir, disk_tier=True, max_new_tokens=8, loading_controller=False, num_threads=1
+        model_dir, cache_dir=cache_dir, max_new_tokens=8, loading_controller=False, num_threads=1, **tiers
     )
     if warm:
         engine.warm(job["docs"])
@@ -160,7 +162,7 @@ if __name__ == "__main__":
     elif job == "full_disk":
         _full_disk(args[0], int(args[1]))
     elif job == "engine":
-        _engine(args[0], args[1], args[2], args[3], args[4] == "warm")
+        _engine(args[0], args[1], args[2], args[3], args[4] == "warm", *args[5:6])
     else:
         raise SystemExit(f"unknown job {job}")
 

@@ -30,6 +30,7 @@ import torch
 from kvrag.engine.dtypes import torch_dtype
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey
+from kvrag.engine.store.codec import AtRest
 from kvrag.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,13 @@ def _is_entry_name(name) -> bool:
 
 
 class DiskEntry:
-    """An open, header-verified entry: read layers or the whole record. Close when done."""
+    """An open, header-verified entry: read layers or the whole record. Close when done.
+
+    The remote tier's entries have the same surface (``key``, ``header``, ``token_ids``, ``tier``,
+    ``read_layer_parts``, ``read_stats``, ``read_record``, ``close``): the prefetcher streams both.
+    """
+
+    tier = "disk"
 
     def __init__(self, key: StoreKey, fh, header: serial.Header, token_ids: torch.Tensor) -> None:
         self.key, self._fh, self.header, self.token_ids = key, fh, header, token_ids
@@ -104,8 +111,8 @@ class DiskEntry:
     def nbytes(self) -> int:
         return self.header.size
 
-    def read_layer_into(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        serial.read_layer_into(self.fd, self.header, layer, k, v)
+    def read_layer_parts(self, layer: int, parts: list[torch.Tensor]) -> None:
+        serial.read_layer_parts(self.fd, self.header, layer, parts)
 
     def read_stats(self) -> dict[str, torch.Tensor]:
         return serial.read_stats(self.fd, self.header)
@@ -133,6 +140,9 @@ class DiskStore(KVStore):
         dtype: dtype of K and V at rest (``float16``, ``bfloat16`` or ``float32``).
         policy: ``lru`` or ``pgdsf``.
         timeout: seconds to wait for the index lock before giving up (a miss or a skipped write).
+        codec: ``plain`` (K/V in ``dtype``) or ``int8`` (:mod:`kvrag.engine.store.codec`). Entries of
+            another representation live under other names, so processes sharing a directory with
+            different codecs never serve each other's.
     """
 
     def __init__(
@@ -142,10 +152,14 @@ class DiskStore(KVStore):
         dtype: str = "float16",
         policy: str = "lru",
         timeout: float = 10.0,
+        codec: str = "plain",
     ):
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
         self.dtype = torch_dtype(dtype)
+        self.at_rest = AtRest(codec, dtype)
+        # plain keeps today's names (an existing cache stays valid); a codec gets a suffix
+        self._suffix = "" if codec == "plain" else f"~{self.at_rest.tag}"
         self.policy = "pgdsf" if policy == "pgdsf" else "lru"
         self._cost_sum, self._cost_n = 0.0, 0
         try:
@@ -175,9 +189,8 @@ class DiskStore(KVStore):
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _name(key: StoreKey) -> str:
-        return f"{key.namespace}/{key.digest}"
+    def _name(self, key: StoreKey) -> str:
+        return f"{key.namespace}/{key.digest}{self._suffix}"
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -264,7 +277,8 @@ class DiskStore(KVStore):
 
     def put(self, key: StoreKey, record: KVRecord, *, frequency: int = 1, cost: float | None = None) -> bool:
         """Write a record (``frequency`` and ``cost`` per token seed its PGDSF rank)."""
-        data = serial.encode(key, record, self.dtype)
+        record = self.at_rest(record)
+        data = serial.encode(key, record, self.at_rest.codec_of(record))
         if len(data) > self.budget_bytes:
             self._count("skipped")
             return False
