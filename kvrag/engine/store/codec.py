@@ -130,11 +130,13 @@ def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, to
     """Asymmetric 8-bit codes of ``x`` with one (scale, minimum) per slice along ``dim``."""
     lo = x.amin(dim=dim, keepdim=True).to(_SCALE)
     hi = x.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo.float()) / 255.0).to(_SCALE)
+    # a hair wider than the range, so that rounding the scale to fp16 never leaves the top out
+    # (and no smaller than fp16's smallest normal number: subnormal scales lose their precision)
+    step = ((hi - lo.float()) / 255.0 * (1 + 2**-9)).clamp_min(torch.finfo(_SCALE).tiny)
+    scale = step.to(_SCALE)
     # the codes are computed against the fp16 scale and minimum that are stored, so decoding
     # them reproduces the nearest representable level, not a level of a scale never kept
-    s = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
-    q = torch.round((x - lo.float()) / s).clamp_(0, 255).to(torch.uint8)
+    q = torch.round((x - lo.float()) / scale.float()).clamp_(0, 255).to(torch.uint8)
     return q, scale, lo
 
 
