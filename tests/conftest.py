@@ -45,6 +45,15 @@ def triton_device(request) -> torch.device:
     return device
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny-model ops are too small to split across threads; on a busy CPU, syncing them costs more."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()

@@ -8,28 +8,21 @@ import json
 import logging
 import pickle
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kvrag import Engine
 from kvrag.engine.store import serial
-from kvrag.engine.store.remote import KEY_PREFIX, RemoteEntry, RemoteStore
+from kvrag.engine.store.remote import KEY_PREFIX, RemoteStore
 from tests.helpers import make_docs
-from tests.store.helpers import ROOT, Payload, key, record, same, subprocess_env, token_ids
+from tests.store.helpers import Payload, engine_job, key, record, run_engine_job, same, token_ids
 
 PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
 SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def engine(model, tok, url, **kw) -> Engine:
@@ -76,7 +69,7 @@ def test_round_trip_parts_ttl_and_key_layout(remote_server):
     assert same(store.get(key(1, tokens=100)), rec)
     # the layers are byte ranges of the value: a streamed read asks for one layer at a time
     entry = store.open(key(1, tokens=100))
-    assert isinstance(entry, RemoteEntry)
+    assert entry.tier == "remote"
     k, v = torch.empty(2, 100, 8, dtype=torch.float16), torch.empty(2, 100, 8, dtype=torch.float16)
     entry.read_layer_parts(3, [k, v])
     assert torch.equal(k.float(), rec.k[3]) and torch.equal(v.float(), rec.v[3])
@@ -110,6 +103,9 @@ def _damage(client, name: bytes, how: str, rng: random.Random, foreign: bytes) -
         client.set(name, foreign)
     elif how == "garbage":
         client.set(name, rng.randbytes(len(blob)))
+    elif how == "list":  # not even a string value
+        client.delete(name)
+        client.rpush(name, b"not kvrag")
     elif how == "pickle":
         client.set(name, pickle.dumps(Payload("/nonexistent/kvrag-pwned")))
     else:  # everything past the first 64 bytes zeroed
@@ -130,7 +126,7 @@ def test_100_damaged_or_foreign_entries_are_misses_served_by_recompute(
     assert len(chunk_keys) >= 100
     rng = random.Random(0)
     foreign = client.get(chunk_keys[0])
-    ways = ["flip", "truncate", "foreign", "garbage", "pickle", "zeroed"]
+    ways = ["flip", "truncate", "foreign", "garbage", "pickle", "list", "zeroed"]
     for i, name in enumerate(chunk_keys):
         _damage(client, name, ways[i % len(ways)], rng, foreign if i else client.get(chunk_keys[1]))
     b = engine(tiny_model, tiny_tokenizer, remote_server.url, write_back=False)
@@ -151,16 +147,16 @@ def test_server_killed_mid_stream_then_restarted(tiny_model, tiny_tokenizer, rem
     eng = engine(tiny_model, tiny_tokenizer, remote_server.url, write_back=False)
     eng.warm(docs)
     eng.store.memory.clear()
-    read = RemoteEntry.read_layer_parts
+    read = serial.Entry.read_layer_parts
     calls = []
 
     def read_then_kill(self, layer, parts):
         calls.append(layer)
-        if len(calls) == 3:
+        if self.tier == "remote" and len(calls) == 3:
             remote_server.kill()  # mid-stream: some layers are in, the rest never come
         return read(self, layer, parts)
 
-    monkeypatch.setattr(RemoteEntry, "read_layer_parts", read_then_kill)
+    monkeypatch.setattr(serial.Entry, "read_layer_parts", read_then_kill)
     with caplog.at_level(logging.WARNING, logger="kvrag"):
         got = ask(eng, docs, requests)  # 0 failed requests
     monkeypatch.undo()
@@ -215,28 +211,9 @@ def test_server_down_at_start_serves_from_memory(tiny_model, tiny_tokenizer, rem
 def test_two_fresh_processes_share_one_server(tiny_model, tiny_tokenizer, remote_server, tmp_path):
     """Process A warms 20 chunks into the server; process B (empty memory, no disk) gets all 20
     from the server and answers as A did."""
-    model_dir = tmp_path / "model"
-    tiny_model.save_pretrained(model_dir)
-    tiny_tokenizer.save_pretrained(model_dir)
-    docs = make_docs(20, words=40, seed=7)
-    job = {
-        "docs": docs,
-        "prefix": PREFIX,
-        "suffix": SUFFIX,
-        "requests": [list(range(i, i + 4)) for i in range(0, 20, 4)],
-    }
-    (tmp_path / "job.json").write_text(json.dumps(job))
+    model_dir, job = engine_job(tiny_model, tiny_tokenizer, tmp_path, PREFIX, SUFFIX)
     for name, mode in (("a", "warm"), ("b", "cold")):
-        out = subprocess.run(
-            [sys.executable, "-m", "tests.store.helpers", "engine", str(model_dir), str(tmp_path / f"cache-{name}")]
-            + [str(tmp_path / "job.json"), str(tmp_path / f"{name}.json"), mode, remote_server.url],
-            cwd=ROOT,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr
+        run_engine_job(model_dir, tmp_path / f"cache-{name}", job, tmp_path / f"{name}.json", mode, remote_server.url)
     a = json.loads((tmp_path / "a.json").read_text())
     b = json.loads((tmp_path / "b.json").read_text())
     assert all(r["tiers"] == ["memory"] * 4 for r in a)

@@ -27,7 +27,6 @@ import torch
 
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError, KVRecord
-from kvrag.engine.store.disk import DiskEntry
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class StreamedRecord:
     layer failed verification. ``tier`` is the entry's (``disk`` or ``remote``).
     """
 
-    def __init__(self, entry: DiskEntry, meter: ThroughputMeter, on_done: Callable[[StreamedRecord, bool], None]):
+    def __init__(self, entry: serial.Entry, meter: ThroughputMeter, on_done: Callable[[StreamedRecord, bool], None]):
         h = entry.header
         self.key = entry.key
         self.tier = entry.tier

@@ -43,13 +43,14 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from kvrag.engine.store import serial
-from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey
+from kvrag.engine.store.base import DamagedEntryError, KVStore, StoreKey
+from kvrag.engine.store.bookkeeping import Bookkeeping
 from kvrag.engine.store.codec import AtRest
 from kvrag.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RemoteStore", "RemoteEntry", "RemoteUnavailableError", "PASSWORD_ENV", "KEY_PREFIX", "redact"]
+__all__ = ["RemoteStore", "RemoteUnavailableError", "PASSWORD_ENV", "KEY_PREFIX", "redact"]
 
 #: Environment variable holding the server's password when the URL carries none.
 PASSWORD_ENV = "KVRAG_REMOTE_PASSWORD"
@@ -108,32 +109,7 @@ class _Source:
             pos += len(v)
 
 
-class RemoteEntry:
-    """A header-verified remote entry (the surface :class:`~kvrag.engine.store.disk.DiskEntry` has)."""
-
-    tier = "remote"
-
-    def __init__(self, key: StoreKey, src: _Source, header: serial.Header, token_ids: torch.Tensor) -> None:
-        self.key, self._src, self.header, self.token_ids = key, src, header, token_ids
-
-    @property
-    def nbytes(self) -> int:
-        return self.header.size
-
-    def read_layer_parts(self, layer: int, parts: list[torch.Tensor]) -> None:
-        serial.read_layer_parts(self._src, self.header, layer, parts)
-
-    def read_stats(self) -> dict[str, torch.Tensor]:
-        return serial.read_stats(self._src, self.header)
-
-    def read_record(self) -> KVRecord:
-        return serial.read_record(self._src, self.header, self.token_ids, tier="remote")
-
-    def close(self) -> None:
-        pass
-
-
-class RemoteStore(KVStore):
+class RemoteStore(Bookkeeping, KVStore):
     """KV records on a Redis/Valkey server.
 
     Args:
@@ -168,7 +144,6 @@ class RemoteStore(KVStore):
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
         self.part_bytes = int(part_bytes)
         self.prefix = f"{KEY_PREFIX}:{self.at_rest.tag}:"
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._refused = redis.ResponseError
         kw = {}
         if urlsplit(url).password is None and os.environ.get(PASSWORD_ENV):
@@ -206,17 +181,6 @@ class RemoteStore(KVStore):
 
     # -- faults ---------------------------------------------------------------------------------
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._stats[name] += n
-
-    def _warn_once(self, kind: str, msg: str) -> None:
-        with self._lock:
-            first = kind not in self._warned
-            self._warned.add(kind)
-        if first:
-            log.warning("kvrag: %s (further such warnings are suppressed)", msg)
-
     @property
     def available(self) -> bool:
         """False while the server is considered down (until the backoff passes)."""
@@ -231,8 +195,9 @@ class RemoteStore(KVStore):
             self._stats["errors"] += 1
             if first:
                 self._stats["outages"] += 1
-        try:  # every pooled connection may be stale now: the next try opens fresh ones
-            self._client.connection_pool.disconnect()
+            self._index.clear()  # a server that comes back may have lost everything
+        try:  # idle pooled connections may be stale now: the next try opens fresh ones
+            self._client.connection_pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001
             pass
         if first:
@@ -258,7 +223,9 @@ class RemoteStore(KVStore):
             raise RemoteUnavailableError(f"remote KV tier at {redact(self.url)} is down")
         try:
             out = fn(*args, **kw)
-        except self._errors as e:
+        except self._refused:  # the server answered with an error: not an outage
+            raise
+        except Exception as e:  # noqa: BLE001 - refused connections, timeouts, a socket closed under us
             self._fault(e)
             raise RemoteUnavailableError(f"remote KV tier: {type(e).__name__}: {e}") from None
         with self._lock:
@@ -271,7 +238,7 @@ class RemoteStore(KVStore):
     def _try(self, fn, *args, **kw):
         try:
             return self._call(fn, *args, **kw)
-        except RemoteUnavailableError:
+        except (RemoteUnavailableError, self._refused):
             return None
 
     # -- keys and the local index ---------------------------------------------------------------
@@ -300,7 +267,10 @@ class RemoteStore(KVStore):
             stop = min(src.part_bytes, start + end - pos)
             pipe.getrange(src.part_key(i), start, stop - 1)
             pos += stop - start
-        data = b"".join(self._call(pipe.execute))
+        try:
+            data = b"".join(self._call(pipe.execute))
+        except self._refused as e:  # e.g. WRONGTYPE: the key now holds something kvrag never wrote
+            raise DamagedEntryError(f"damaged KV entry: the server refused a range read ({e})") from None
         self._count("read_bytes", len(data))
         return data
 
@@ -317,7 +287,7 @@ class RemoteStore(KVStore):
             self._seen(rkey)
         return found
 
-    def open(self, key: StoreKey, token_ids=None) -> RemoteEntry | None:
+    def open(self, key: StoreKey, token_ids=None) -> serial.Entry | None:
         """The entry's verified header and token ids, or ``None`` (miss, down, or damaged: dropped)."""
         rkey = self.rkey(key)
         pipe = self._client.pipeline(transaction=False)
@@ -328,6 +298,10 @@ class RemoteStore(KVStore):
         try:
             head, length = self._call(pipe.execute)[:2]
         except RemoteUnavailableError:
+            self._count("misses")
+            return None
+        except self._refused as e:  # WRONGTYPE: a foreign value under a kvrag key
+            self.discard(key, DamagedEntryError(f"damaged KV entry: not a string value ({e})"))
             self._count("misses")
             return None
         if not head:
@@ -361,17 +335,7 @@ class RemoteStore(KVStore):
             self._try(pipe.execute)
         self._seen(rkey)
         self._count("hits")
-        return RemoteEntry(key, src, h, ids)
-
-    def get(self, key: StoreKey, token_ids=None) -> KVRecord | None:
-        entry = self.open(key, token_ids)
-        if entry is None:
-            return None
-        try:
-            return entry.read_record()
-        except DamagedEntryError as e:
-            self.discard(key, e)
-            return None
+        return serial.Entry(key, src, h, ids, "remote")
 
     def discard(self, key: StoreKey, error) -> None:
         """Drop an entry that read back wrong: count it, warn once, delete it so it is rewritten.
@@ -437,7 +401,9 @@ class RemoteStore(KVStore):
                 self._call(self._client.unlink, *batch)
         except RemoteUnavailableError:
             pass
-        except self._errors as e:  # the scan iterator fails lazily
+        except self._refused:
+            pass
+        except Exception as e:  # noqa: BLE001 - the scan iterator fails lazily, outside _call
             self._fault(e)
 
     def stats(self) -> dict:

@@ -39,6 +39,7 @@ from kvrag.engine.store.codec import Codec, PlainCodec, codec_from_header
 __all__ = [
     "MAGIC",
     "Header",
+    "Entry",
     "FileSource",
     "encode",
     "read_header",
@@ -342,3 +343,39 @@ def read_record(src, h: Header, token_ids: torch.Tensor, tier: str = "disk") -> 
         read_layer_parts(src, h, layer, [p[layer] for p in parts])
     kw = dict(kind=h.kind, context=h.context, meta=h.meta, stats=read_stats(src, h), tier=tier)
     return h.codec.record(token_ids, parts, **kw)
+
+
+class Entry:
+    """An open, header-verified entry of a tier: read its layers or the whole record.
+
+    The prefetcher streams any entry (disk or remote) through this surface. Close when done.
+
+    Args:
+        key: its store key.
+        src: where its bytes are read from (``read_into(views, offset)``).
+        header: its verified header.
+        token_ids: its verified token ids.
+        tier: the tier it is read from (``disk``, ``remote``).
+        close: what closing it releases (an open file), if anything.
+    """
+
+    def __init__(self, key: StoreKey, src, header: Header, token_ids: torch.Tensor, tier: str, close=None) -> None:
+        self.key, self.src, self.header, self.token_ids, self.tier = key, src, header, token_ids, tier
+        self._close = close
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.size
+
+    def read_layer_parts(self, layer: int, parts: list[torch.Tensor]) -> None:
+        read_layer_parts(self.src, self.header, layer, parts)
+
+    def read_stats(self) -> dict[str, torch.Tensor]:
+        return read_stats(self.src, self.header)
+
+    def read_record(self):
+        return read_record(self.src, self.header, self.token_ids, tier=self.tier)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
