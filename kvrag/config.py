@@ -13,7 +13,16 @@ from pathlib import Path
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "DTYPE_NAMES", "AUTO", "KV_CODECS", "default_cache_dir"]
+__all__ = [
+    "EngineConfig",
+    "MODES",
+    "SELECTIONS",
+    "CHUNK_CONTEXTS",
+    "DTYPE_NAMES",
+    "AUTO",
+    "KV_CODECS",
+    "default_cache_dir",
+]
 
 #: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
 #: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
