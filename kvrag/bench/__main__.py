@@ -9,6 +9,8 @@ kvrag bench store-sim --dataset QA.json --out DIR  # the store's steady state un
 kvrag bench registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
 kvrag bench kernels                        # Triton kernels against their references (needs a CUDA GPU)
 kvrag bench calibrate --dataset QA.json    # the model's constants of recompute_ratio="auto"
+kvrag bench shared-stream --dataset QA.json --workers 4 --requests 100   # N processes, one server
+kvrag bench shared-warm --dataset QA.json --questions 4 --top-k 5        # A warms, B reads remotely
 """
 
 from __future__ import annotations
@@ -268,6 +270,15 @@ def _calibrate(argv: list[str]) -> int:
     return calibrate_main(argv)
 
 
+def _shared(command: str):
+    def run(argv: list[str]) -> int:
+        from kvrag.bench.multiproc import main as shared_main
+
+        return shared_main([command, *argv])
+
+    return run
+
+
 COMMANDS = {
     "calibrate": _calibrate,
     "compare": _compare,
@@ -277,6 +288,9 @@ COMMANDS = {
     "store-sim": _store_sim,
     "registry": _registry,
     "kernels": _kernels,
+    # several processes on one Redis/Valkey server (kvrag.bench.multiproc)
+    "shared-stream": _shared("shared-stream"),
+    "shared-warm": _shared("shared-warm"),
 }
 
 

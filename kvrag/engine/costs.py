@@ -24,12 +24,12 @@ class CostFeedback:
         """Before a blend prefill: raise ``plan.ratio`` while recompute hides under loading."""
         if not self.enabled or plan.mode != "blend" or plan.is_full:
             return
-        pending = sum(
-            r.pending_bytes() for _, r in plan.exact_records + plan.chunk_records if hasattr(r, "pending_bytes")
-        )
-        if pending:
+        streaming = [  # disk or remote hits, still streaming in
+            r for _, r in plan.exact_records + plan.chunk_records if hasattr(r, "pending_bytes")
+        ]
+        if any(r.pending_bytes() for r in streaming):
             t_full = self.profile.full_prefill(plan.num_tokens, self.n_layers)
-            plan.ratio = self.loading.ratio(plan.ratio, pending, t_full)
+            plan.ratio = self.loading.ratio_for_records(plan.ratio, streaming, t_full)
 
     def observe(self, plan: Plan, token_layers: int, seconds: float) -> None:
         """After a prefill: feed the cost profile, and tell the store what its misses cost (PGDSF)."""

@@ -75,6 +75,40 @@ def subprocess_env() -> dict:
     return env
 
 
+def engine_job(model, tokenizer, tmp_path, prefix: str, suffix: str):
+    """Save the tiny model and a job of 20 documents in 5 requests of 4; (model dir, job path)."""
+    from tests.helpers import make_docs
+
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    docs = make_docs(20, words=40, seed=7)
+    job = {
+        "docs": docs,
+        "prefix": prefix,
+        "suffix": suffix,
+        "requests": [list(range(i, i + 4)) for i in range(0, 20, 4)],
+    }
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    return model_dir, path
+
+
+def run_helper(job: str, *args, timeout: float = 300):
+    """Run one of this module's jobs in a fresh process (its ``CompletedProcess``, checked)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "tests.store.helpers", job, *map(str, args)]
+    out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def run_engine_job(model_dir, cache_dir, job_path, out_path, mode: str, *remote_url: str) -> None:
+    """Run :func:`_engine` in a fresh process (``mode``: ``warm`` or ``cold``)."""
+    run_helper("engine", model_dir, cache_dir, job_path, out_path, mode, *remote_url)
+
+
 # -- jobs run in child processes ------------------------------------------------------------------
 
 
@@ -133,13 +167,15 @@ def _full_disk(directory: str, limit: int) -> None:
     )
 
 
-def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool) -> None:
-    """Answer the questions in ``docs_path`` with an engine over a disk tier; report answers and tiers."""
+def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool, remote_url=None) -> None:
+    """Answer the questions in ``docs_path`` with an engine over a disk tier (or, given
+    ``remote_url``, over a remote tier alone); report answers and tiers."""
     from kvrag import Engine
 
     job = json.load(open(docs_path))
+    tiers = dict(remote_url=remote_url) if remote_url else dict(disk_tier=True)
     engine = Engine.from_pretrained(
-        model_dir, cache_dir=cache_dir, disk_tier=True, max_new_tokens=8, loading_controller=False, num_threads=1
+        model_dir, cache_dir=cache_dir, max_new_tokens=8, loading_controller=False, num_threads=1, **tiers
     )
     if warm:
         engine.warm(job["docs"])
@@ -160,7 +196,7 @@ if __name__ == "__main__":
     elif job == "full_disk":
         _full_disk(args[0], int(args[1]))
     elif job == "engine":
-        _engine(args[0], args[1], args[2], args[3], args[4] == "warm")
+        _engine(args[0], args[1], args[2], args[3], args[4] == "warm", *args[5:6])
     else:
         raise SystemExit(f"unknown job {job}")
 

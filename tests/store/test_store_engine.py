@@ -22,18 +22,21 @@ from kvrag import Engine
 from kvrag.engine.store import serial
 from kvrag.engine.store.disk import SafeDisk
 from tests.helpers import make_docs
-from tests.store.helpers import ROOT, Payload, entry_path, key, record, same, subprocess_env, token_ids
+from tests.store.helpers import (
+    ROOT,
+    Payload,
+    engine_job,
+    entry_path,
+    key,
+    record,
+    run_engine_job,
+    run_helper,
+    same,
+    subprocess_env,
+    token_ids,
+)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny-model ops are too small to split across threads; on a busy CPU, syncing them costs more."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
@@ -171,15 +174,7 @@ def test_full_disk_skips_writes_and_keeps_serving(tiny_model, tiny_tokenizer, tm
 
 
 def test_full_disk_in_a_process_with_a_file_size_limit(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.store.helpers", "full_disk", str(tmp_path / "kv"), str(90_000)],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_helper("full_disk", tmp_path / "kv", 90_000, timeout=120)
     res = json.loads(out.stdout)
     assert res == {"kept": 30, "served": 30, "disk_puts": 0, "write_errors": 30}
     assert out.stderr.count("could not write") == 1
@@ -245,39 +240,11 @@ def test_processes_share_one_directory(tmp_path):
 def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tokenizer, tmp_path):
     """Process A (this one) warms 20 chunks into a disk tier; process B starts empty and gets all 20
     from disk, answering as A did."""
-    model_dir = tmp_path / "model"
-    tiny_model.save_pretrained(model_dir)
-    tiny_tokenizer.save_pretrained(model_dir)
-    docs = make_docs(20, words=40, seed=7)
-    job = {
-        "docs": docs,
-        "prefix": PREFIX,
-        "suffix": SUFFIX,
-        "requests": [list(range(i, i + 4)) for i in range(0, 20, 4)],
-    }
-    (tmp_path / "job.json").write_text(json.dumps(job))
+    model_dir, job = engine_job(tiny_model, tiny_tokenizer, tmp_path, PREFIX, SUFFIX)
     from tests.store.helpers import _engine
 
-    _engine(str(model_dir), str(tmp_path / "cache"), str(tmp_path / "job.json"), str(tmp_path / "a.json"), warm=True)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.store.helpers",
-            "engine",
-            str(model_dir),
-            str(tmp_path / "cache"),
-            str(tmp_path / "job.json"),
-            str(tmp_path / "b.json"),
-            "cold",
-        ],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    _engine(str(model_dir), str(tmp_path / "cache"), str(job), str(tmp_path / "a.json"), warm=True)
+    run_engine_job(model_dir, tmp_path / "cache", job, tmp_path / "b.json", "cold")
     a = json.loads((tmp_path / "a.json").read_text())
     b = json.loads((tmp_path / "b.json").read_text())
     assert all(r["tiers"] == ["memory"] * 4 for r in a)

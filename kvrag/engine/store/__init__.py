@@ -1,9 +1,11 @@
-"""KV stores: the interface, keys and records, the tiers, eviction policies and prefetch."""
+"""KV stores: the interface, keys and records, the tiers (memory, disk, remote), codecs, eviction
+policies and prefetch."""
 
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey, chunk_key
 from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
 from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, PGDSFPolicy, make_policy
+from kvrag.engine.store.remote import RemoteStore
 from kvrag.engine.store.tiered import TieredStore, build_store
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "chunk_key",
     "MemoryStore",
     "DiskStore",
+    "RemoteStore",
     "TieredStore",
     "build_store",
     "EvictionPolicy",

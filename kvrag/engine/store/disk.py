@@ -15,7 +15,6 @@ its checksum and is a miss.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import sqlite3
@@ -30,9 +29,9 @@ import torch
 from kvrag.engine.dtypes import torch_dtype
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey
+from kvrag.engine.store.bookkeeping import Bookkeeping
+from kvrag.engine.store.codec import AtRest
 from kvrag.errors import StoreError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["SafeDisk", "DiskStore", "DiskEntry", "UnsafeEntryError"]
 
@@ -93,31 +92,15 @@ def _is_entry_name(name) -> bool:
     return type(name) is str and _ENTRY_NAME.fullmatch(name.replace(os.sep, "/")) is not None
 
 
-class DiskEntry:
-    """An open, header-verified entry: read layers or the whole record. Close when done."""
+class DiskEntry(serial.Entry):
+    """An open, header-verified entry file (closing it closes the file)."""
 
     def __init__(self, key: StoreKey, fh, header: serial.Header, token_ids: torch.Tensor) -> None:
-        self.key, self._fh, self.header, self.token_ids = key, fh, header, token_ids
         self.fd = fh.fileno()
-
-    @property
-    def nbytes(self) -> int:
-        return self.header.size
-
-    def read_layer_into(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        serial.read_layer_into(self.fd, self.header, layer, k, v)
-
-    def read_stats(self) -> dict[str, torch.Tensor]:
-        return serial.read_stats(self.fd, self.header)
-
-    def read_record(self) -> KVRecord:
-        return serial.read_record(self.fd, self.header, self.token_ids)
-
-    def close(self) -> None:
-        self._fh.close()
+        super().__init__(key, serial.FileSource(self.fd), header, token_ids, "disk", fh.close)
 
 
-class DiskStore(KVStore):
+class DiskStore(Bookkeeping, KVStore):
     """A byte-bounded diskcache directory of KV entries; the lowest rank goes first.
 
     An entry's rank lives in the index (``access_time``), so every process sharing the directory
@@ -133,6 +116,9 @@ class DiskStore(KVStore):
         dtype: dtype of K and V at rest (``float16``, ``bfloat16`` or ``float32``).
         policy: ``lru`` or ``pgdsf``.
         timeout: seconds to wait for the index lock before giving up (a miss or a skipped write).
+        codec: ``plain`` (K/V in ``dtype``) or ``int8`` (:mod:`kvrag.engine.store.codec`). Entries of
+            another representation live under other names, so processes sharing a directory with
+            different codecs never serve each other's.
     """
 
     def __init__(
@@ -142,10 +128,14 @@ class DiskStore(KVStore):
         dtype: str = "float16",
         policy: str = "lru",
         timeout: float = 10.0,
+        codec: str = "plain",
     ):
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
         self.dtype = torch_dtype(dtype)
+        self.at_rest = AtRest(codec, dtype)
+        # plain keeps today's names (an existing cache stays valid); a codec gets a suffix
+        self._suffix = "" if codec == "plain" else f"~{self.at_rest.tag}"
         self.policy = "pgdsf" if policy == "pgdsf" else "lru"
         self._cost_sum, self._cost_n = 0.0, 0
         try:
@@ -175,20 +165,8 @@ class DiskStore(KVStore):
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _name(key: StoreKey) -> str:
-        return f"{key.namespace}/{key.digest}"
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._stats[name] += n
-
-    def _warn_once(self, kind: str, msg: str) -> None:
-        with self._lock:
-            first = kind not in self._warned
-            self._warned.add(kind)
-        if first:
-            log.warning("kvrag: %s (further such warnings are suppressed)", msg)
+    def _name(self, key: StoreKey) -> str:
+        return f"{key.namespace}/{key.digest}{self._suffix}"
 
     def discard(self, key: StoreKey, reason: str) -> None:
         """Drop a damaged entry: count it, warn once, and remove it so that it is recomputed.
@@ -250,21 +228,10 @@ class DiskStore(KVStore):
         self._rank(key, hit=True)
         return DiskEntry(key, fh, header, ids)
 
-    def get(self, key: StoreKey, token_ids=None) -> KVRecord | None:
-        entry = self.open(key, token_ids)
-        if entry is None:
-            return None
-        try:
-            return entry.read_record()
-        except (DamagedEntryError, OSError) as e:
-            self.discard(key, str(e))
-            return None
-        finally:
-            entry.close()
-
     def put(self, key: StoreKey, record: KVRecord, *, frequency: int = 1, cost: float | None = None) -> bool:
         """Write a record (``frequency`` and ``cost`` per token seed its PGDSF rank)."""
-        data = serial.encode(key, record, self.dtype)
+        record = self.at_rest(record)
+        data = serial.encode(key, record, self.at_rest.codec_of(record))
         if len(data) > self.budget_bytes:
             self._count("skipped")
             return False

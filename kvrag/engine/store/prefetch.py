@@ -1,6 +1,6 @@
 """Layer-wise prefetch of KV from a slower tier, and the loading controller.
 
-A disk hit becomes a :class:`StreamedRecord`: its header and token ids are verified at lookup, its
+A disk or remote hit becomes a :class:`StreamedRecord`: its header and token ids are verified at lookup, its
 layers arrive in the background (a :class:`Prefetcher` thread reads layer-major across every
 record in flight: layer 0 of each, then layer 1, ...) while the fused prefill computes. The
 prefill asks for layer ``l`` just before it runs layer ``l``; if that layer is not in yet, the
@@ -11,8 +11,9 @@ fails the record (:class:`DamagedEntryError`) and the engine plans the request a
 Cache-Craft (§3.4.2) bounds the read-ahead to ``Lp = (L-1)(1 - T_prefill/T_load) + 1`` layers
 because its buffer is scarce GPU memory. Here the buffer is host memory that the record is
 promoted into anyway, so the loader reads ahead without bound. CacheBlend's loading controller
-(§5.1) is :class:`LoadingController`: with the tier's measured throughput it raises the recompute
-ratio up to where recompute hides under loading, never below the configured ratio.
+(§5.1) is :class:`LoadingController`: with each tier's measured throughput (every streamed record
+carries its tier's meter) it raises the recompute ratio up to where recompute hides under
+loading, never below the configured ratio.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvrag.engine.dtypes import STORED_DTYPES
+from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError, KVRecord
-from kvrag.engine.store.disk import DiskEntry
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +65,20 @@ class StreamedRecord:
 
     ``layer(l)`` returns once layer ``l`` is in (reading it on the caller's thread if nobody has
     started it); ``k``/``v`` wait for every layer. Both raise :class:`DamagedEntryError` if any
-    layer failed verification.
+    layer failed verification. ``tier`` is the entry's (``disk`` or ``remote``).
     """
 
-    tier = "disk"
-
-    def __init__(self, entry: DiskEntry, meter: ThroughputMeter, on_done: Callable[[StreamedRecord, bool], None]):
+    def __init__(self, entry: serial.Entry, meter: ThroughputMeter, on_done: Callable[[StreamedRecord, bool], None]):
         h = entry.header
         self.key = entry.key
+        self.tier = entry.tier
+        self.meter = meter
         self.token_ids = entry.token_ids
         self.kind, self.context, self.meta = h.kind, h.context, h.meta
         self.stats = entry.read_stats()  # small; needed before any layer
         self._entry = entry
-        self._k = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
-        self._v = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
+        self._codec = h.codec
+        self._parts = serial.empty_parts(h)  # [L, ...] per part: K and V, or codes and scales
         self._state = [_PENDING] * h.shape[0]
         self._ready = 0
         self._reading = 0  # layers being read right now (the file stays open until they finish)
@@ -100,13 +100,13 @@ class StreamedRecord:
 
     @property
     def nbytes(self) -> int:
-        n = 2 * self._k.numel() * self._k.element_size() + self.token_ids.numel() * 8
+        n = sum(p.numel() * p.element_size() for p in self._parts) + self.token_ids.numel() * 8
         return n + sum(t.numel() * t.element_size() for t in self.stats.values())
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
         """(layers, KV heads, head dim), known from the header before any layer is read."""
-        L, h, _, d = self._k.shape
+        L, h, _, d = self._entry.header.shape
         return int(L), int(h), int(d)
 
     @property
@@ -119,17 +119,15 @@ class StreamedRecord:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._ensure(layer)
-        return self._k[layer], self._v[layer]
+        return self._codec.decode_layer([p[layer] for p in self._parts])
 
     @property
     def k(self) -> torch.Tensor:
-        self.wait()
-        return self._k
+        return self.to_record().k
 
     @property
     def v(self) -> torch.Tensor:
-        self.wait()
-        return self._v
+        return self.to_record().v
 
     def wait(self) -> None:
         """Block until every layer is in (reading the missing ones here)."""
@@ -142,12 +140,16 @@ class StreamedRecord:
             left = sum(1 for s in self._state if s != _READY)
         return left * self._entry.header.layer_nbytes
 
+    def pending_seconds(self) -> float | None:
+        """Seconds the layers not read yet should take at the tier's measured throughput."""
+        tp = self.meter.throughput()
+        return None if tp is None else self.pending_bytes() / tp
+
     def to_record(self) -> KVRecord:
-        """A plain in-memory record sharing the loaded tensors (after every layer is in)."""
+        """An in-memory record sharing the loaded tensors (after every layer is in)."""
         self.wait()
-        return KVRecord(
-            self.token_ids, self._k, self._v, kind=self.kind, context=self.context, meta=self.meta, stats=self.stats
-        )
+        kw = dict(kind=self.kind, context=self.context, meta=self.meta, stats=self.stats)
+        return self._codec.record(self.token_ids, self._parts, **kw)
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -194,10 +196,10 @@ class StreamedRecord:
         t0 = time.perf_counter()
         error = None
         try:
-            self._entry.read_layer_into(layer, self._k[layer], self._v[layer])
+            self._entry.read_layer_parts(layer, [p[layer] for p in self._parts])
         except DamagedEntryError as e:
             error = e
-        except Exception as e:  # noqa: BLE001 - an I/O error (file gone, disk failing) is damage here
+        except Exception as e:  # noqa: BLE001 - an I/O error (file gone, disk failing, server down) fails it too
             error = DamagedEntryError(f"reading layer {layer} failed: {e}")
         self._meter.add(self._entry.header.layer_nbytes, time.perf_counter() - t0)
         first_failure = False
@@ -309,7 +311,26 @@ class LoadingController:
         if load_bytes <= 0 or tp is None or not t_prefill:
             self.last = {"ratio": configured, "t_load": 0.0, "t_prefill": t_prefill}
             return configured
-        t_load = load_bytes / tp
+        return self.ratio_for_time(configured, load_bytes / tp, t_prefill)
+
+    def ratio_for_records(self, configured: float, records, t_prefill: float | None) -> float:
+        """Like :meth:`ratio`, for records still streaming in, each from its own tier at that
+        tier's measured throughput (disk and remote differ by an order of magnitude)."""
+        t_load = 0.0
+        for rec in records:
+            pending = getattr(rec, "pending_seconds", None)
+            t = pending() if pending is not None else None
+            if t is None and hasattr(rec, "pending_bytes"):  # no throughput of its tier yet: this meter's
+                tp = self.meter.throughput()
+                t = rec.pending_bytes() / tp if tp else None
+            t_load += t or 0.0
+        if t_load <= 0 or not t_prefill:
+            self.last = {"ratio": configured, "t_load": t_load, "t_prefill": t_prefill}
+            return configured
+        return self.ratio_for_time(configured, t_load, t_prefill)
+
+    def ratio_for_time(self, configured: float, t_load: float, t_prefill: float) -> float:
+        """The ratio when the pending loads take ``t_load`` seconds."""
         r = min(1.0, max(configured, t_load / t_prefill))
         self.last = {"ratio": r, "t_load": t_load, "t_prefill": t_prefill}
         return r

@@ -9,10 +9,16 @@ field), the body is raw little-endian tensor bytes of an allowed dtype. Layout::
     layer 1: ...
     stats tensors, in header order
 
-The header carries the CRC-32 of the token ids, of each layer (K and V together) and of each
-stats tensor, so a record can be streamed layer by layer and every layer is verified as it
-arrives. CRC-32 guards against damage (bit rot, truncation, torn writes), not against an attacker
-who can write the cache directory.
+A layer is K then V in the at-rest dtype, or, with the 8-bit codec (header ``codec``), the
+codec's parts (codes, then scales: :mod:`kvrag.engine.store.codec`); the header names the codec,
+and its layout follows from the codec and the shape. The header carries the CRC-32 of the token
+ids, of each layer (all its parts together) and of each stats tensor, so a record can be streamed
+layer by layer and every layer is verified as it arrives. CRC-32 guards against damage (bit rot,
+truncation, torn writes), not against an attacker who can write the cache directory or the server.
+
+Entries are read through a *source* with ``read_into(views, offset)``: a file descriptor (the disk
+tier) or ranges of a remote value (the remote tier); both return exactly the bytes asked for or
+raise :class:`DamagedEntryError`.
 """
 
 from __future__ import annotations
@@ -28,8 +34,19 @@ import torch
 
 from kvrag.engine.dtypes import STORED_DTYPES, dtype_name
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, StoreKey
+from kvrag.engine.store.codec import Codec, PlainCodec, codec_from_header
 
-__all__ = ["MAGIC", "Header", "encode", "read_header", "read_layer_into", "read_record"]
+__all__ = [
+    "MAGIC",
+    "Header",
+    "Entry",
+    "FileSource",
+    "encode",
+    "read_header",
+    "read_layer_into",
+    "read_layer_parts",
+    "read_record",
+]
 
 MAGIC = b"KVRAGKV1"
 FORMAT = 1
@@ -67,6 +84,7 @@ class Header:
     context: str
     meta: dict
     dtype: str
+    codec: Codec
     shape: tuple[int, int, int, int]  # [L, Hkv, T, D]
     token_crc: int
     layer_crcs: list[int]
@@ -75,10 +93,16 @@ class Header:
     size: int
 
     @property
-    def layer_nbytes(self) -> int:
-        """Bytes of one layer's K and V together."""
+    def layer_parts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each part of one layer (K and V, or the codec's parts)."""
         _, h, t, d = self.shape
-        return 2 * _nbytes(self.dtype, (h, t, d))
+        return self.codec.layout(h, t, d)
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's parts together."""
+        _, h, t, d = self.shape
+        return self.codec.layer_nbytes(h, t, d)
 
     @property
     def kv_nbytes(self) -> int:
@@ -88,19 +112,26 @@ class Header:
         return self.body_offset + 4 * self.shape[2] + layer * self.layer_nbytes
 
 
-def encode(key: StoreKey, record: KVRecord, dtype: torch.dtype) -> bytes:
-    """The at-rest bytes of a record, K and V cast to ``dtype``."""
+def encode(key: StoreKey, record, codec: Codec | torch.dtype) -> bytes:
+    """The at-rest bytes of a record: K and V through ``codec`` (a dtype means plain K/V in it).
+
+    A record that already holds the codec's parts (a :class:`~kvrag.engine.store.codec.CodedRecord`)
+    is written as it is, never coded again.
+    """
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise RuntimeError("kvrag's KV format is little-endian")
-    k = record.k.detach().to("cpu", dtype).contiguous()
-    v = record.v.detach().to("cpu", dtype).contiguous()
+    if not isinstance(codec, Codec):
+        codec = PlainCodec(codec)
     ids = record.token_ids.to(torch.int32).contiguous()
     body: list[memoryview] = [_bytes_view(ids)]
     layer_crcs = []
-    for layer in range(k.shape[0]):
-        kb, vb = _bytes_view(k[layer]), _bytes_view(v[layer])
-        layer_crcs.append(zlib.crc32(vb, zlib.crc32(kb)))
-        body += [kb, vb]
+    for parts in codec.parts_of(record):
+        views = [_bytes_view(p.detach().to("cpu").contiguous()) for p in parts]
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        layer_crcs.append(crc)
+        body += views
     stats = []
     for name, t in record.stats.items():
         t = t.detach().to("cpu").contiguous()
@@ -110,6 +141,7 @@ def encode(key: StoreKey, record: KVRecord, dtype: torch.dtype) -> bytes:
         stats.append([name, dtype_name(t.dtype), list(t.shape), zlib.crc32(b)])
         body.append(b)
     body_len = sum(len(b) for b in body)
+    L, h, d = record.kv_shape
     fields = {
         "format": FORMAT,
         "namespace": key.namespace,
@@ -117,12 +149,14 @@ def encode(key: StoreKey, record: KVRecord, dtype: torch.dtype) -> bytes:
         "kind": record.kind,
         "context": record.context,
         "meta": record.meta,
-        "dtype": dtype_name(dtype),
-        "shape": list(k.shape),
+        "dtype": codec.dtype_name if isinstance(codec, PlainCodec) else "uint8",
+        "shape": [L, h, record.num_tokens, d],
         "tokens_crc": zlib.crc32(body[0]),
         "layer_crcs": layer_crcs,
         "stats": stats,
     }
+    if not isinstance(codec, PlainCodec):
+        fields["codec"] = codec.name  # absent: plain (what every entry before the codec was)
     # the total size is part of the header, so the header length must settle first
     fields["size"] = 0
     for _ in range(3):
@@ -166,18 +200,46 @@ def _shape(x, ndim: int | None = None) -> tuple[int, ...]:
     return tuple(_int(s, 0, 1 << 31) for s in x)
 
 
-def read_header(fd: int, file_size: int) -> Header:
-    """Read and validate the header of the entry open as ``fd`` (raises DamagedEntryError)."""
-    pre = os.pread(fd, _PRELUDE.size, 0)
-    if len(pre) != _PRELUDE.size:
-        raise _damaged("truncated prelude")
+class FileSource:
+    """Reads of an open entry file (``pread``: no shared file position, safe across threads)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read_into(self, views: list[memoryview], offset: int) -> None:
+        want = sum(len(b) for b in views)
+        got = os.preadv(self.fd, views, offset)
+        if got != want:  # a short read of a regular file means it shrank under us
+            raise _damaged(f"short read ({got} of {want} bytes)")
+
+
+def _source(src):
+    return FileSource(src) if isinstance(src, int) else src
+
+
+def _read(src, n: int, offset: int) -> bytes:
+    buf = bytearray(n)
+    src.read_into([memoryview(buf)], offset)
+    return bytes(buf)
+
+
+def read_header(src, file_size: int | None) -> Header:
+    """Read and validate the header of an entry (raises DamagedEntryError).
+
+    Args:
+        src: an open file descriptor or a source (``read_into(views, offset)``).
+        file_size: the entry's size in bytes; ``None`` if the source cannot tell (the caller then
+            checks ``Header.size`` itself).
+    """
+    src = _source(src)
+    pre = _read(src, _PRELUDE.size, 0)
     magic, hlen, hcrc = _PRELUDE.unpack(pre)
     if magic != MAGIC:
         raise _damaged("not a kvrag KV entry (bad magic)")
-    if hlen > _MAX_HEADER or _PRELUDE.size + hlen > file_size:
+    if hlen > _MAX_HEADER or (file_size is not None and _PRELUDE.size + hlen > file_size):
         raise _damaged("bad header length")
-    raw = os.pread(fd, hlen, _PRELUDE.size)
-    if len(raw) != hlen or zlib.crc32(raw) != hcrc:
+    raw = _read(src, hlen, _PRELUDE.size)
+    if zlib.crc32(raw) != hcrc:
         raise _damaged("header checksum mismatch")
     try:
         f = json.loads(raw.decode("utf-8"))
@@ -186,8 +248,9 @@ def read_header(fd: int, file_size: int) -> Header:
     if type(f) is not dict or f.get("format") != FORMAT:
         raise _damaged("unknown header format")
     dtype = _str(f.get("dtype"))
-    if dtype not in ("float16", "bfloat16", "float32"):
-        raise _damaged(f"dtype {dtype!r} not allowed")
+    codec = codec_from_header(_str(f.get("codec", "plain")), dtype)
+    if codec is None:
+        raise _damaged(f"codec {f.get('codec', 'plain')!r} with dtype {dtype!r} not allowed")
     shape = _shape(f.get("shape"), 4)
     crcs = f.get("layer_crcs")
     if type(crcs) is not list or len(crcs) != shape[0]:
@@ -213,6 +276,7 @@ def read_header(fd: int, file_size: int) -> Header:
         context=_str(f.get("context")),
         meta=meta,
         dtype=dtype,
+        codec=codec,
         shape=shape,  # type: ignore[arg-type]
         token_crc=_int(f.get("tokens_crc"), 0, 0xFFFFFFFF),
         layer_crcs=[_int(c, 0, 0xFFFFFFFF) for c in crcs],
@@ -221,43 +285,45 @@ def read_header(fd: int, file_size: int) -> Header:
         size=_int(f.get("size")),
     )
     expected = h.body_offset + 4 * shape[2] + h.kv_nbytes + sum(_nbytes(d, s) for _, d, s, _ in stats)
-    if h.size != expected or file_size != expected:
+    if h.size != expected or (file_size is not None and file_size != expected):
         raise _damaged(f"size mismatch (file {file_size}, header {h.size}, layout {expected}): truncated or extended")
     return h
 
 
-def _pread_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
-    want = sum(len(b) for b in bufs)
-    got = os.preadv(fd, bufs, offset)
-    if got != want:  # a short read of a regular file means it shrank under us
-        raise _damaged(f"short read ({got} of {want} bytes)")
-
-
-def read_tokens(fd: int, h: Header) -> torch.Tensor:
+def read_tokens(src, h: Header) -> torch.Tensor:
     """[T] int64 token ids, verified."""
     ids = torch.empty(h.shape[2], dtype=torch.int32)
     view = _bytes_view(ids)
-    _pread_exact(fd, [view], h.body_offset)
+    _source(src).read_into([view], h.body_offset)
     if zlib.crc32(view) != h.token_crc:
         raise _damaged("token ids checksum mismatch")
     return ids.long()
 
 
-def read_layer_into(fd: int, h: Header, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Read layer ``layer`` into ``k``/``v`` ([Hkv, T, D], contiguous, at-rest dtype) and verify it."""
-    kb, vb = _bytes_view(k), _bytes_view(v)
-    _pread_exact(fd, [kb, vb], h.layer_offset(layer))
-    if zlib.crc32(vb, zlib.crc32(kb)) != h.layer_crcs[layer]:
+def read_layer_parts(src, h: Header, layer: int, parts: list[torch.Tensor]) -> None:
+    """Read layer ``layer`` into ``parts`` (contiguous, as :attr:`Header.layer_parts`) and verify it."""
+    views = [_bytes_view(p) for p in parts]
+    _source(src).read_into(views, h.layer_offset(layer))
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    if crc != h.layer_crcs[layer]:
         raise _damaged(f"layer {layer} checksum mismatch")
 
 
-def read_stats(fd: int, h: Header) -> dict[str, torch.Tensor]:
+def read_layer_into(src, h: Header, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Read a plain entry's layer ``layer`` into ``k``/``v`` ([Hkv, T, D], at-rest dtype) and verify it."""
+    read_layer_parts(src, h, layer, [k, v])
+
+
+def read_stats(src, h: Header) -> dict[str, torch.Tensor]:
+    src = _source(src)
     out = {}
     pos = h.layer_offset(h.shape[0])
     for name, dtype, shape, crc in h.stats:
         t = torch.empty(shape, dtype=STORED_DTYPES[dtype])
         view = _bytes_view(t)
-        _pread_exact(fd, [view], pos)
+        src.read_into([view], pos)
         if zlib.crc32(view) != crc:
             raise _damaged(f"stats {name!r} checksum mismatch")
         out[name] = t
@@ -265,10 +331,51 @@ def read_stats(fd: int, h: Header) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_record(fd: int, h: Header, token_ids: torch.Tensor) -> KVRecord:
+def empty_parts(h: Header) -> list[torch.Tensor]:
+    """Buffers for every layer's parts ([L, ...] each), to read an entry into."""
+    return [torch.empty((h.shape[0], *shape), dtype=dtype) for dtype, shape in h.layer_parts]
+
+
+def read_record(src, h: Header, token_ids: torch.Tensor, tier: str = "disk") -> KVRecord:
     """The whole record (every layer verified)."""
-    k = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
-    v = torch.empty(h.shape, dtype=STORED_DTYPES[h.dtype])
+    parts = empty_parts(h)
     for layer in range(h.shape[0]):
-        read_layer_into(fd, h, layer, k[layer], v[layer])
-    return KVRecord(token_ids, k, v, kind=h.kind, context=h.context, meta=h.meta, stats=read_stats(fd, h), tier="disk")
+        read_layer_parts(src, h, layer, [p[layer] for p in parts])
+    kw = dict(kind=h.kind, context=h.context, meta=h.meta, stats=read_stats(src, h), tier=tier)
+    return h.codec.record(token_ids, parts, **kw)
+
+
+class Entry:
+    """An open, header-verified entry of a tier: read its layers or the whole record.
+
+    The prefetcher streams any entry (disk or remote) through this surface. Close when done.
+
+    Args:
+        key: its store key.
+        src: where its bytes are read from (``read_into(views, offset)``).
+        header: its verified header.
+        token_ids: its verified token ids.
+        tier: the tier it is read from (``disk``, ``remote``).
+        close: what closing it releases (an open file), if anything.
+    """
+
+    def __init__(self, key: StoreKey, src, header: Header, token_ids: torch.Tensor, tier: str, close=None) -> None:
+        self.key, self.src, self.header, self.token_ids, self.tier = key, src, header, token_ids, tier
+        self._close = close
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.size
+
+    def read_layer_parts(self, layer: int, parts: list[torch.Tensor]) -> None:
+        read_layer_parts(self.src, self.header, layer, parts)
+
+    def read_stats(self) -> dict[str, torch.Tensor]:
+        return read_stats(self.src, self.header)
+
+    def read_record(self):
+        return read_record(self.src, self.header, self.token_ids, tier=self.tier)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
