@@ -14,7 +14,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import make_docs, make_tiny_llama, make_tokenizer  # noqa: E402
+import contextlib  # noqa: E402
+
+from tests.helpers import make_docs, make_tiny_llama, make_tokenizer, running_server  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=["cuda" if torch.cuda.is_available() else "cpu"])
@@ -64,3 +66,23 @@ def smol_engine():
     engine = Engine.from_pretrained(max_new_tokens=16)
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def serve_tiny(tiny_model, tiny_tokenizer):
+    """Start ``kvrag serve``'s app over a fresh tiny engine on a free loopback port (uvicorn in a thread).
+
+    Call it as ``engine, url = serve_tiny(settings=None, **engine_config)``; servers stop after the test.
+    """
+    pytest.importorskip("fastapi")
+    from kvrag import Engine
+    from kvrag.server import create_app
+
+    with contextlib.ExitStack() as stack:
+
+        def start(settings=None, **config):
+            engine = Engine.from_model(tiny_model, tiny_tokenizer, **{"max_new_tokens": 8, **config})
+            stack.callback(engine.close)
+            return engine, stack.enter_context(running_server(create_app(engine, settings)))
+
+        yield start

@@ -13,7 +13,6 @@ kvrag bench kernels                        # Triton kernels against their refere
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -24,20 +23,13 @@ __all__ = ["main"]
 
 
 def _config_overrides(pairs: list[str]) -> dict:
-    from kvrag.config import EngineConfig
+    from kvrag.config import parse_overrides
+    from kvrag.errors import InvalidRequestError
 
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or key not in fields:
-            raise SystemExit(f"--config expects FIELD=VALUE with a field of EngineConfig, got {pair!r}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out[key] = tuple(value) if isinstance(value, list) else value
-    return out
+    try:
+        return parse_overrides(pairs)
+    except InvalidRequestError as exc:
+        raise SystemExit(f"--config: {exc}") from None
 
 
 def _run_parser() -> argparse.ArgumentParser:
