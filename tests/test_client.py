@@ -161,7 +161,9 @@ def test_async_client(serve_tiny):
             pieces = [p async for p in stream]
             text = (await client.complete("the king", max_new_tokens=2)).text
             streams = await asyncio.gather(*(client.stream_complete("the king", max_new_tokens=2) for _ in range(3)))
-            texts = [[p async for p in s] for s in streams]
+            texts = []
+            for s in streams:
+                texts.append([p async for p in s])
             early = await client.stream_complete("the king", max_new_tokens=500)
             await anext(early)
             await early.aclose()
