@@ -8,6 +8,7 @@ kvrag bench methods                        # the registered method names
 kvrag bench store-sim --dataset QA.json --out DIR  # the store's steady state under a Zipf stream, LRU vs PGDSF
 kvrag bench registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
 kvrag bench kernels                        # Triton kernels against their references (needs a CUDA GPU)
+kvrag bench serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
 """
 
 from __future__ import annotations
@@ -253,6 +254,12 @@ def _kernels(argv: list[str]) -> int:
     return kernels_main(argv)
 
 
+def _serve_load(argv: list[str]) -> int:
+    from kvrag.bench.serve_load import main as serve_load_main
+
+    return serve_load_main(argv)
+
+
 COMMANDS = {
     "compare": _compare,
     "merge": _merge,
@@ -261,6 +268,7 @@ COMMANDS = {
     "store-sim": _store_sim,
     "registry": _registry,
     "kernels": _kernels,
+    "serve-load": _serve_load,
 }
 
 
