@@ -133,9 +133,13 @@ class _Fold:
         self.text = ""
         self.finish_reason: str | None = None
         self.extension: Any = None
+        self.finished = False  # the ``[DONE]`` event came
 
-    def add(self, data: str) -> str:
-        """The text piece an event carries ('' if none); raises the error an event carries."""
+    def take(self, data: str) -> list[str]:
+        """The text piece an event's data carries (none or one); raises the error an event carries."""
+        if data == "[DONE]":
+            self.finished = True
+            return []
         event = json.loads(data)
         if "error" in event:
             raise _error(None, event)
@@ -146,7 +150,7 @@ class _Fold:
             piece += (choice["delta"].get("content") if "delta" in choice else choice.get("text")) or ""
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.text += piece
-        return piece
+        return [piece] if piece else []
 
     def generation(self) -> Generation:
         if self.finish_reason is None:
@@ -227,11 +231,9 @@ class Client(_Base):
         fold = _Fold()
         try:
             for event in EventSource(response).iter_sse():
-                if event.data == "[DONE]":
+                yield from fold.take(event.data)
+                if fold.finished:
                     break
-                piece = fold.add(event.data)
-                if piece:
-                    yield piece
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
         finally:
@@ -354,11 +356,10 @@ class AsyncClient(_Base):
     async def _pieces(self, response: httpx.Response, fold: _Fold) -> AsyncIterator[str]:
         try:
             async for event in EventSource(response).aiter_sse():
-                if event.data == "[DONE]":
-                    break
-                piece = fold.add(event.data)
-                if piece:
+                for piece in fold.take(event.data):
                     yield piece
+                if fold.finished:
+                    break
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
         finally:

@@ -134,3 +134,15 @@ def running_server(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def failing_stream(*args, **kwargs):
+    """A stand-in for ``Engine.stream``: yields ``"partial"``, then fails as an engine would mid-stream."""
+    from kvrag.engine import GenerationStream
+    from kvrag.errors import InvalidRequestError
+
+    def pieces():
+        yield "partial"
+        raise InvalidRequestError("the engine gave up")
+
+    return GenerationStream(pieces())

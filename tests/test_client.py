@@ -14,10 +14,9 @@ import httpx  # noqa: E402
 
 from kvrag import ContextLengthError, InvalidRequestError, ModelNotFoundError  # noqa: E402
 from kvrag.client import AsyncClient, Client  # noqa: E402
-from kvrag.engine import GenerationStream  # noqa: E402
 from kvrag.errors import ServerError  # noqa: E402
 from kvrag.server import ServerSettings, TenantMap  # noqa: E402
-from tests.helpers import make_docs  # noqa: E402
+from tests.helpers import failing_stream, make_docs  # noqa: E402
 
 QUESTION = "where was the king born?"
 
@@ -114,15 +113,7 @@ def test_tenant_header(serve_tiny):
 
 def test_an_error_event_mid_stream_is_raised(serve_tiny, monkeypatch):
     engine, url = serve_tiny()
-
-    def failing(*args, **kwargs):
-        def pieces():
-            yield "partial"
-            raise InvalidRequestError("the engine gave up")
-
-        return GenerationStream(pieces())
-
-    monkeypatch.setattr(engine, "stream", failing)
+    monkeypatch.setattr(engine, "stream", failing_stream)
     with Client(url) as client:
         stream = client.stream_complete("x")
         assert next(stream) == "partial"

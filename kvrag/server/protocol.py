@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvrag.engine import Generation
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import call_metadata, template_role
+from kvrag.integrations._shared import usage as token_counts
 
 __all__ = [
     "EXTENSION_FIELDS",
@@ -202,13 +203,9 @@ def figures(generation: Generation, *, model_name: str, conversation_id: str | N
 
 def usage(generation: Generation) -> dict[str, Any]:
     """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: chunk hits, exact prefix, conversation."""
-    s = generation.stats
-    return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
-    }
+    counts = token_counts(generation)
+    cached = counts.pop("cache_read")
+    return {**counts, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _head(kind: str, model: str) -> dict[str, Any]:

@@ -18,9 +18,8 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvrag.engine import GenerationStream  # noqa: E402
-from kvrag.errors import InvalidRequestError  # noqa: E402
 from kvrag.server import ServerSettings, TenantMap  # noqa: E402
-from tests.helpers import make_docs  # noqa: E402
+from tests.helpers import failing_stream, make_docs  # noqa: E402
 
 
 def rag_messages(docs, question="where was the king born?"):
@@ -267,15 +266,7 @@ def test_client_disconnect_mid_stream_closes_the_engine_stream(serve_tiny, monke
 
 def test_error_after_the_stream_started_is_an_sse_error_event(serve_tiny, monkeypatch):
     engine, url = serve_tiny()
-
-    def failing(*args, **kwargs):
-        def pieces():
-            yield "partial"
-            raise InvalidRequestError("the engine gave up")
-
-        return GenerationStream(pieces())
-
-    monkeypatch.setattr(engine, "stream", failing)
+    monkeypatch.setattr(engine, "stream", failing_stream)
     with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "x", "stream": True}, timeout=60) as r:
         events = sse_events(r)
     assert events[0]["choices"][0]["text"] == "partial"
