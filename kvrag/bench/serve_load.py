@@ -243,8 +243,14 @@ def run_load(opts: LoadOptions, *, argv: list[str] | None = None) -> dict:
             requests = build_requests(pool, opts.requests, opts.top_k, rng)
             times = arrivals(rate, opts.requests, rng)
             for method in opts.methods:
-                print(f"serve-load: {method} at {rate:g} req/s ({opts.requests} requests)", file=sys.stderr)
-                records += asyncio.run(_run_one(base_url, opts, method, rate, pool, requests, times))
+                run = asyncio.run(_run_one(base_url, opts, method, rate, pool, requests, times))
+                s = summarize_run(run, ttft_slo=opts.ttft_slo)
+                print(
+                    f"serve-load: {method} at {rate:g} req/s: TTFT p50 {_fmt(s['ttft_p50_s'])} s, "
+                    f"p99 {_fmt(s['ttft_p99_s'])} s, {s['errors']} errors",
+                    file=sys.stderr,
+                )
+                records += run
     finally:
         if server is not None:
             server.stop()

@@ -1,8 +1,10 @@
 """OpenAI's request and response shapes as ``kvrag serve`` reads and writes them, with kvrag's extensions.
 
 Requests: the fields of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` that a text-only
-engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``documents`` (texts
-registered as chunk boundaries for this request), ``mode``, ``recompute_ratio``, ``selection``,
+engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``documents`` (texts of
+the prompt that are chunks: registered with the engine before the request is planned, and kept
+in its bounded registry of chunk boundaries as ``/v1/documents`` keeps them; boundaries only, the
+KV stays in the tenant's namespace), ``mode``, ``recompute_ratio``, ``selection``,
 ``conversation_id``, ``dedup``. Other OpenAI fields are ignored when they ask for nothing
 (``user``, ``metadata``, a zero penalty, ``n=1``) and rejected when they ask for what kvrag
 does not do (tools, log-probabilities, ``n > 1``), so a client never silently gets less than it asked.

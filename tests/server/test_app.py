@@ -17,7 +17,9 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from kvrag.client import Client  # noqa: E402
 from kvrag.engine import GenerationStream  # noqa: E402
+from kvrag.errors import ServerError  # noqa: E402
 from kvrag.server import ServerSettings, TenantMap  # noqa: E402
 from tests.helpers import failing_stream, make_docs  # noqa: E402
 
@@ -317,3 +319,25 @@ def test_end_conversation(serve_tiny):
     assert "c1" in engine.conversations
     assert httpx.delete(f"{url}/v1/conversations/c1").json()["deleted"] is True
     assert httpx.delete(f"{url}/v1/conversations/c1").json()["deleted"] is False
+
+
+def test_an_overloaded_engine_is_a_503_with_retry_after(serve_tiny, monkeypatch):
+    import kvrag.errors
+
+    class OverloadedError(kvrag.errors.KvragError):  # the scheduler's error, looked up by name
+        pass
+
+    engine, url = serve_tiny(ServerSettings(retry_after_s=3))
+    monkeypatch.setattr(kvrag.errors, "OverloadedError", OverloadedError, raising=False)
+
+    def full_queue(*args, **kwargs):
+        raise OverloadedError("the queue is full")
+
+    monkeypatch.setattr(engine, "stream", full_queue)
+    for stream in (False, True):
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "the king", "stream": stream}, timeout=60)
+        assert response.status_code == 503 and response.headers["retry-after"] == "3"
+        assert response.json()["error"]["code"] == "overloaded"
+    with Client(url) as client, pytest.raises(ServerError) as info:
+        client.complete("the king")
+    assert info.value.status_code == 503 and info.value.retry_after == 3.0 and info.value.code == "overloaded"
