@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -166,7 +166,7 @@ class _Server:
         body: ChatRequest | CompletionRequest,
         namespace: str | None,
         render: Callable[[Engine], str],
-        kind: str,
+        kind: Literal["chat", "text"],
     ) -> Response:
         """Start the engine call in a worker thread (it validates the rest); answer whole or as a stream."""
         options = body.engine_options()
@@ -185,9 +185,7 @@ class _Server:
         except BaseException:
             track.end("error")
             raise
-        shape = StreamShape(
-            "chat" if kind == "chat" else "text", model=self.model_name, include_usage=body.include_usage
-        )
+        shape = StreamShape(kind, model=self.model_name, include_usage=body.include_usage)
         if body.stream:
             return EventSourceResponse(self._events(items, shape, track, options.get("conversation_id")))
         return await self._whole(request, items, kind, track, options.get("conversation_id"))
