@@ -4,10 +4,9 @@ Every call renders one prompt string (the model's own chat template), hands it t
 ``prompt=``, and the engine finds the registered node texts inside it (see
 :class:`~kvrag.integrations.llama_index.nodes.KVCachedNodePostprocessor`). With ``base_url`` the
 messages (or the prompt string) go to a ``kvrag serve`` server instead, with the recorded node
-texts they hold. Fields, per-call
-arguments, the engine lookup, the figures and the async bridge are those of
-:mod:`kvrag.integrations._shared`; one iterator over an engine call serves every entry point:
-completion and chat, sync and async, streaming or not.
+texts they hold. Fields, per-call arguments, the engine lookup, the figures and the async bridge
+are those of :mod:`kvrag.integrations._shared`; one iterator over an engine call serves every
+entry point: completion and chat, sync and async, streaming or not.
 """
 
 from __future__ import annotations
@@ -239,13 +238,13 @@ class KVCachedLLM(GenerationFields, LLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        prompt = self._completion_prompt(prompt, formatted)
-        return await asyncio.to_thread(lambda: _response(self._start(prompt, kwargs, False), _completion))
+        rendered = self._completion_prompt(prompt, formatted)
+        return await asyncio.to_thread(lambda: _response(self._start(rendered, kwargs, False), _completion))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        prompt = self._completion_prompt(prompt, formatted)
-        return await open_in_thread(lambda: _responses(self._start(prompt, kwargs, False), _completion))
+        rendered = self._completion_prompt(prompt, formatted)
+        return await open_in_thread(lambda: _responses(self._start(rendered, kwargs, False), _completion))
 
     # -- chat -----------------------------------------------------------------------------------------
 
