@@ -72,7 +72,7 @@ class _GenerationRequest(BaseModel):
     # kvrag's extensions
     documents: list[str] | None = None
     mode: str | None = None
-    recompute_ratio: float | None = None
+    recompute_ratio: float | Literal["auto"] | None = None
     selection: str | None = None
     conversation_id: str | None = None
     dedup: bool | None = None

@@ -341,3 +341,14 @@ def test_an_overloaded_engine_is_a_503_with_retry_after(serve_tiny, monkeypatch)
     with Client(url) as client, pytest.raises(ServerError) as info:
         client.complete("the king")
     assert info.value.status_code == 503 and info.value.retry_after == 3.0 and info.value.code == "overloaded"
+
+
+def test_request_options_reach_the_engine(serve_tiny):
+    _, url = serve_tiny()
+    docs = make_docs(2, seed=10)
+    base = {"messages": rag_messages(docs), "max_tokens": 1, "documents": docs}
+    for options, mode in (({"recompute_ratio": "auto"}, "blend"), ({"mode": "prefix"}, "prefix")):
+        data = httpx.post(f"{url}/v1/chat/completions", json={**base, **options}, timeout=60).json()
+        assert data["kvrag"]["mode"] == mode, data
+    data = httpx.post(f"{url}/v1/chat/completions", json={**base, "recompute_ratio": 0.5}, timeout=60).json()
+    assert data["kvrag"]["recompute_ratio"] == 0.5
