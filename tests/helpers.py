@@ -123,7 +123,7 @@ def running_server(app) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    for _ in range(500):  # up to 10 s for the server to listen
+    for _ in range(1500):  # up to 30 s for the server to listen (a loaded machine)
         if server.started or not thread.is_alive():
             break
         time.sleep(0.02)
