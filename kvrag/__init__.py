@@ -18,6 +18,7 @@ from kvrag.errors import (
     InvalidRequestError,
     KvragError,
     ModelNotFoundError,
+    ServerError,
     StoreError,
     UnsupportedModelError,
 )
@@ -43,5 +44,6 @@ __all__ = [
     "UnsupportedModelError",
     "ModelNotFoundError",
     "StoreError",
+    "ServerError",
     "__version__",
 ]

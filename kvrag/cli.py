@@ -1,4 +1,4 @@
-"""The ``kvrag`` command line: ``kvrag bench ...``."""
+"""The ``kvrag`` command line: ``kvrag bench ...`` and ``kvrag serve ...``."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: kvrag bench [options]   (see `kvrag bench --help`)\n"
-            "       kvrag bench {compare,merge,make-dataset,methods,store-sim,registry,kernels} ..."
+            "       kvrag bench {compare,merge,make-dataset,methods,store-sim,registry,kernels,serve-load} ...\n"
+            "       kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]  (`kvrag serve --help`)"
         )
         return 0
     if argv[0] == "bench":
         from kvrag.bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
-    print(f"kvrag: unknown command {argv[0]!r}; try `kvrag bench --help`", file=sys.stderr)
+    if argv[0] == "serve":
+        from kvrag.server.cli import main as serve_main
+
+        return serve_main(argv[1:])
+    print(f"kvrag: unknown command {argv[0]!r}; try `kvrag --help`", file=sys.stderr)
     return 2
 
 

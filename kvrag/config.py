@@ -7,7 +7,9 @@ accepts any field as a keyword argument.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from kvrag.errors import InvalidRequestError
 
 __all__ = [
     "EngineConfig",
+    "parse_overrides",
     "MODES",
     "SELECTIONS",
     "CHUNK_CONTEXTS",
@@ -336,3 +339,26 @@ def check_share(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise InvalidRequestError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict:
+    """Command-line ``FIELD=VALUE`` strings as :class:`EngineConfig` keyword overrides.
+
+    A value is read as JSON when it parses (``true``, ``0.3``, ``[2.0, 1.5]``), else kept as the
+    string; lists become tuples. Values are checked when the config is built.
+
+    Raises:
+        InvalidRequestError: a pair without ``=`` or with a name that is not an EngineConfig field.
+    """
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in fields:
+            raise InvalidRequestError(f"expected FIELD=VALUE with a field of EngineConfig, got {pair!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out

@@ -9,6 +9,7 @@ __all__ = [
     "UnsupportedModelError",
     "ModelNotFoundError",
     "StoreError",
+    "ServerError",
 ]
 
 
@@ -49,3 +50,26 @@ class ModelNotFoundError(KvragError, FileNotFoundError):
 
 class StoreError(KvragError):
     """The KV store cannot be used at all (bad directory, closed store)."""
+
+
+class ServerError(KvragError):
+    """A kvrag server cannot be reached, or answered with an error that is not about the request.
+
+    Request errors keep their own classes on the client (:class:`InvalidRequestError`,
+    :class:`ContextLengthError`, :class:`ModelNotFoundError`); this one is for the rest: a refused
+    API key (401), an overloaded server (429/503, ``retry_after`` seconds), a server fault (5xx),
+    no connection (``status_code`` None).
+
+    Attributes:
+        status_code: the HTTP status, or ``None`` when no answer came.
+        code: the error's ``code`` in OpenAI's error body (``invalid_api_key``, ``overloaded``, ...).
+        retry_after: seconds the server asked the client to wait (``Retry-After``), if it did.
+    """
+
+    def __init__(
+        self, message: str, *, status_code: int | None = None, code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        self.status_code = status_code
+        self.code = code
+        self.retry_after = retry_after
+        super().__init__(message)

@@ -14,9 +14,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tests.helpers import FAMILIES, make_docs, make_tiny_model, make_tokenizer  # noqa: E402
+from tests.helpers import FAMILIES, make_docs, make_tiny_model, make_tokenizer, running_server  # noqa: E402
 
 # Fuzz tests: deterministic (the same examples every run, no example database) and bounded.
 settings.register_profile(
@@ -113,3 +115,22 @@ def remote_server(tmp_path):
     srv = LocalServer(tmp_path / "server").start()
     yield srv
     srv.stop()
+
+
+def serve_tiny(tiny_model, tiny_tokenizer):
+    """Start ``kvrag serve``'s app over a fresh tiny engine on a free loopback port (uvicorn in a thread).
+
+    Call it as ``engine, url = serve_tiny(settings=None, **engine_config)``; servers stop after the test.
+    """
+    pytest.importorskip("fastapi")
+    from kvrag import Engine
+    from kvrag.server import create_app
+
+    with contextlib.ExitStack() as stack:
+
+        def start(settings=None, **config):
+            engine = Engine.from_model(tiny_model, tiny_tokenizer, **{"max_new_tokens": 8, **config})
+            stack.callback(engine.close)
+            return engine, stack.enter_context(running_server(create_app(engine, settings)))
+
+        yield start

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -134,3 +137,41 @@ def last_logits(engine, chunks, mode, ratio=None, selection=None):
     assert torch.equal(req.ids, prompt_ids(engine, chunks)), "the planner's prompt differs from the tokenizer's"
     _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
     return engine.adapter.logits(res.last_hidden)[0]
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a free loopback port, in a thread; yields its base URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(1500):  # up to 30 s for the server to listen (a loaded machine)
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.02)
+    assert server.started, "the test server did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def failing_stream(*args, **kwargs):
+    """A stand-in for ``Engine.stream``: yields ``"partial"``, then fails as an engine would mid-stream."""
+    from kvrag.engine import GenerationStream
+    from kvrag.errors import InvalidRequestError
+
+    def pieces():
+        yield "partial"
+        raise InvalidRequestError("the engine gave up")
+
+    return GenerationStream(pieces())

@@ -11,12 +11,12 @@ kvrag bench kernels                        # Triton kernels against their refere
 kvrag bench calibrate --dataset QA.json    # the model's constants of recompute_ratio="auto"
 kvrag bench shared-stream --dataset QA.json --workers 4 --requests 100   # N processes, one server
 kvrag bench shared-warm --dataset QA.json --questions 4 --top-k 5        # A warms, B reads remotely
+kvrag bench serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -27,20 +27,13 @@ __all__ = ["main"]
 
 
 def _config_overrides(pairs: list[str]) -> dict:
-    from kvrag.config import EngineConfig
+    from kvrag.config import parse_overrides
+    from kvrag.errors import InvalidRequestError
 
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or key not in fields:
-            raise SystemExit(f"--config expects FIELD=VALUE with a field of EngineConfig, got {pair!r}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out[key] = tuple(value) if isinstance(value, list) else value
-    return out
+    try:
+        return parse_overrides(pairs)
+    except InvalidRequestError as exc:
+        raise SystemExit(f"--config: {exc}") from None
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -279,6 +272,12 @@ def _shared(command: str):
     return run
 
 
+def _serve_load(argv: list[str]) -> int:
+    from kvrag.bench.serve_load import main as serve_load_main
+
+    return serve_load_main(argv)
+
+
 COMMANDS = {
     "calibrate": _calibrate,
     "compare": _compare,
@@ -291,6 +290,7 @@ COMMANDS = {
     # several processes on one Redis/Valkey server (kvrag.bench.multiproc)
     "shared-stream": _shared("shared-stream"),
     "shared-warm": _shared("shared-warm"),
+    "serve-load": _serve_load,
 }
 
 

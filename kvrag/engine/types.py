@@ -73,6 +73,14 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> GenerationStats:
+        """The inverse of :meth:`to_dict` (stats sent as JSON by ``kvrag serve``); unknown keys are ignored."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known["chunks"] = [ChunkInfo(**c) for c in known.get("chunks", [])]
+        known["conversation_spans"] = [(int(a), int(b)) for a, b in known.get("conversation_spans", [])]
+        return cls(**known)
+
 
 @dataclass(slots=True)
 class Generation:

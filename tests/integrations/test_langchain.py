@@ -179,7 +179,7 @@ def test_constructor_is_cheap_and_strict():
     llm = KVCachedLLM(max_tokens=5)  # no engine is loaded here
     assert llm.engine is None
     with pytest.raises(ValueError, match="Extra inputs"):
-        KVCachedLLM(api_key="x")
+        KVCachedLLM(openai_api_key="x")
     with pytest.raises(ValueError, match="Extra inputs"):
         KVCachedTextLLM(top_k=3)
     with pytest.raises(ValueError, match="engine_config"):

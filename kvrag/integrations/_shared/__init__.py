@@ -7,6 +7,8 @@ Both are thin translators over this package, which imports neither framework:
 - :mod:`.results`: one engine request as an iterator (:class:`EngineCall`) and its figures
   (:func:`call_metadata`, :func:`usage`), the same keys in both frameworks.
 - :mod:`.threads`: the async bridge, one worker thread per stream (:func:`open_in_thread`).
+- :mod:`.remote`: what a call sends (:class:`Prompt`), and the ``kvrag serve`` server an LLM with
+  ``base_url=`` calls instead of an engine (:class:`ServerDocuments`).
 """
 
 from kvrag.integrations._shared.calls import (
@@ -18,8 +20,10 @@ from kvrag.integrations._shared.calls import (
     check_engine_choice,
     check_target,
     engine_of,
+    registrar_of,
     template_role,
 )
+from kvrag.integrations._shared.remote import Prompt, ServerDocuments
 from kvrag.integrations._shared.results import METADATA_KEYS, EngineCall, call_metadata, usage
 from kvrag.integrations._shared.threads import open_in_thread
 
@@ -29,13 +33,16 @@ __all__ = [
     "EngineCall",
     "GenerationFields",
     "Mode",
+    "Prompt",
     "Selection",
+    "ServerDocuments",
     "call_metadata",
     "call_options",
     "check_engine_choice",
     "check_target",
     "engine_of",
     "open_in_thread",
+    "registrar_of",
     "template_role",
     "usage",
 ]

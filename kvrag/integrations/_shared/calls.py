@@ -8,16 +8,17 @@ into an :class:`~kvrag.integrations._shared.results.EngineCall`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
 
 import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
 from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
 from kvrag.engine import Engine
 from kvrag.errors import InvalidRequestError
+from kvrag.integrations._shared.remote import Prompt, ServerDocuments
 from kvrag.integrations._shared.results import EngineCall
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "check_engine_choice",
     "check_target",
     "engine_of",
+    "registrar_of",
     "template_role",
 ]
 
@@ -115,8 +117,12 @@ def template_role(role: str) -> str | None:
     return _TEMPLATE_ROLES.get(role)
 
 
-def check_engine_choice(engine: Any, model: str | None, engine_config: Mapping[str, Any] | None) -> None:
-    """An LLM takes an engine, or the model and config of a shared one, not both."""
+def check_engine_choice(
+    engine: Any, model: str | None, engine_config: Mapping[str, Any] | None, base_url: str | None = None
+) -> None:
+    """An LLM takes an engine, or the model and config of a shared one, or a server's ``base_url``: one of them."""
+    if base_url is not None and (engine is not None or engine_config):
+        raise InvalidRequestError("give either base_url= (a kvrag server) or engine=/engine_config=, not both")
     if engine is None:
         return
     if not isinstance(engine, Engine):
@@ -141,6 +147,14 @@ def engine_of(target: Any) -> Engine:
     return target.get_engine()
 
 
+def registrar_of(target: Any) -> Engine | ServerDocuments:
+    """Where documents recorded for a target go (``register``, ``warm``): :func:`engine_of`, except
+    that an LLM with ``base_url`` keeps them and sends them with its requests."""
+    check_target(target)
+    registrar = getattr(target, "registrar", None)
+    return registrar() if callable(registrar) else engine_of(target)
+
+
 class GenerationFields(BaseModel):
     """The fields of a kvrag LLM, the same in both integrations, and how a call uses them.
 
@@ -148,13 +162,27 @@ class GenerationFields(BaseModel):
     process-wide registry (:func:`kvrag.engine.get_engine`), keyed by model and ``engine_config``,
     so every LLM, retriever and node postprocessor with the same settings shares one engine (and
     one chunk registry and KV cache). An LLM given an ``engine`` uses that one instead.
+
+    With ``base_url`` the LLM loads no engine: it calls a ``kvrag serve`` server (``model`` then
+    names the served model, ``None`` = whatever it serves), sends the documents recorded for it
+    with the requests whose prompt holds them, and reports the server engine's figures under the
+    same metadata keys.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
     model: str | None = Field(
         default=None,
-        description="None = the bundled SmolLM2-135M-Instruct; else a local HF model directory or .gguf file.",
+        description="None = the bundled SmolLM2-135M-Instruct; else a local HF model directory or .gguf file "
+        "(with base_url: the served model's name, None = the server's).",
+    )
+    base_url: str | None = Field(
+        default=None,
+        description="A kvrag server (`kvrag serve`) to call instead of loading an engine, e.g. http://127.0.0.1:8000.",
+    )
+    api_key: SecretStr | None = Field(default=None, description="The server's API key (with base_url).")
+    tenant: str | None = Field(
+        default=None, description="Sent in the server's tenant header (with base_url): the cache namespace."
     )
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
@@ -181,6 +209,8 @@ class GenerationFields(BaseModel):
         default=None, description="In a conversation, drop chunks an earlier turn already placed (CRAFT)."
     )
 
+    _server: ServerDocuments | None = PrivateAttr(default=None)
+
     @field_validator("engine_config")
     @classmethod
     def _check_engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -202,8 +232,27 @@ class GenerationFields(BaseModel):
         """The engine passed at construction, if any (each integration keeps it its own way)."""
         raise NotImplementedError
 
+    def server(self) -> ServerDocuments | None:
+        """With ``base_url``: the server this LLM calls and the documents recorded for it; else ``None``."""
+        if self.base_url is None:
+            return None
+        if self._server is None:
+            from kvrag.client import Client  # httpx: needed only with base_url
+
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self._server = ServerDocuments(Client(self.base_url, api_key=key, tenant=self.tenant))
+        return self._server
+
+    def registrar(self) -> Engine | ServerDocuments:
+        """Where documents recorded for this LLM go: its engine, or (``base_url``) its requests."""
+        return self.server() or self.get_engine()
+
     def get_engine(self, model: str | None = None) -> Engine:
         """The engine serving this LLM: the one given, else the shared one; ``model`` (per call) overrides."""
+        if self.base_url is not None:
+            raise InvalidRequestError(
+                f"{type(self).__name__} calls the kvrag server at {self.base_url}; it has no engine of its own"
+            )
         given = self._given_engine()
         if given is not None and model is None:
             return given
@@ -214,19 +263,31 @@ class GenerationFields(BaseModel):
         fields = type(self).model_fields
         return {target: getattr(self, name) for name, target in CALL_ARGUMENTS.items() if name in fields}
 
-    def start_call(
-        self, render: Callable[[Engine], str], kwargs: Mapping[str, Any], defaults: Mapping[str, Any]
-    ) -> EngineCall:
-        """Validate a call and start it on the engine (the request is checked before this returns).
+    def start_call(self, prompt: Prompt, kwargs: Mapping[str, Any], defaults: Mapping[str, Any]) -> EngineCall:
+        """Validate a call and start it on the engine or the server (checked before this returns).
 
         Args:
-            render: the prompt string, from the engine that serves the call (its chat template).
+            prompt: what to send: chat messages or a finished prompt string.
             kwargs: the call's arguments (see :func:`call_options`).
             defaults: the call's defaults by engine name, usually :meth:`call_defaults`.
         """
         options = call_options(defaults, kwargs, owner=type(self).__name__)
         model = options.pop("model")
-        engine = self.get_engine(model)
-        stream = engine.stream(prompt=render(engine), **options)
-        name = model if model is not None else self.model if self.model is not None else engine.model_name
+        if model is None:
+            model = self.model
+        server = self.server()
+        if server is not None:
+            stream = server.stream(prompt, model=model, options=options)
+            name = model if model not in (None, "default") else server.model_name()
+        else:
+            engine = self.get_engine(model)
+            stream = engine.stream(prompt=prompt.render(engine), **options)
+            name = model if model is not None else engine.model_name
         return EngineCall(stream, model_name=name, conversation_id=options["conversation_id"])
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation's kept KV, in the engine or on the server; False if it was not live."""
+        server = self.server()
+        if server is not None:
+            return server.client.end_conversation(conversation_id)
+        return self.get_engine().end_conversation(conversation_id)

@@ -7,7 +7,7 @@ parameters, ``usage_metadata``, and the chunk iterator and ``_astream`` both LLM
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, closing
 from typing import Any
 
@@ -15,7 +15,7 @@ from langchain_core.runnables.config import RunnableConfig, ensure_config
 from pydantic import ConfigDict, Field, model_validator
 
 from kvrag.engine import Engine, Generation
-from kvrag.integrations._shared import GenerationFields, open_in_thread, usage
+from kvrag.integrations._shared import GenerationFields, Prompt, open_in_thread, usage
 from kvrag.integrations._shared.calls import CALL_ARGUMENTS, Mode, Selection, call_options, check_engine_choice
 
 __all__ = [
@@ -52,7 +52,7 @@ class EngineSettings(GenerationFields):
 
     @model_validator(mode="after")
     def _check_engine(self) -> EngineSettings:
-        check_engine_choice(self.engine, self.model, self.engine_config)
+        check_engine_choice(self.engine, self.model, self.engine_config, self.base_url)
         return self
 
     def _given_engine(self) -> Engine | None:
@@ -64,6 +64,8 @@ class EngineSettings(GenerationFields):
             return model
         if self.model is not None:
             return self.model
+        if self.base_url is not None:
+            return "default"  # whatever the server serves (not asked here: tracing makes no request)
         return self.engine.model_name if self.engine is not None else _BUNDLED_NAME
 
     @property
@@ -155,7 +157,7 @@ def usage_metadata(generation: Generation) -> dict[str, Any]:
 
 def engine_pieces(
     settings: EngineSettings,
-    render: Callable[[Engine], str],
+    prompt: Prompt,
     stop: list[str] | None,
     kwargs: dict[str, Any],
     run_manager: Any = None,
@@ -163,13 +165,13 @@ def engine_pieces(
     """The one chunk iterator: ``(text, None)`` per decoded piece, then ``("", info)`` once.
 
     ``info`` is the response metadata (:func:`kvrag.integrations._shared.call_metadata`, plus
-    ``model_provider``) with ``usage_metadata``. ``render`` turns the engine into the prompt
-    string (the chat model applies the engine's chat template there). A per-call ``stop``
+    ``model_provider``) with ``usage_metadata``. ``prompt`` is chat messages (the chat model's;
+    the engine or server renders them with the model's chat template) or a plain string. A per-call ``stop
     replaces the LLM's ``stop`` field, as every per-call argument replaces its field.
     """
     if kwargs.get("conversation_id") is None:
         kwargs = {**kwargs, "conversation_id": conversation_from_config(None, run_manager)}
-    call = settings.start_call(render, {**kwargs, "stop": stop}, settings.call_defaults())
+    call = settings.start_call(prompt, {**kwargs, "stop": stop}, settings.call_defaults())
     with closing(call):
         for text, generation in call:
             if generation is None:

@@ -13,7 +13,7 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict
 
 from kvrag.errors import InvalidRequestError
-from kvrag.integrations._shared import template_role
+from kvrag.integrations._shared import Prompt, template_role
 from kvrag.integrations.langchain._common import EngineSettings, engine_pieces
 
 __all__ = ["KVCachedLLM", "to_chat_messages"]
@@ -88,8 +88,8 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        chat = to_chat_messages(messages)
-        for text, info in engine_pieces(self, lambda e: e.apply_chat_template(chat), stop, kwargs, run_manager):
+        prompt = Prompt.chat(to_chat_messages(messages))
+        for text, info in engine_pieces(self, prompt, stop, kwargs, run_manager):
             if info is None:
                 if text:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=text))

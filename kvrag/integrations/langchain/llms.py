@@ -10,6 +10,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
+from kvrag.integrations._shared import Prompt
 from kvrag.integrations.langchain._common import EngineSettings, engine_pieces
 
 __all__ = ["KVCachedTextLLM"]
@@ -34,10 +35,10 @@ class KVCachedTextLLM(EngineSettings, BaseLLM):
     def _llm_type(self) -> str:
         return "kvrag-text"
 
-    def _render(self, prompt: str):
+    def _prompt(self, prompt: str) -> Prompt:
         if not self.chat_template:
-            return lambda engine: prompt
-        return lambda engine: engine.apply_chat_template([{"role": "user", "content": prompt}])
+            return Prompt.plain(prompt)
+        return Prompt.chat([{"role": "user", "content": prompt}])
 
     def _stream(
         self,
@@ -46,7 +47,7 @@ class KVCachedTextLLM(EngineSettings, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for text, info in engine_pieces(self, self._render(prompt), stop, kwargs, run_manager):
+        for text, info in engine_pieces(self, self._prompt(prompt), stop, kwargs, run_manager):
             chunk = GenerationChunk(text=text, generation_info=info)
             if info is None and run_manager is not None:  # BaseLLM leaves token callbacks to the integration
                 run_manager.on_llm_new_token(text, chunk=chunk)

@@ -20,7 +20,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, field_validator
 
 from kvrag.errors import InvalidRequestError
-from kvrag.integrations._shared import check_target, engine_of
+from kvrag.integrations._shared import check_target, registrar_of
 
 __all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
 
@@ -32,6 +32,7 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None) -> 
         documents: LangChain documents (their ``page_content``) or plain strings.
         llm: the :class:`KVCachedLLM` / :class:`KVCachedTextLLM` (or :class:`~kvrag.Engine`) that
             will answer; ``None`` = the shared default engine (bundled model, default settings).
+            An LLM with ``base_url`` sends the documents with the requests whose prompt holds them.
 
     Returns:
         The documents' content ids, in order.
@@ -42,7 +43,7 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None) -> 
         if not isinstance(text, str):
             raise InvalidRequestError(f"documents must be Documents or strings, got {type(d).__name__}")
         texts.append(text)
-    return engine_of(llm).register(texts)
+    return registrar_of(llm).register(texts)
 
 
 class KVCachedRetriever(BaseRetriever):

@@ -2,10 +2,11 @@
 
 Every call renders one prompt string (the model's own chat template), hands it to the engine as
 ``prompt=``, and the engine finds the registered node texts inside it (see
-:class:`~kvrag.integrations.llama_index.nodes.KVCachedNodePostprocessor`). Fields, per-call
-arguments, the engine lookup, the figures and the async bridge are those of
-:mod:`kvrag.integrations._shared`; one iterator over an engine call serves every entry point:
-completion and chat, sync and async, streaming or not.
+:class:`~kvrag.integrations.llama_index.nodes.KVCachedNodePostprocessor`). With ``base_url`` the
+messages (or the prompt string) go to a ``kvrag serve`` server instead, with the recorded node
+texts they hold. Fields, per-call arguments, the engine lookup, the figures and the async bridge
+are those of :mod:`kvrag.integrations._shared`; one iterator over an engine call serves every
+entry point: completion and chat, sync and async, streaming or not.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import (
     EngineCall,
     GenerationFields,
+    Prompt,
     call_metadata,
     check_engine_choice,
     open_in_thread,
@@ -47,7 +49,6 @@ from kvrag.integrations.llama_index.conversation import current_conversation
 __all__ = ["KVCachedLLM", "generation_info"]
 
 R = TypeVar("R", CompletionResponse, ChatResponse)
-Render = Callable[[Engine], str]
 
 
 def generation_info(
@@ -110,7 +111,10 @@ class KVCachedLLM(GenerationFields, LLM):
 
     Args:
         engine: an :class:`~kvrag.Engine` to use instead of the shared one.
-        model: the model (``None`` = bundled SmolLM2-135M-Instruct; or a local directory / ``.gguf``).
+        model: the model (``None`` = bundled SmolLM2-135M-Instruct; or a local directory / ``.gguf``;
+            with ``base_url``, the served model's name).
+        base_url, api_key, tenant: a ``kvrag serve`` server to call instead of loading an engine
+            (same responses and metadata keys), its API key, the tenant header's value.
         engine_config: :class:`~kvrag.EngineConfig` fields for the shared engine (dtype, ...).
         mode, recompute_ratio, selection, max_new_tokens, temperature, top_p, stop, seed: generation
             defaults (``None`` = the engine config's); each can be overridden per call, as can
@@ -137,7 +141,7 @@ class KVCachedLLM(GenerationFields, LLM):
     _engine: Engine | None = PrivateAttr(default=None)
 
     def __init__(self, engine: Engine | None = None, **data: Any) -> None:
-        check_engine_choice(engine, data.get("model"), data.get("engine_config"))
+        check_engine_choice(engine, data.get("model"), data.get("engine_config"), data.get("base_url"))
         super().__init__(**data)
         self._engine = engine
 
@@ -157,18 +161,23 @@ class KVCachedLLM(GenerationFields, LLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        engine = self.engine
-        num_output = self.max_new_tokens if self.max_new_tokens is not None else engine.config.max_new_tokens
+        server = self.server()
+        if server is not None:  # the served model's card, asked once
+            card = server.client.model_card()
+            name, window, default_output = card["id"], card["max_model_len"], card["kvrag"]["max_new_tokens"]
+        else:
+            engine = self.engine
+            name, window, default_output = engine.model_name, engine.context_window, engine.config.max_new_tokens
         return LLMMetadata(
-            context_window=self.context_window or engine.context_window,
-            num_output=num_output,
+            context_window=self.context_window or window,
+            num_output=self.max_new_tokens if self.max_new_tokens is not None else default_output,
             is_chat_model=True,
             is_function_calling_model=False,
-            model_name=engine.model_name,
+            model_name=name,
         )
 
     def tokenize(self, text: str) -> list[int]:
-        """The model's token ids of ``text`` (usable as ``Settings.tokenizer`` for exact packing)."""
+        """The model's token ids of ``text`` (usable as ``Settings.tokenizer`` for exact packing; needs the engine)."""
         return self.engine.planner.tokenize(text)
 
     def node_postprocessor(self, **kwargs: Any):
@@ -182,14 +191,13 @@ class KVCachedLLM(GenerationFields, LLM):
         cid = conversation_id or self.conversation_id
         if cid is None:
             raise InvalidRequestError("no conversation_id given and none set on this LLM")
-        return self.engine.end_conversation(cid)
+        return super().end_conversation(cid)
 
     # -- prompt building (shared by every entry point) -------------------------------------------
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> Render:
+    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> Prompt:
         if self.messages_to_prompt is not generic_messages_to_prompt:
-            prompt = self.messages_to_prompt(messages)
-            return lambda engine: prompt
+            return Prompt.plain(self.messages_to_prompt(messages))
         rendered = []
         for m in messages:
             content = m.content
@@ -199,25 +207,24 @@ class KVCachedLLM(GenerationFields, LLM):
             rendered.append({"role": template_role(role) or role, "content": content or ""})
         if not rendered:
             raise InvalidRequestError("no messages given")
-        return lambda engine: engine.apply_chat_template(rendered)
+        return Prompt.chat(rendered)
 
-    def _completion_prompt(self, prompt: str, formatted: bool) -> Render:
+    def _completion_prompt(self, prompt: str, formatted: bool) -> Prompt:
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
         if formatted or self.completion_to_prompt is not default_completion_to_prompt:
-            text = prompt if formatted else self.completion_to_prompt(prompt)
-            return lambda engine: text
+            return Prompt.plain(prompt if formatted else self.completion_to_prompt(prompt))
         messages = [ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt)] if self.system_prompt else []
         return self._chat_prompt([*messages, ChatMessage(role=MessageRole.USER, content=prompt)])
 
     # -- the engine call ----------------------------------------------------------------------------
 
-    def _start(self, render: Render, kwargs: dict, chat: bool) -> EngineCall:
+    def _start(self, prompt: Prompt, kwargs: dict, chat: bool) -> EngineCall:
         """Validate and start a call. ``conversation_id`` falls back to this LLM's (and the
         enclosing :func:`conversation` block's) for chat calls only."""
         defaults = self.call_defaults()
         defaults["conversation_id"] = (self.conversation_id or current_conversation()) if chat else None
-        return self.start_call(render, kwargs, defaults)
+        return self.start_call(prompt, kwargs, defaults)
 
     # -- completion ---------------------------------------------------------------------------------
 
@@ -231,13 +238,13 @@ class KVCachedLLM(GenerationFields, LLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        render = self._completion_prompt(prompt, formatted)
-        return await asyncio.to_thread(lambda: _response(self._start(render, kwargs, False), _completion))
+        rendered = self._completion_prompt(prompt, formatted)
+        return await asyncio.to_thread(lambda: _response(self._start(rendered, kwargs, False), _completion))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        render = self._completion_prompt(prompt, formatted)
-        return await open_in_thread(lambda: _responses(self._start(render, kwargs, False), _completion))
+        rendered = self._completion_prompt(prompt, formatted)
+        return await open_in_thread(lambda: _responses(self._start(rendered, kwargs, False), _completion))
 
     # -- chat -----------------------------------------------------------------------------------------
 
@@ -251,10 +258,10 @@ class KVCachedLLM(GenerationFields, LLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        render = self._chat_prompt(messages)
-        return await asyncio.to_thread(lambda: _response(self._start(render, kwargs, True), _chat))
+        prompt = self._chat_prompt(messages)
+        return await asyncio.to_thread(lambda: _response(self._start(prompt, kwargs, True), _chat))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        render = self._chat_prompt(messages)
-        return await open_in_thread(lambda: _responses(self._start(render, kwargs, True), _chat))
+        prompt = self._chat_prompt(messages)
+        return await open_in_thread(lambda: _responses(self._start(prompt, kwargs, True), _chat))

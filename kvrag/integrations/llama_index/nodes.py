@@ -21,7 +21,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
-from kvrag.integrations._shared import check_target, engine_of
+from kvrag.integrations._shared import check_target, registrar_of
 
 __all__ = ["node_texts", "register_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
 
@@ -55,7 +55,7 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
     Returns:
         The :class:`~kvrag.engine.types.WarmResult` when ``warm``, else ``None``.
     """
-    engine = engine_of(target)
+    engine = registrar_of(target)  # an LLM with base_url keeps them, sends them with its requests
     texts: list[str] = []
     prompt_forms: list[str] = []
     for node in nodes:

@@ -1,0 +1,100 @@
+"""What a call sends (:class:`Prompt`), and the server an LLM with ``base_url=`` calls instead of an engine.
+
+An embedded LLM renders its prompt with the engine's chat template and finds registered documents
+in the result. An LLM with ``base_url`` sends chat messages to the server (which renders them with
+the same template) or a finished prompt string, and registers nothing up front: the documents
+recorded for it (by retrievers, node postprocessors, ``register_documents``) are kept here and
+sent with each request whose prompt holds them (the request's ``documents`` field). The server's
+answer carries the engine's figures, so the call's metadata has the same keys either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvrag.engine.registry import ChunkRegistry
+from kvrag.engine.requests import check_chunks
+from kvrag.engine.types import GenerationStream, WarmResult
+
+if TYPE_CHECKING:
+    from kvrag.client import Client
+    from kvrag.engine import Engine
+
+__all__ = ["Prompt", "ServerDocuments"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A call's prompt: chat messages (rendered with the model's chat template) or a string used as is.
+
+    Build it with :meth:`chat` or :meth:`plain`.
+    """
+
+    messages: tuple[Mapping[str, str], ...] | None = None
+    text: str | None = None
+
+    @classmethod
+    def chat(cls, messages: Sequence[Mapping[str, str]]) -> Prompt:
+        """``[{"role", "content"}]`` messages, roles as chat templates know them."""
+        return cls(messages=tuple(messages))
+
+    @classmethod
+    def plain(cls, text: str) -> Prompt:
+        return cls(text=text)
+
+    def render(self, engine: Engine) -> str:
+        """The prompt string the engine reads."""
+        if self.messages is None:
+            return self.text or ""
+        return engine.apply_chat_template([dict(m) for m in self.messages])
+
+    def texts(self) -> list[str]:
+        """What the prompt is made of, where documents are looked for."""
+        return [self.text or ""] if self.messages is None else [m["content"] for m in self.messages]
+
+
+class ServerDocuments:
+    """An LLM's link to a kvrag server: its client and the documents recorded for it.
+
+    Has the registration calls of an :class:`~kvrag.Engine` (``register``, ``warm``), so that
+    retrievers and node postprocessors record documents for either kind of LLM alike.
+
+    Args:
+        client: the server's client.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.registry = ChunkRegistry()  # the engine's own matcher: the same texts count as documents
+
+    def register(self, texts: Sequence[str]) -> list[str]:
+        """Record texts, sent later with the requests whose prompt holds them; their content ids."""
+        return self.registry.register(check_chunks(texts))
+
+    def warm(self, texts: Sequence[str]) -> WarmResult:
+        """Record texts and have the server register them and compute their KV now."""
+        self.register(texts)
+        return self.client.warm(check_chunks(texts))
+
+    def found(self, prompt: Prompt) -> list[str]:
+        """The recorded texts that occur in the prompt, once each, in order."""
+        out: dict[str, None] = {}
+        for text in prompt.texts():
+            for start, end in self.registry.find(text):
+                out.setdefault(text[start:end])
+        return list(out)
+
+    def stream(self, prompt: Prompt, *, model: str | None, options: Mapping[str, Any]) -> GenerationStream:
+        """Start a streamed request on the server (validated there before this returns)."""
+        documents = self.found(prompt) or None
+        model = model if model is not None else self.client.model
+        if prompt.messages is not None:
+            messages = [dict(m) for m in prompt.messages]
+            return self.client.stream_chat(messages, documents=documents, model=model, **options)
+        return self.client.stream_complete(prompt.text or "", documents=documents, model=model, **options)
+
+    def model_name(self) -> str:
+        """The served model's name (asked once)."""
+        return self.client.model_card()["id"]

@@ -1,0 +1,92 @@
+"""``kvrag serve``: load the engine, then serve it over HTTP with uvicorn.
+
+kvrag serve --host 127.0.0.1 --port 8000 [--model DIR_OR_GGUF] [--config FIELD=VALUE ...]
+            [--served-model-name NAME] [--api-keys-file keys.json] [--tenant-header NAME | --no-tenant-header]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvrag serve",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/documents, "
+        "/v1/models, /health, /metrics) over kvrag's engine.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled SmolLM2-135M)")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="EngineConfig field, e.g. --config recompute_ratio=0.3 --config disk_tier=true (repeatable)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the engine's)")
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='JSON object {"API_KEY": "namespace", ...}: every request then needs one of these keys, '
+        "and each key's requests use its own cache namespace",
+    )
+    p.add_argument(
+        "--tenant-header",
+        default="X-Kvrag-Tenant",
+        help="without API keys, this header's value is the request's cache namespace (default X-Kvrag-Tenant)",
+    )
+    p.add_argument("--no-tenant-header", action="store_true", help="ignore the tenant header: one shared cache")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _api_keys(path: str | None) -> dict[str, str]:
+    if path is None:
+        return {}
+    try:
+        keys = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"kvrag serve: --api-keys-file {path}: {exc}") from None
+    if not isinstance(keys, dict):
+        raise SystemExit(f"kvrag serve: --api-keys-file {path} must hold a JSON object of key -> namespace")
+    return keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvrag serve``."""
+    a = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import uvicorn
+
+        from kvrag.server.app import create_app
+    except ImportError as exc:  # the serve extra is not installed
+        print(f"kvrag serve needs `pip install 'kvrag[serve]'` ({exc})", file=sys.stderr)
+        return 2
+    from kvrag.config import EngineConfig, parse_overrides
+    from kvrag.engine import Engine
+    from kvrag.errors import KvragError
+    from kvrag.server.settings import ServerSettings, TenantMap
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        tenants = TenantMap(api_keys=_api_keys(a.api_keys_file), header=None if a.no_tenant_header else a.tenant_header)
+        config = EngineConfig(**parse_overrides(a.config))
+        engine = Engine.from_pretrained(a.model, config=config)
+    except KvragError as exc:
+        print(f"kvrag serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(engine, ServerSettings(model_name=a.served_model_name, tenants=tenants))
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    finally:
+        engine.close()
+    return 0

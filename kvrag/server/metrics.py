@@ -1,0 +1,95 @@
+"""The server's metrics, in Prometheus' text format at ``GET /metrics``.
+
+One registry per app (so several apps in one process, as in tests, never share counters):
+
+- ``kvrag_requests_total{endpoint, outcome}``: requests by endpoint and outcome (``ok``,
+  ``cancelled`` when the client went away first, ``error``).
+- ``kvrag_requests_waiting`` / ``kvrag_requests_running``: admitted requests before / after their
+  first token (the queue, and the streams being decoded).
+- ``kvrag_time_to_first_token_seconds``, ``kvrag_request_seconds``: histograms (engine time).
+- ``kvrag_prompt_tokens_total``, ``kvrag_cached_tokens_total``, ``kvrag_recomputed_tokens_total``,
+  ``kvrag_completion_tokens_total``: tokens of finished requests.
+- ``kvrag_chunk_hits_total``, ``kvrag_chunk_misses_total``: chunks whose KV was / was not reused.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvrag.engine import Generation
+
+__all__ = ["Metrics", "RequestTrack", "CONTENT_TYPE_LATEST"]
+
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+class Metrics:
+    """The counters of one server; :meth:`render` is the ``/metrics`` body."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvrag_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.waiting = Gauge("kvrag_requests_waiting", "Admitted requests before their first token", registry=r)
+        self.running = Gauge("kvrag_requests_running", "Requests past their first token, decoding", registry=r)
+        self.ttft = Histogram(
+            "kvrag_time_to_first_token_seconds", "Engine time to first token", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "kvrag_request_seconds", "Engine time of a whole request", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tokens = {
+            name: Counter(f"kvrag_{name}", f"{name.replace('_', ' ').capitalize()} of finished requests", registry=r)
+            for name in ("prompt_tokens", "cached_tokens", "recomputed_tokens", "completion_tokens")
+        }
+        self.chunk_hits = Counter("kvrag_chunk_hits", "Chunks whose cached KV was reused", registry=r)
+        self.chunk_misses = Counter("kvrag_chunk_misses", "Chunks whose KV was computed", registry=r)
+
+    def track(self, endpoint: str) -> RequestTrack:
+        """Count a request admitted now: waiting until :meth:`RequestTrack.started`, then running."""
+        return RequestTrack(self, endpoint)
+
+    def finished(self, generation: Generation) -> None:
+        s = generation.stats
+        self.ttft.observe(generation.ttft_s)
+        self.latency.observe(generation.total_s)
+        for name, value in (
+            ("prompt_tokens", s.prompt_tokens),
+            ("cached_tokens", s.cached_tokens),
+            ("recomputed_tokens", s.recomputed_tokens),
+            ("completion_tokens", s.completion_tokens),
+        ):
+            self.tokens[name].inc(value)
+        self.chunk_hits.inc(s.chunk_hits)
+        self.chunk_misses.inc(s.chunk_misses)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTrack:
+    """One request in the ``waiting`` / ``running`` gauges, and its outcome in ``kvrag_requests_total``."""
+
+    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._started = False
+        self._ended = False
+        metrics.waiting.inc()
+
+    def started(self) -> None:
+        """The first token (or the end) came: the request leaves the queue."""
+        if not self._started and not self._ended:
+            self._started = True
+            self._metrics.waiting.dec()
+            self._metrics.running.inc()
+
+    def end(self, outcome: str) -> None:
+        """``ok``, ``cancelled`` or ``error``; only the first call counts."""
+        if self._ended:
+            return
+        self._ended = True
+        (self._metrics.running if self._started else self._metrics.waiting).dec()
+        self._metrics.requests.labels(self._endpoint, outcome).inc()
