@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from kvrag.bench.metrics import summarize
 
-__all__ = ["retrieval_summary", "retrieval_table"]
+__all__ = ["retrieval_figures", "retrieval_summary", "retrieval_table"]
 
 
 def _mean(rs: list[dict], key: str) -> float | None:
     return summarize(r.get(key) for r in rs)["mean"]
 
 
-def _figures(rs: list[dict]) -> dict:
+def retrieval_figures(rs: list[dict]) -> dict:
+    """Means and summaries of a set of workload (r) records (one method's, or a subset of them)."""
     ident = [r["identical_full"] for r in rs if "identical_full" in r]
     return {
         "n": len(rs),
@@ -43,7 +44,10 @@ def retrieval_summary(records: list[dict]) -> dict:
     out = {}
     for name in dict.fromkeys(r["method"] for r in records if r["method"] != "full"):
         mine = [r for r in records if r["method"] == name]
-        out[name] = {"all": _figures(mine), "many_hits": _figures([r for r in mine if r.get("many_hits")])}
+        out[name] = {
+            "all": retrieval_figures(mine),
+            "many_hits": retrieval_figures([r for r in mine if r.get("many_hits")]),
+        }
     return out
 
 
