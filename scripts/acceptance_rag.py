@@ -137,7 +137,6 @@ def record(ask, text: str, meta: dict, full_text: str, full_meta: dict, min_hits
     """One request's row, with the bench's field names (kvrag.bench.report_retrieval reads them)."""
     ratio = meta["ttft_s"] / full_meta["ttft_s"]
     uncached = 1.0 - meta["cache_read"] / meta["prompt_tokens"]
-    blended = meta["cache_read"] - meta["prefix_tokens"] - meta["conversation_tokens"]  # chunk KV fused in place
     return {
         "request": ask.position,
         "question_index": ask.question,
@@ -151,10 +150,9 @@ def record(ask, text: str, meta: dict, full_text: str, full_meta: dict, min_hits
         "prompt_tokens": meta["prompt_tokens"],
         "prompt_tokens_match_full": meta["prompt_tokens"] == full_meta["prompt_tokens"],
         "cached_tokens": meta["cache_read"],
-        "exact_tokens": meta["prefix_tokens"],
-        "blended_tokens": blended,
+        "prefix_tokens": meta["prefix_tokens"],
         "recomputed_tokens": meta["recomputed_tokens"],
-        "recompute_fraction": meta["recomputed_tokens"] / blended if blended else None,
+        "recompute_fraction": meta["recompute_ratio"] if meta["chunk_hits"] else None,  # asked or, auto, measured
         "uncached_share": uncached,
         "ttft_excess_full": ratio - uncached,
         "chunk_hits": meta["chunk_hits"],

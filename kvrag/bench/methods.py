@@ -97,7 +97,7 @@ class EngineMethod(Method):
         self,
         name: str,
         mode: str,
-        ratio: float | None = None,
+        ratio: float | str | None = None,
         selection: str | None = None,
         overrides: dict | None = None,
     ) -> None:
@@ -140,11 +140,13 @@ class EngineMethod(Method):
                 "finish_reason": g.finish_reason,
                 "prefix_tokens": s.prefix_tokens,
                 "recompute_ratio": s.recompute_ratio,
+                "auto": s.auto,
                 "completion_tokens": s.completion_tokens,
                 "conversation_tokens": getattr(s, "conversation_tokens", 0),
                 "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0),
-                # exact: inside a reused exact prefix; blended: cached chunk KV fused in place
-                "exact_chunks": sum(c.source == "prefix" for c in s.chunks),
+                # exact: an exact prefix or an exact chunk variant (tree); blended: chunk KV fused in place
+                "exact_tokens": s.exact_tokens,
+                "exact_chunks": sum(c.source in ("prefix", "tree") for c in s.chunks),
                 "blended_chunks": sum(c.source == "store" for c in s.chunks),
                 "blended_tokens": candidates,
             },
@@ -265,9 +267,9 @@ def _engine_mode(mode: str) -> Factory:
     return make
 
 
-def _ratio_arg(spec: MethodSpec) -> float | None:
-    if spec.arg is None:
-        return None
+def _ratio_arg(spec: MethodSpec) -> float | str | None:
+    if spec.arg is None or spec.arg == "auto":  # auto: each request recomputes what it measures it needs
+        return spec.arg
     try:
         ratio = float(spec.arg)
     except ValueError:
@@ -282,6 +284,11 @@ def _blend(selection: str | None) -> Factory:
         return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection, dict(spec.overrides))
 
     return make
+
+
+def _auto(spec: MethodSpec) -> Method:
+    _no_arg(spec)
+    return EngineMethod(spec.name, "blend", "auto", None, dict(spec.overrides))
 
 
 def _hf(spec: MethodSpec) -> Method:
@@ -299,6 +306,12 @@ register_method("full", _engine_mode("full"), description="full prefill: the fid
 register_method("prefix", _engine_mode("prefix"), description="exact reuse of the longest cached prompt prefix")
 register_method("reuse", _engine_mode("reuse"), description="cached chunk KV as is (recompute ratio 0)")
 register_method("blend", _blend(None), description="fusion with the configured selection; blend@r sets the ratio")
+register_method(
+    "auto",
+    _auto,
+    description="fusion with recompute_ratio='auto' (each request recomputes what it measures it needs) and the "
+    "configured selection; probe@auto etc. name the selection",
+)
 register_method(
     "hkvd", _blend("hkvd"), description="fusion recomputing CacheBlend's HKVD tokens; hkvd@r sets the ratio"
 )

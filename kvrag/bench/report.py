@@ -141,6 +141,11 @@ def _mean(values) -> float | None:
     return summarize(values)["mean"]
 
 
+def _one(values: set):
+    """The value all records agree on (a fixed ratio); None where they differ (``auto``: per request)."""
+    return next(iter(values)) if len(values) == 1 else None
+
+
 def _method_summary(records: list[dict], method: str) -> dict:
     rs = [r for r in records if r["method"] == method]
     ratios = paired_ratios(records, method, "full", "ttft_s") if method != "full" else []
@@ -170,7 +175,7 @@ def _method_summary(records: list[dict], method: str) -> dict:
         "compute_fraction": _mean(r.get("compute_fraction") for r in rs),
         "chunk_hit_rate": hits / chunks if chunks else None,
         "prompt_tokens": summarize(r.get("prompt_tokens") for r in rs),
-        "recompute_ratio": next((r["recompute_ratio"] for r in rs if r.get("recompute_ratio") is not None), None),
+        "recompute_ratio": _one({r.get("recompute_ratio") for r in rs} - {None}),
     }
 
 

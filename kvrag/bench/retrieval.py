@@ -147,7 +147,7 @@ def retrieval_record(
         occurrence=ask.occurrence,
         wording=ask.wording,
         passages=list(req.order),
-        exact_tokens=out.extra.get("prefix_tokens", 0),
+        exact_tokens=out.extra.get("exact_tokens", 0),
     )
     if method.uses_store and out.prompt_tokens:
         rec["uncached_share"] = 1.0 - out.cached_tokens / out.prompt_tokens

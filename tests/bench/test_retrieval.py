@@ -41,7 +41,9 @@ def test_questions_come_first_in_order_then_back_reworded_after_their_first_ask(
 
 def test_corpus_pools_passages_once_and_retrieves_the_nearest():
     items = [
-        QAItem(0, "Who painted the harbour?", ["a"], ["The harbour was painted by Ada.\n\n", "Trains run at noon.\n\n"]),
+        QAItem(
+            0, "Who painted the harbour?", ["a"], ["The harbour was painted by Ada.\n\n", "Trains run at noon.\n\n"]
+        ),
         QAItem(1, "When do trains run?", ["b"], ["Trains run at noon.\n\n", "Bread is baked at dawn.\n\n"]),
     ]
     corpus = Corpus(items, make_embedder("lexical"))

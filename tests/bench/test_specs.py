@@ -22,6 +22,9 @@ def test_specs_carry_a_ratio_and_engine_overrides():
     assert (ms[1].selection, ms[1].ratio, ms[1].overrides) == ("probe", 0.15, {})
     assert (ms[2].selection, ms[2].ratio, ms[2].overrides) == ("epic", 0.15, {"chunk_context": "sink"})
     assert ms[3].overrides == {"filter_schedule": (3.0, 2.0), "check_layer": 2}  # JSON values, lists as tuples
+    auto, probe_auto = parse_methods("auto+auto_max_ratio=0.5,probe@auto")[1:]
+    assert (auto.ratio, auto.selection, auto.overrides) == ("auto", None, {"auto_max_ratio": 0.5})
+    assert (probe_auto.ratio, probe_auto.selection) == ("auto", "probe")
     assert parse_methods("blend+recompute_ratio=0.3+prefix_cache=false")[1].overrides == {
         "recompute_ratio": 0.3,
         "prefix_cache": False,
@@ -51,6 +54,7 @@ def test_a_list_splits_on_commas_outside_brackets():
         ("probe@x", "not a number"),
         ("probe@1.5", r"\[0, 1\]"),
         ("nope@0.1", "unknown method"),
+        ("auto@0.2", "no @ argument"),
         ("epic@0.1,epic@0.1", "twice"),
     ],
 )
