@@ -36,8 +36,9 @@ MODES = ("full", "prefix", "blend", "reuse")
 #: filtering; the blocks of chunk tokens a deep-layer probe finds most changed; the cached
 #: tokens nearest the question (recomputed in full, no check layer); or the chunks the question
 #: attends to, whole, then the probe's blocks (Cache-Craft's focused chunks); or Cache-Craft's own
-#: per-chunk budget from the variants' fix overhead, tokens by their stored inter-attention.
-SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft")
+#: per-chunk budget from the variants' fix overhead, tokens by their stored inter-attention; or the
+#: first tokens of every cached chunk (EPIC's LegoLink, recomputed in full, no check layer).
+SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft", "epic")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 #: How chunk KV is held at rest in a tiered store (:mod:`kvrag.engine.store.codec`): ``plain`` in
@@ -89,8 +90,11 @@ class EngineConfig:
             into blocks of ``probe_stride`` tokens, a probe computes each block's middle token up
             to ``probe_layer``, and blocks are recomputed whole in order of that token's KV
             deviation there until the budget is spent), ``hkvd`` (CacheBlend's high-KV-deviation tokens,
-            gradual filtering from ``check_layer``, all cached tokens ranked together) or
-            ``recency`` (the cached tokens nearest the question, recomputed in full; no check layer).
+            gradual filtering from ``check_layer``, all cached tokens ranked together),
+            ``recency`` (the cached tokens nearest the question, recomputed in full; no check layer)
+            or ``epic`` (EPIC's LegoLink: the budget split evenly over the cached chunks, each
+            recomputing its first tokens in full, where a chunk computed elsewhere holds an
+            attention sink of its own; no check layer).
         probe_layer: the layer the ``probe`` selection compares; ``None``: a quarter of the depth
             plus one (layer 8 of SmolLM2's 30).
         probe_stride: the block size of the ``probe`` selection (one token sampled per block).
@@ -354,6 +358,7 @@ def parse_overrides(pairs: Iterable[str]) -> dict:
     out = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
+        key, raw = key.strip(), raw.strip()
         if not sep or key not in fields:
             raise InvalidRequestError(f"expected FIELD=VALUE with a field of EngineConfig, got {pair!r}")
         try:

@@ -1,98 +1,39 @@
-"""Acceptance checks of the LangChain drop-ins and multi-turn conversations (issue 4).
+"""Acceptance checks of the LangChain integration's conversations and errors (issue 4).
 
 Runs on the MuSiQue dev set (``--data``, default ``../shared/data/musique_dev.json`` beside the
 repository) with the bundled model, offline. Prints every measured figure and a PASS/FAIL line per
-check; exits 1 if a check fails. Timings are only meaningful on a quiet machine; the TTFT check
-uses medians over ``--repeats`` cold/warm rounds (the KV store is cleared before each round).
+check; exits 1 if a check fails.
 
-    python scripts/acceptance_langchain.py [--data PATH] [--repeats 3] [--only rag|chain|multi|errors]
-                                           [--recompute-ratio R]
+    python scripts/acceptance_langchain.py [--data PATH] [--only multi|errors]
 
-``--recompute-ratio`` runs the RAG checks at another ratio than the engine's default (the
-trade-off between the TTFT and the ROUGE-L checks on the same pair).
+The RAG chains (LCEL stuff chain, ``create_retrieval_chain``, a LlamaIndex query engine) are
+judged over a stream of requests by ``scripts/acceptance_rag.py`` (workload r, write-back), which
+replaced this script's single question pair: one greedy answer of a 135M model flips on near-tie
+tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from _rag_data import build_index, dataset_path, format_docs, load_passages  # noqa: E402
-from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
-from langchain_core.runnables import RunnablePassthrough  # noqa: E402
+from _rag_data import build_index, dataset_path, load_passages  # noqa: E402
 from multi_turn_chat import DEV_TURNS, run_turn  # noqa: E402
 
 from kvrag import ContextLengthError  # noqa: E402
-from kvrag.bench.data import pick_question_pair  # noqa: E402
-from kvrag.bench.metrics import rouge_l  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever, register_documents  # noqa: E402
 from kvrag.integrations.langchain.chat_models import to_chat_messages  # noqa: E402
 
-PROMPT = ChatPromptTemplate.from_messages(
-    [("system", "Answer the question from the context, in one short sentence.\n\n{context}"), ("human", "{question}")]
-)
 RESULTS: list[tuple[str, bool, str]] = []
 
 
 def check(name: str, ok: bool, detail: str) -> None:
     RESULTS.append((name, ok, detail))
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
-
-
-def rag_check(name, make_chain, store, llm, full_llm, q1, q2, shared, repeats, answer_of):
-    engine = llm.get_engine()
-    retriever = KVCachedRetriever(retriever=store.as_retriever(search_kwargs={"k": 6}), llm=llm)
-    chain, full_chain = make_chain(retriever, llm), make_chain(retriever, full_llm)
-    cold, warm, hits = [], [], []
-    for _ in range(repeats):
-        engine.store.clear()  # chunk KV and prefix blocks: question 1 is cold again
-        first = answer_of(chain.invoke(q1))
-        engine.flush()
-        second = answer_of(chain.invoke(q2))
-        cold.append(first.response_metadata["ttft_s"])
-        warm.append(second.response_metadata["ttft_s"])
-        hits.append(second.response_metadata["chunk_hits"])
-    reference = answer_of(full_chain.invoke(q2))
-    score = rouge_l(second.content, reference.content)
-    ratio = statistics.median(warm) / statistics.median(cold)
-    print(f"  [{name}] Q1: {q1}\n  [{name}] Q2: {q2} ({shared} of top-6 shared)")
-    print(
-        f"  [{name}] TTFT cold Q1 {[f'{t:.3f}' for t in cold]} s, Q2 {[f'{t:.3f}' for t in warm]} s; "
-        f"full-prefill Q2 {reference.response_metadata['ttft_s']:.3f} s"
-    )
-    print(
-        f"  [{name}] kvrag: {' '.join(second.content.split())}\n  [{name}] full:  {' '.join(reference.content.split())}"
-    )
-    check(f"{name}: chunk hits on Q2", min(hits) >= 4, f"{hits} (need >= 4)")
-    check(f"{name}: TTFT Q2 / cold Q1", ratio <= 0.35, f"{ratio:.3f} (medians; need <= 0.35)")
-    check(f"{name}: ROUGE-L vs mode=full", score >= 0.85, f"{score:.3f} (need >= 0.85)")
-
-
-def lcel_chain(retriever, llm):
-    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
-
-
-def classic_chain(retriever, llm):
-    from langchain_classic.chains import create_retrieval_chain
-    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
-
-    prompt = ChatPromptTemplate.from_messages(
-        [("system", "Answer the question from the context, in one short sentence.\n\n{context}"), ("human", "{input}")]
-    )
-    inner = create_stuff_documents_chain(llm, prompt, output_parser=PassMessage())
-    chain = create_retrieval_chain(retriever, inner)
-    return {"input": RunnablePassthrough()} | chain
-
-
-def PassMessage():  # noqa: N802 - keeps the AI message (create_stuff_documents_chain parses to str by default)
-    from langchain_core.runnables import RunnableLambda
-
-    return RunnableLambda(lambda m: m)
 
 
 def history_coverage(engine, messages, meta) -> tuple[float, int]:
@@ -187,10 +128,8 @@ def errors(llm):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--only", choices=("rag", "chain", "multi", "errors"))
-    ap.add_argument("--recompute-ratio", type=float, help="blend ratio of the RAG checks (default: the engine's)")
+    ap.add_argument("--only", choices=("multi", "errors"))
     args = ap.parse_args()
     path = dataset_path(args.data)
     if path is None:
@@ -199,26 +138,8 @@ def main() -> None:
     print(f"{len(docs)} unique passages, {len(questions)} questions; building the faiss index...", flush=True)
     store = build_index(docs)
     llm_kwargs = {"max_tokens": args.max_tokens}
-    ratio = {} if args.recompute_ratio is None else {"recompute_ratio": args.recompute_ratio}
-    llm, full_llm = KVCachedLLM(**llm_kwargs, **ratio), KVCachedLLM(**llm_kwargs, mode="full")
+    llm = KVCachedLLM(**llm_kwargs)
     llm.invoke("Say hello.")  # load and warm up the engine
-    tops = [[d.page_content for d in store.similarity_search(q, k=6)] for q in questions]
-    q1, q2, shared = pick_question_pair(questions, tops)
-    if args.only in (None, "rag"):
-        rag_check("LCEL stuff chain", lcel_chain, store, llm, full_llm, q1, q2, shared, args.repeats, lambda r: r)
-    if args.only in (None, "chain"):
-        rag_check(
-            "create_retrieval_chain (langchain_classic)",
-            classic_chain,
-            store,
-            llm,
-            full_llm,
-            q1,
-            q2,
-            shared,
-            args.repeats,
-            lambda r: r["answer"],
-        )
     if args.only in (None, "multi"):
         multi_turn(store, questions, llm_kwargs)
         ratio_one_equals_full(store, questions, llm_kwargs)

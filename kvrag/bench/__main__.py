@@ -1,6 +1,8 @@
 """``python -m kvrag.bench`` / ``kvrag bench``: run the benchmark, compare or merge runs, make data.
 
 kvrag bench --dataset QA.json --n 20 --top-k 6 --methods hf,full,prefix,reuse,blend --out DIR
+kvrag bench --dataset QA.json --n 8 --workloads r --store writeback --retrieval-requests 16 \
+    --retrieval-methods full,probe@0.15,epic@0.15 --out DIR     # workload (r), a small run
 kvrag bench compare RUN_A RUN_B            # each run's own paired ratios, side by side
 kvrag bench merge RUN_A RUN_B --out DIR    # pool runs of one machine/model/commit/settings
 kvrag bench make-dataset --out qa.json     # a small synthetic QA set (for tests and demos)
@@ -27,13 +29,13 @@ __all__ = ["main"]
 
 
 def _config_overrides(pairs: list[str]) -> dict:
-    from kvrag.config import parse_overrides
+    from kvrag.bench.specs import config_overrides
     from kvrag.errors import InvalidRequestError
 
     try:
-        return parse_overrides(pairs)
+        return config_overrides(pairs)
     except InvalidRequestError as exc:
-        raise SystemExit(f"--config: {exc}") from None
+        raise SystemExit(f"kvrag bench: {exc}") from None
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -51,8 +53,13 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma-separated: hf, full, prefix, reuse, blend, "
-        "blend@RATIO, ... (full is always run: it is the reference)",
+        help="comma-separated method specs, NAME[@RATIO][+FIELD=VALUE...]: hf, full, prefix, reuse, "
+        "blend, probe, hkvd, recency, epic (kvrag bench methods lists them); @RATIO the recompute ratio "
+        "(probe@0.15); +FIELD=VALUE an EngineConfig override for that method alone, which then runs on "
+        "an engine of its own (probe@0.15+probe_layer=12, hkvd@0.15+filter_schedule=[3.0,2.0]; values "
+        "JSON or plain strings; not model/dtype/device/cache_dir/num_threads, and store settings only "
+        "in workloads b and r). Results are filed under the spec as written. full is always run: it is "
+        "the reference",
     )
     p.add_argument("--order", choices=("shuffled", "given"), default=d.order, help="passage order")
     p.add_argument(
@@ -78,7 +85,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workloads",
         default=d.workloads,
-        help="a (per question, pre-warmed), b (Zipf stream, bounded store), c (multi-turn conversations)",
+        help="a (per question, pre-warmed), b (Zipf stream, bounded store), c (multi-turn conversations), "
+        "r (retrieval corpus: questions in sequence, coming back reworded; see --store)",
     )
     p.add_argument("--stream-requests", type=int, default=d.stream_requests)
     p.add_argument("--stream-methods", default=d.stream_methods)
@@ -102,7 +110,9 @@ def _run_parser() -> argparse.ArgumentParser:
         default=d.stream_budget_frac,
         help="store budget as a share of the pool's KV bytes (when no byte budget is given)",
     )
-    p.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of passage popularity")
+    p.add_argument(
+        "--zipf", type=float, default=d.zipf, help="Zipf exponent of popularity: of passages (b), of questions (r)"
+    )
     p.add_argument(
         "--eviction-policy",
         default=d.eviction_policy,
@@ -117,6 +127,53 @@ def _run_parser() -> argparse.ArgumentParser:
         help="methods of workload c (conv: blend with the conversation's kept KV and dedup)",
     )
     p.add_argument("--conv-max-new-tokens", type=int, default=d.conv_max_new_tokens)
+    r = p.add_argument_group(
+        "workload r",
+        "all passages of the first --n questions pooled in a faiss index, --top-k per ask; the --n "
+        "questions asked in sequence, each coming back later reworded (Zipf popularity over questions, "
+        "--zipf, --seed); every store-using method on an engine and store of its own",
+    )
+    r.add_argument("--retrieval-methods", default=d.retrieval_methods, help="method specs, as --methods")
+    r.add_argument("--retrieval-requests", type=int, default=None, help="stream length (default: 2 x --n)")
+    r.add_argument("--retrieval-max-new-tokens", type=int, default=d.retrieval_max_new_tokens)
+    r.add_argument(
+        "--retrieval-score",
+        default=d.retrieval_score,
+        help="methods whose answer drift is measured (as --score); a full prefill per request for full's "
+        "own, a prefill per request and scored method",
+    )
+    r.add_argument(
+        "--retrieval-min-hits",
+        type=int,
+        default=None,
+        help="the fewest chunk hits of the 'many hits' figures (default: two thirds of --top-k, 4 of 6)",
+    )
+    r.add_argument(
+        "--retrieval-budget-bytes",
+        type=int,
+        default=None,
+        help="memory budget of each method's store (default: the engine's memory_budget_bytes; "
+        "~28 MB of float32 KV per MuSiQue passage, so a corpus of 400 needs --config disk_tier=true)",
+    )
+    r.add_argument(
+        "--store",
+        default=d.store,
+        help="store modes, comma-separated: corpus (the pool warmed once into each method's store, "
+        "engine.warm(pool), before the questions) and/or writeback (cold start: KV only from requests)",
+    )
+    r.add_argument(
+        "--corpus-order",
+        choices=("shuffled", "dataset"),
+        default=d.corpus_order,
+        help="--store corpus warms the pool in this order: shuffled (seeded) or dataset (each question's "
+        "passages together: the favourable case)",
+    )
+    r.add_argument(
+        "--embedder",
+        choices=("minilm", "lexical"),
+        default=d.embedder,
+        help="retrieval embeddings: the bundled MiniLM, or a hashed bag of words (no model)",
+    )
     p.add_argument("--windows", type=int, default=d.windows, help="stream windows for hit rate over time")
     p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled model)")
     p.add_argument(
@@ -167,6 +224,15 @@ def _run(argv: list[str]) -> int:
         conv_top_k=a.conv_top_k,
         conv_methods=a.conv_methods,
         conv_max_new_tokens=a.conv_max_new_tokens,
+        retrieval_methods=a.retrieval_methods,
+        retrieval_requests=a.retrieval_requests,
+        retrieval_max_new_tokens=a.retrieval_max_new_tokens,
+        retrieval_score=a.retrieval_score,
+        retrieval_min_hits=a.retrieval_min_hits,
+        retrieval_budget_bytes=a.retrieval_budget_bytes,
+        store=a.store,
+        corpus_order=a.corpus_order,
+        embedder=a.embedder,
         model=a.model,
         config=_config_overrides(a.config),
         system=a.system,

@@ -53,7 +53,8 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         for t, item in enumerate(conv):
             order = _request_order(len(item.passages), top_k, True, rng)
             chunks = [item.passages[i] for i in order]
-            engine.register(chunks)
+            for eng in {id(e): e for e in map(ctx.engine_for, methods)}.values():
+                eng.register(chunks)  # each engine finds them in the prompt (its own registry)
             warm_in_dataset_order(engine, item, order)
             hint = f"\n{ctx.fmt.answer_hint}" if ctx.fmt.answer_hint else ""
             user = f"{ctx.fmt.instructions}\n\n{''.join(chunks)}Question: {item.question}{hint}"
@@ -73,8 +74,9 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             )
             outcomes: dict[str, Outcome] = {}
             for m in methods:
-                outcomes[m.name] = m.run(engine, req, max_new_tokens=max_new)
-                engine.flush()
+                eng = ctx.engine_for(m)
+                outcomes[m.name] = m.run(eng, req, max_new_tokens=max_new)
+                eng.flush()
             for m in methods:
                 rec = make_record(ctx.run_id, req, m, outcomes[m.name], outcomes["full"])
                 rec.update(conversation=c, turn=t)
@@ -85,7 +87,7 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                 bar.update(1)
                 bar.set_postfix_str(_postfix(outcomes))
         for m in methods:
-            m.end(engine, req.meta["conversation"])
+            m.end(ctx.engine_for(m), req.meta["conversation"])
     if bar is not None:
         bar.close()
     ctx.records.extend(out)

@@ -3,7 +3,9 @@
 A method turns one :class:`~kvrag.bench.data.Request` into a :class:`Outcome` (timings, answer,
 what the engine did). ``hf`` is the peer baseline: transformers' own forward over the same token
 ids, in the same process and threads. ``full``, ``prefix``, ``reuse`` and ``blend`` are the engine's
-modes; ``blend@0.3`` names a recompute ratio, ``blend`` alone uses the engine's configured default.
+modes; ``blend@0.3`` names a recompute ratio, ``blend`` alone uses the engine's configured default;
+``probe``, ``hkvd``, ``recency`` and ``epic`` are ``blend`` with that selection. A spec may add
+EngineConfig overrides for its method alone: ``probe@0.15+probe_layer=12`` (:mod:`kvrag.bench.specs`).
 
 New methods (Cache-Craft, reordering, ...) plug in with :func:`register_method`::
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrag.bench.specs import MethodSpec, parse_spec, split_specs
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
@@ -49,15 +52,6 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class MethodSpec:
-    """A parsed method name: ``base`` and an optional ``@`` argument (``blend@0.3``)."""
-
-    name: str
-    base: str
-    arg: float | None = None
-
-
 class Method:
     """A runnable method. Subclasses implement :meth:`run`; :meth:`score` is optional.
 
@@ -67,6 +61,8 @@ class Method:
         exact_prefix_writer: stores whole prompts in the exact-prefix cache; such methods run after
             the others on a request, so they cannot serve the others' lookups (see workloads).
         uses_store: reads/writes chunk KV (a stream workload gives it its own engine and store).
+        overrides: EngineConfig overrides of this method (its spec's ``+field=value``); a method
+            with overrides runs on an engine of its own (:mod:`kvrag.bench.engines`).
     """
 
     answers = True
@@ -74,8 +70,9 @@ class Method:
     uses_store = True
     conversational = False
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, overrides: dict | None = None) -> None:
         self.name = name
+        self.overrides = dict(overrides or {})
 
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
         raise NotImplementedError
@@ -96,8 +93,15 @@ class Method:
 class EngineMethod(Method):
     """One of the engine's prefill modes through ``Engine.generate`` / ``Engine.score``."""
 
-    def __init__(self, name: str, mode: str, ratio: float | None = None, selection: str | None = None) -> None:
-        super().__init__(name)
+    def __init__(
+        self,
+        name: str,
+        mode: str,
+        ratio: float | str | None = None,
+        selection: str | None = None,
+        overrides: dict | None = None,
+    ) -> None:
+        super().__init__(name, overrides)
         self.mode, self.ratio, self.selection = mode, ratio, selection
         self.exact_prefix_writer = mode == "prefix"
         self.uses_store = mode != "full"
@@ -136,9 +140,15 @@ class EngineMethod(Method):
                 "finish_reason": g.finish_reason,
                 "prefix_tokens": s.prefix_tokens,
                 "recompute_ratio": s.recompute_ratio,
+                "auto": s.auto,
                 "completion_tokens": s.completion_tokens,
                 "conversation_tokens": getattr(s, "conversation_tokens", 0),
                 "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0),
+                # exact: an exact prefix or an exact chunk variant (tree); blended: chunk KV fused in place
+                "exact_tokens": s.exact_tokens,
+                "exact_chunks": sum(c.source in ("prefix", "tree") for c in s.chunks),
+                "blended_chunks": sum(c.source == "store" for c in s.chunks),
+                "blended_tokens": candidates,
             },
         )
 
@@ -242,34 +252,53 @@ def _no_arg(spec: MethodSpec) -> None:
         raise InvalidRequestError(f"method {spec.base!r} takes no @ argument (got {spec.name!r})")
 
 
+def _no_overrides(spec: MethodSpec, why: str) -> None:
+    if spec.overrides:
+        raise InvalidRequestError(f"method {spec.name!r}: {spec.base} takes no +FIELD=VALUE overrides ({why})")
+
+
 def _engine_mode(mode: str) -> Factory:
     def make(spec: MethodSpec) -> Method:
         _no_arg(spec)
-        return EngineMethod(spec.name, mode)
+        if mode == "full":
+            _no_overrides(spec, "it is the reference every method is paired with")
+        return EngineMethod(spec.name, mode, overrides=dict(spec.overrides))
 
     return make
 
 
-def _ratio_arg(spec: MethodSpec) -> float | None:
-    if spec.arg is not None and not 0.0 <= spec.arg <= 1.0:
+def _ratio_arg(spec: MethodSpec) -> float | str | None:
+    if spec.arg is None or spec.arg == "auto":  # auto: each request recomputes what it measures it needs
+        return spec.arg
+    try:
+        ratio = float(spec.arg)
+    except ValueError:
+        raise InvalidRequestError(f"method {spec.name!r}: {spec.arg!r} is not a number") from None
+    if not 0.0 <= ratio <= 1.0:
         raise InvalidRequestError(f"{spec.name}: the recompute ratio must be in [0, 1]")
-    return spec.arg
+    return ratio
 
 
 def _blend(selection: str | None) -> Factory:
     def make(spec: MethodSpec) -> Method:
-        return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection)
+        return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection, dict(spec.overrides))
 
     return make
 
 
+def _auto(spec: MethodSpec) -> Method:
+    _no_arg(spec)
+    return EngineMethod(spec.name, "blend", "auto", None, dict(spec.overrides))
+
+
 def _hf(spec: MethodSpec) -> Method:
     _no_arg(spec)
+    _no_overrides(spec, "it runs transformers' own forward")
     return HFForward(spec.name)
 
 
 def _conv(spec: MethodSpec) -> Method:
-    return ConversationMethod(spec.name, "blend", _ratio_arg(spec))
+    return ConversationMethod(spec.name, "blend", _ratio_arg(spec), overrides=dict(spec.overrides))
 
 
 register_method("hf", _hf, description="transformers' own forward on the same token ids (TTFT only)")
@@ -277,6 +306,12 @@ register_method("full", _engine_mode("full"), description="full prefill: the fid
 register_method("prefix", _engine_mode("prefix"), description="exact reuse of the longest cached prompt prefix")
 register_method("reuse", _engine_mode("reuse"), description="cached chunk KV as is (recompute ratio 0)")
 register_method("blend", _blend(None), description="fusion with the configured selection; blend@r sets the ratio")
+register_method(
+    "auto",
+    _auto,
+    description="fusion with recompute_ratio='auto' (each request recomputes what it measures it needs) and the "
+    "configured selection; probe@auto etc. name the selection",
+)
 register_method(
     "hkvd", _blend("hkvd"), description="fusion recomputing CacheBlend's HKVD tokens; hkvd@r sets the ratio"
 )
@@ -290,6 +325,11 @@ register_method(
     "recency", _blend("recency"), description="fusion recomputing the tokens nearest the question; recency@r"
 )
 register_method(
+    "epic",
+    _blend("epic"),
+    description="fusion recomputing the first tokens of every cached chunk (EPIC's LegoLink); epic@r",
+)
+register_method(
     "conv",
     _conv,
     description="blend within a conversation (kept KV of earlier turns, dedup); "
@@ -298,24 +338,15 @@ register_method(
 
 
 def parse_method(name: str) -> MethodSpec:
-    name = name.strip()
-    base, sep, arg = name.partition("@")
-    if base not in _REGISTRY:
-        raise InvalidRequestError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)} (and blend@RATIO)")
-    value = None
-    if sep:
-        try:
-            value = float(arg)
-        except ValueError:
-            raise InvalidRequestError(f"method {name!r}: {arg!r} is not a number") from None
-    return MethodSpec(name, base, value)
+    """One spec, ``base[@arg][+field=value]...`` (:mod:`kvrag.bench.specs`)."""
+    return parse_spec(name, _REGISTRY)
 
 
 def parse_methods(names: str | list[str]) -> list[Method]:
-    """``"hf,full,blend@0.3"`` -> runners, in order, duplicates refused; ``full`` is always included
-    (every ratio and fidelity metric is against it)."""
+    """``"hf,full,blend@0.3,probe@0.15+probe_layer=12"`` -> runners, in order, duplicates refused;
+    ``full`` is always included (every ratio and fidelity metric is against it)."""
     if isinstance(names, str):
-        names = [n for n in names.split(",") if n.strip()]
+        names = split_specs(names)
     specs = [parse_method(n) for n in names]
     seen = set()
     for s in specs:

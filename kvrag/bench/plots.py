@@ -111,6 +111,44 @@ def _hit_rate(plt, records: list[dict], summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _frontier(plt, summary: dict, workload: str, path: Path) -> bool:
+    """TTFT × full (paired median) against answer drift (mean), one point per method; for workload
+    (r) a hollow second point over the requests with many chunk hits. False: no drift to plot."""
+    methods = summary[workload]["methods"]
+    subset = summary[workload].get("retrieval", {})
+    points = [
+        (name, s["ttft_ratio_full"]["median"], s["answer_drift_full"])
+        for name, s in methods.items()
+        if name != "full" and s["ttft_ratio_full"] and s["ttft_ratio_full"]["median"] is not None
+        if s.get("answer_drift_full") is not None
+    ]
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot([1.0], [0.0], "k*", ms=10)
+    ax.annotate("full (reference)", (1.0, 0.0), textcoords="offset points", xytext=(-60, 8), fontsize=8)
+    for name, x, y in points:
+        (dot,) = ax.plot([x], [y], "o")
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        many = (subset.get(name) or {}).get("many_hits")
+        if many and many["n"] and many["ttft_ratio_full"]["median"] is not None:
+            if many["answer_drift_full"]["mean"] is not None:
+                mx, my = many["ttft_ratio_full"]["median"], many["answer_drift_full"]["mean"]
+                ax.plot([mx], [my], "o", mfc="none", color=dot.get_color())
+                ax.plot([x, mx], [y, my], ":", lw=1, color=dot.get_color())
+    ax.set_xlabel("TTFT × full prefill (paired median)")
+    ax.set_ylabel("answer drift vs full (nats/token, mean)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    note = "; hollow: requests with many chunk hits" if subset else ""
+    ax.set_title(f"Frontier: TTFT vs drift per method ({workload}{note})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_plots(out_dir: Path, records: list[dict], summary: dict) -> list[Path]:
     """Write the run's plots into ``out_dir``; returns the files written."""
     plt = _plt()
@@ -129,4 +167,8 @@ def write_plots(out_dir: Path, records: list[dict], summary: dict) -> list[Path]
         p = out_dir / "stream_hit_rate.png"
         _hit_rate(plt, records, summary, p)
         written.append(p)
+    for workload in summary:  # every workload whose methods were scored
+        p = out_dir / f"frontier_{workload.replace('/', '_')}.png"
+        if _frontier(plt, summary, workload, p):
+            written.append(p)
     return written

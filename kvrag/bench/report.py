@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvrag.bench.metrics import MixedRunsError, paired_ratios, summarize
+from kvrag.bench.report_retrieval import retrieval_summary, retrieval_table
 
 __all__ = [
     "run_metadata",
@@ -140,6 +141,11 @@ def _mean(values) -> float | None:
     return summarize(values)["mean"]
 
 
+def _one(values: set):
+    """The value all records agree on (a fixed ratio); None where they differ (``auto``: per request)."""
+    return next(iter(values)) if len(values) == 1 else None
+
+
 def _method_summary(records: list[dict], method: str) -> dict:
     rs = [r for r in records if r["method"] == method]
     ratios = paired_ratios(records, method, "full", "ttft_s") if method != "full" else []
@@ -169,7 +175,7 @@ def _method_summary(records: list[dict], method: str) -> dict:
         "compute_fraction": _mean(r.get("compute_fraction") for r in rs),
         "chunk_hit_rate": hits / chunks if chunks else None,
         "prompt_tokens": summarize(r.get("prompt_tokens") for r in rs),
-        "recompute_ratio": next((r["recompute_ratio"] for r in rs if r.get("recompute_ratio") is not None), None),
+        "recompute_ratio": _one({r.get("recompute_ratio") for r in rs} - {None}),
     }
 
 
@@ -273,6 +279,8 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
             }
         if wl == "conversations":
             out[wl]["turns"] = {m: _turns(rs, m) for m in methods}
+        if wl.startswith("retrieval/"):
+            out[wl]["retrieval"] = retrieval_summary(rs)
     return out
 
 
@@ -380,6 +388,8 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
         "questions": "(a) per question, chunks pre-warmed",
         "stream": "(b) Zipf stream, bounded store",
         "conversations": "(c) multi-turn conversations (append-only layout)",
+        "retrieval/corpus": "(r) retrieval corpus, the store warmed with the whole corpus",
+        "retrieval/writeback": "(r) retrieval corpus, the store filled by write-back (cold start)",
     }
     for wl in summary:
         md += [f"## {names.get(wl, wl)}", "", markdown_table(summary, wl), ""]
@@ -396,6 +406,8 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
             md += [windows_table(summary), ""]
         if wl == "conversations":
             md += [turns_table(summary), ""]
+        if wl.startswith("retrieval/"):
+            md += _retrieval_md(summary[wl]["retrieval"], extras.get(wl) or {})
     if meta.get("wall_s") is not None:
         cpu = meta.get("cpu_s")
         md.append(
@@ -406,6 +418,23 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
         )
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     return {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+
+
+def _retrieval_md(per_method: dict, facts: dict) -> list[str]:
+    md = []
+    if facts:
+        md += [
+            f"{facts['requests']} requests ({facts['questions']} questions, {facts['returns']} returns reworded, "
+            f"Zipf s={facts['zipf_s']}), top-{facts['top_k']} of {facts['pool_passages']} pooled passages "
+            f"({facts['pool_kv_bytes'] / 2**20:.0f} MiB of KV; {facts['retrieved_passages']} retrieved) by "
+            f"{facts['embedder']} embeddings; store {facts['store_mode']}"
+            + (f", warmed in {facts['corpus_order']} order" if facts.get("corpus_order") else "")
+            + ". Every method has its own engine and store.",
+            "",
+        ]
+    md += [retrieval_table(per_method, "all"), ""]
+    md += [retrieval_table(per_method, "many_hits", facts.get("min_hits"), facts.get("top_k")), ""]
+    return md
 
 
 def load_results(path: str | Path) -> dict:

@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrag.bench.corpus import CORPUS_ORDERS, EMBEDDERS
 from kvrag.bench.data import DEFAULT_ANSWER_HINT, DEFAULT_INSTRUCTIONS, DEFAULT_SYSTEM, PromptFormat, load_dataset
 from kvrag.bench.methods import parse_methods
 from kvrag.bench.report import aggregate, run_metadata, write_results
+from kvrag.bench.retrieval import STORE_MODES
 from kvrag.bench.workloads import ALIASES, WORKLOADS, RunContext
 from kvrag.errors import InvalidRequestError
 
@@ -40,11 +42,19 @@ class BenchOptions:
         max_new_tokens: answer length limit in workload (a).
         score: methods whose gold-answer log-likelihood is measured: ``auto`` (all but blend@1.0),
             ``all``, ``none`` or names.
-        workloads: comma-separated: ``a``/``questions``, ``b``/``stream``, ``c``/``conversations``.
+        workloads: comma-separated: ``a``/``questions``, ``b``/``stream``, ``c``/``conversations``,
+            ``r``/``retrieval``.
         stream_*: workload (b): requests, methods, answer length, budget (bytes, or a fraction of
             the pool's KV bytes), Zipf exponent.
         eviction_policy: the stream store's policy (any name the engine accepts).
         conv_*: workload (c): turns per conversation, passages per turn, methods, answer length.
+        retrieval_*: workload (r): methods, stream length (``None``: twice ``n``), answer length,
+            scored methods (as ``score``), the fewest chunk hits of the "many hits" figures
+            (``None``: two thirds of ``top_k``), the memory budget of each method's store (``None``:
+            the engine's). ``zipf`` is then the popularity of questions, ``top_k`` the passages retrieved.
+        store: workload (r)'s store modes, ``corpus`` and/or ``writeback``.
+        corpus_order: the order ``--store corpus`` warms the pool in: ``shuffled`` (seeded) or ``dataset``.
+        embedder: workload (r)'s retrieval embeddings: ``minilm`` (bundled) or ``lexical`` (hashed words).
         model: model for the engine (None: the bundled model); ``config``: EngineConfig overrides.
         out: output directory.
     """
@@ -74,6 +84,15 @@ class BenchOptions:
     conv_top_k: int = 2
     conv_methods: str = "full,blend,conv"
     conv_max_new_tokens: int = 24
+    retrieval_methods: str = "full,probe@0.15,hkvd@0.15,epic@0.15"
+    retrieval_requests: int | None = None
+    retrieval_max_new_tokens: int = 32
+    retrieval_score: str = "auto"
+    retrieval_min_hits: int | None = None
+    retrieval_budget_bytes: int | None = None
+    store: str = "corpus,writeback"
+    corpus_order: str = "shuffled"
+    embedder: str = "minilm"
     windows: int = 5
     model: str | None = None
     config: dict = field(default_factory=dict)
@@ -95,17 +114,49 @@ class BenchOptions:
             raise InvalidRequestError("--warm-others must be >= 1")
         if not 0 < self.stream_budget_frac <= 10:
             raise InvalidRequestError("--stream-budget-frac must be in (0, 10]")
-        if self.max_new_tokens < 1 or self.stream_max_new_tokens < 1:
+        if self.max_new_tokens < 1 or self.stream_max_new_tokens < 1 or self.retrieval_max_new_tokens < 1:
             raise InvalidRequestError("answer lengths must be >= 1 token")
+        if self.retrieval_requests is not None and self.retrieval_requests < 1:
+            raise InvalidRequestError("--retrieval-requests must be >= 1")
+        if self.retrieval_min_hits is not None and not 1 <= self.retrieval_min_hits <= self.top_k:
+            raise InvalidRequestError(f"--retrieval-min-hits must be in [1, --top-k={self.top_k}]")
+        bad = set(self.store_modes()) - set(STORE_MODES)
+        if bad or not self.store_modes():
+            raise InvalidRequestError(f"--store takes {' and/or '.join(STORE_MODES)}, got {self.store!r}")
+        if self.corpus_order not in CORPUS_ORDERS:
+            raise InvalidRequestError(f"--corpus-order must be one of {CORPUS_ORDERS}, got {self.corpus_order!r}")
+        if self.embedder not in EMBEDDERS:
+            raise InvalidRequestError(f"--embedder must be one of {EMBEDDERS}, got {self.embedder!r}")
+
+    def store_modes(self) -> list[str]:
+        return [m.strip() for m in self.store.split(",") if m.strip()]
 
     def workload_names(self) -> list[str]:
         names = []
         for w in (x.strip() for x in self.workloads.split(",") if x.strip()):
             name = ALIASES.get(w, w)
             if name not in WORKLOADS:
-                raise InvalidRequestError(f"unknown workload {w!r}; use a/questions, b/stream, c/conversations")
+                raise InvalidRequestError(
+                    f"unknown workload {w!r}; use a/questions, b/stream, c/conversations, r/retrieval"
+                )
             names.append(name)
         return names
+
+
+def _scored(spec: str, methods, flag: str) -> list[str]:
+    """The methods whose answer drift (and gold log-likelihood) a workload measures.
+
+    ``auto``: every answering method but blend at ratio 1.0, whose prefill is the full one by
+    construction (its identity to full is measured on the answers instead): saves a full prefill.
+    """
+    auto = [m.name for m in methods if m.answers and getattr(m, "ratio", None) != 1.0]
+    score = {"all": [m.name for m in methods], "none": [], "auto": auto}.get(spec.strip())
+    if score is None:
+        score = [s.strip() for s in spec.split(",") if s.strip()]
+        unknown = set(score) - {m.name for m in methods}
+        if unknown:
+            raise InvalidRequestError(f"{flag} names methods not being run: {', '.join(sorted(unknown))}")
+    return score
 
 
 def _progress_factory(enabled: bool) -> Callable | None:
@@ -140,15 +191,9 @@ def run_bench(
     methods = parse_methods(opts.methods)
     stream_methods = parse_methods(opts.stream_methods) if "stream" in names else None
     conv_methods = parse_methods(opts.conv_methods) if "conversations" in names else None
-    # auto: every answering method but blend at ratio 1.0, whose prefill is the full one by
-    # construction (its identity to full is measured on the answers instead): saves a full prefill.
-    auto = [m.name for m in methods if m.answers and getattr(m, "ratio", None) != 1.0]
-    score = {"all": [m.name for m in methods], "none": [], "auto": auto}.get(opts.score.strip())
-    if score is None:
-        score = [s.strip() for s in opts.score.split(",") if s.strip()]
-        unknown = set(score) - {m.name for m in methods}
-        if unknown:
-            raise InvalidRequestError(f"--score names methods not being run: {', '.join(sorted(unknown))}")
+    retrieval_methods = parse_methods(opts.retrieval_methods) if "retrieval" in names else None
+    score = _scored(opts.score, methods, "--score")
+    retrieval_score = _scored(opts.retrieval_score, retrieval_methods, "--retrieval-score") if retrieval_methods else []
     items = load_dataset(opts.dataset, opts.n)
     stream_items = items
     if opts.stream_questions:
@@ -163,6 +208,7 @@ def run_bench(
             engine_factory = lambda: Engine.from_pretrained(model, **overrides)  # noqa: E731
         engine = engine_factory()
     out_dir = Path(opts.out)
+    ctx = None
     try:
         run_id = uuid.uuid4().hex
         settings = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("progress", "plots")}
@@ -194,6 +240,15 @@ def run_bench(
             conv_top_k=opts.conv_top_k,
             conv_methods=conv_methods,
             conv_max_new_tokens=opts.conv_max_new_tokens,
+            retrieval_methods=retrieval_methods,
+            retrieval_requests=opts.retrieval_requests,
+            retrieval_max_new_tokens=opts.retrieval_max_new_tokens,
+            retrieval_score_methods=retrieval_score,
+            retrieval_min_hits=opts.retrieval_min_hits,
+            retrieval_budget_bytes=opts.retrieval_budget_bytes,
+            stores=opts.store_modes(),
+            corpus_order=opts.corpus_order,
+            embedder=opts.embedder,
         )
         ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress))
         paths: dict = {}
@@ -215,5 +270,7 @@ def run_bench(
         paths.update(write_results(out_dir, meta, ctx.records, summary, ctx.extras))
         return {"meta": meta, "summary": summary, "records": ctx.records, "extras": ctx.extras, "paths": paths}
     finally:
+        if ctx is not None:
+            ctx.close()
         if owned:
             engine.close()

@@ -10,7 +10,10 @@
     Each method that uses the store gets its own engine (same weights) and store, so one method's
     cache never serves another's requests.
 (c) ``conversations``: multi-turn conversations through the engine's conversation API
-    (:mod:`kvrag.bench.conversations`). New workloads register a runner in ``WORKLOADS``.
+    (:mod:`kvrag.bench.conversations`).
+(r) ``retrieval``: a retrieval corpus, questions asked in sequence and coming back reworded, each
+    method on a store of its own (:mod:`kvrag.bench.retrieval`). New workloads register a runner
+    in ``WORKLOADS``.
 
 Methods that write whole prompts into the exact-prefix cache (``prefix``) run last on a request:
 otherwise a later method would find the very same prompt cached and reuse it exactly. Timing
@@ -19,15 +22,14 @@ repeats of a question therefore use a fresh passage order each (see ``--repeat``
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvrag.bench.data import PromptFormat, QAItem, Request
+from kvrag.bench.engines import MethodEngines
 from kvrag.bench.methods import Method, Outcome
 from kvrag.bench.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
 from kvrag.engine.types import WarmResult
@@ -59,9 +61,21 @@ class RunContext:
     records: list[dict] = field(default_factory=list)
     extras: dict = field(default_factory=dict)  # per-workload facts (store budgets, pools, ...)
     progress: Callable | None = None  # tqdm-like factory: progress(iterable, desc=..., total=...)
+    method_engines: MethodEngines | None = None  # engines of methods with overrides (built on demand)
 
     def opt(self, name: str, default=None):
         return self.options.get(name, default)
+
+    def engine_for(self, method: Method):
+        """The engine ``method`` runs on where the methods share the run's store (workloads a, c)."""
+        if self.method_engines is None:
+            self.method_engines = MethodEngines(self.engine)
+        return self.method_engines.shared(method)
+
+    def close(self) -> None:
+        """Release the engines built for methods (not the run's engine)."""
+        if self.method_engines is not None:
+            self.method_engines.close()
 
 
 def ordered(methods: list[Method]) -> list[Method]:
@@ -172,8 +186,9 @@ def _warmup(ctx: RunContext) -> None:
     req = ctx.fmt.request(item, [0], workload="warmup", request=-1)
     ctx.engine.warm(req.chunks)
     for m in ordered(ctx.methods):
-        m.run(ctx.engine, req, max_new_tokens=2)
-        ctx.engine.flush()
+        engine = ctx.engine_for(m)
+        m.run(engine, req, max_new_tokens=2)
+        engine.flush()
 
 
 def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
@@ -213,14 +228,15 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         scores: dict[str, float | None] = {}
         drifts: dict[str, list[float] | None] = {}
         for m in methods:
-            outcomes[m.name] = m.run(engine, req, max_new_tokens=max_new)
-            engine.flush()  # write-back off the clock, before the next method is timed
+            eng = ctx.engine_for(m)
+            outcomes[m.name] = m.run(eng, req, max_new_tokens=max_new)
+            eng.flush()  # write-back off the clock, before the next method is timed
             if m.answers and m.name in score_set:
-                scores[m.name] = m.score(engine, req, req.answers[0])
+                scores[m.name] = m.score(eng, req, req.answers[0])
                 full_answer = outcomes["full"].text  # full runs first (see ordered)
                 if full_answer and full_answer.strip():
-                    drifts[m.name] = m.score_tokens(engine, req, full_answer)
-                engine.flush()
+                    drifts[m.name] = m.score_tokens(eng, req, full_answer)
+                eng.flush()
         ref = outcomes["full"]
         for m in methods:
             rec = make_record(ctx.run_id, req, m, outcomes[m.name], ref)
@@ -300,8 +316,6 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     ``--eviction-policy lru,pgdsf`` runs every store-using method once per policy, side by side on
     the same requests (rows filed as ``blend/lru``, ``blend/pgdsf``), each with its own store.
     """
-    from kvrag import Engine
-
     base = ctx.engine
     methods = ordered(ctx.opt("stream_methods") or ctx.methods)
     if not any(m.name == "full" for m in methods):
@@ -317,21 +331,10 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     overrides = dict(memory_budget_bytes=int(budget))
     if base.config.disk_tier:  # bounded too: as many bytes as memory (at fp16 rest: twice the tokens)
         overrides["disk_budget_bytes"] = int(ctx.opt("stream_disk_budget_bytes") or budget)
-    runners: list[tuple[str, Method, object]] = []  # (row name, method, engine) in run order
-    engines = {}
-    scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-") if base.config.disk_tier else None
+    engines = MethodEngines(base)
     try:
-        for m in methods:
-            if not m.uses_store:
-                runners.append((m.name, m, base))
-                continue
-            for policy in policies:
-                name = m.name if len(policies) == 1 else f"{m.name}/{policy}"
-                own = dict(overrides, eviction_policy=policy)
-                if scratch is not None:  # a disk tier of its own: methods never share cache entries
-                    own["cache_dir"] = os.path.join(scratch.name, name.replace("/", "-"))
-                engines[name] = Engine.from_model(base.hf_model, base.tokenizer, config=base.config.replace(**own))
-                runners.append((name, m, engines[name]))
+        runners = engines.runners(methods, {p: dict(overrides, eviction_policy=p) for p in policies})
+        owned = engines.owned
         ctx.extras["stream"] = {
             "requests": n_req,
             "pool_passages": len(pool["pool"]),
@@ -341,7 +344,7 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             "kv_bytes_per_token": per_token,
             "zipf_s": ctx.opt("zipf", 1.0),
             "store": dict(overrides, eviction_policy=",".join(policies), disk_tier=bool(base.config.disk_tier)),
-            "store_types": {k: type(e.store).__name__ for k, e in engines.items()},
+            "store_types": {k: type(e.store).__name__ for k, e in owned.items()},
         }
         out: list[dict] = []
         bar = ctx.progress(range(n_req), desc="(b) stream", total=n_req) if ctx.progress else range(n_req)
@@ -365,7 +368,7 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                 eng.flush()
             for name, m, eng in runners:
                 rec = make_record(ctx.run_id, req, m, outcomes[name], outcomes["full"], name=name)
-                if name in engines:
+                if name in owned:
                     rec.update(store_usage(eng.store.stats()))
                 out.append(rec)
             if hasattr(bar, "set_postfix_str"):
@@ -373,10 +376,7 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         ctx.records.extend(out)
         return out
     finally:
-        for e in engines.values():
-            e.close()
-        if scratch is not None:
-            scratch.cleanup()
+        engines.close()
 
 
 def store_usage(stats: dict) -> dict:
@@ -404,10 +404,18 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     return run(ctx, items)
 
 
-#: Workload name -> runner(ctx, items). Aliases a/b/c follow the issue's lettering.
+def run_retrieval(ctx: RunContext, items: list[QAItem]) -> list[dict]:
+    """Workload (r): a retrieval corpus and questions that come back reworded (see :mod:`kvrag.bench.retrieval`)."""
+    from kvrag.bench.retrieval import run_retrieval as run
+
+    return run(ctx, items)
+
+
+#: Workload name -> runner(ctx, items). Aliases a/b/c/r follow the issues' lettering.
 WORKLOADS: dict[str, Callable[[RunContext, list[QAItem]], list[dict]]] = {
     "questions": run_questions,
     "stream": run_stream,
     "conversations": run_conversations,
+    "retrieval": run_retrieval,
 }
-ALIASES = {"a": "questions", "b": "stream", "c": "conversations"}
+ALIASES = {"a": "questions", "b": "stream", "c": "conversations", "r": "retrieval"}

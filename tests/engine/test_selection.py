@@ -1,4 +1,4 @@
-"""Which cached tokens blend recomputes: the probe selection's chunk budgets, on the tiny Llama."""
+"""Which cached tokens blend recomputes: the probe's and EPIC's budgets, on the tiny Llama."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import kvrag.engine.selection.probe as probe_module
 from kvrag import InvalidRequestError
 from kvrag.config import EngineConfig
-from kvrag.engine.selection import probe_blocks, probe_sample
-from tests.helpers import PREFIX, SUFFIX, make_docs
+from kvrag.engine.selection import epic_shares, epic_tokens, probe_blocks, probe_sample
+from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs
 
 
 def test_probe_blocks_spend_the_budget_on_whole_blocks_by_deviation():
@@ -124,3 +124,49 @@ def test_craft_recomputes_the_chunks_blocks_its_statistics_rank_first(tiny_engin
     cached = sum(c.tokens for c in g.stats.chunks if c.source == "store")
     assert g.stats.recomputed_tokens == math.ceil(0.3 * cached)
     assert all(c.fix is not None and 0 < c.fix <= 1 for c in g.stats.chunks)
+
+
+def test_epic_splits_the_budget_evenly_over_the_chunks_first_tokens():
+    spans = [(0, 40), (40, 60), (60, 64)]  # 64 cached tokens; budget ceil(0.5 * 64) = 32
+    # the 4-token chunk gives all it has (4 of its share of 11); 28 left for two: 14 each
+    assert epic_shares([40, 20, 4], 32) == [14, 14, 4]
+    chosen = epic_tokens(spans, 70, 0.5)
+    assert chosen.nonzero().squeeze(1).tolist() == list(range(0, 14)) + list(range(40, 54)) + list(range(60, 64))
+    # ceil(0.15 * 64) = 10 over three chunks: 4, 3, 3 (the shortest gets the odd token)
+    assert epic_shares([40, 20, 4], 10) == [3, 3, 4]
+    assert int(epic_tokens(spans, 70, 0.15).sum()) == 10
+    assert epic_tokens(spans, 70, 1.0)[:64].all() and not epic_tokens(spans, 70, 1.0)[64:].any()
+    assert epic_shares([5, 5], 100) == [5, 5] and epic_shares([], 3) == []
+
+
+def test_epic_recomputes_each_cached_chunks_first_tokens(tiny_engine):
+    chunks = make_docs(4, seed=5)
+    tiny_engine.warm(chunks)
+    order = [chunks[i] for i in (1, 3, 0, 2)]
+    g = tiny_engine.generate(order, PREFIX, SUFFIX, selection="epic", recompute_ratio=0.2, max_new_tokens=1)
+    spans = [(c.start, c.start + c.tokens) for c in g.stats.chunks]
+    assert all(c.source == "store" for c in g.stats.chunks)
+    cached = sum(b - a for a, b in spans)
+    assert g.stats.recomputed_tokens == math.ceil(0.2 * cached)
+    # one pass: the uncached rows and each chunk's first tokens through every layer, nothing else
+    uncached = g.stats.prompt_tokens - g.stats.cached_tokens
+    layers = tiny_engine.adapter.n_layers
+    assert (
+        round(g.stats.compute_fraction * g.stats.prompt_tokens * layers)
+        == (uncached + math.ceil(0.2 * cached)) * layers
+    )
+
+
+def test_epic_at_ratio_one_and_with_every_token_budgeted_is_the_full_prefill(tiny_engine, docs):
+    tiny_engine.warm(docs)
+    full = tiny_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=8)
+    one = tiny_engine.generate(docs, PREFIX, SUFFIX, selection="epic", recompute_ratio=1.0, max_new_tokens=8)
+    assert one.token_ids == full.token_ids
+    assert torch.equal(last_logits(tiny_engine, docs, "blend", 1.0, "epic"), last_logits(tiny_engine, docs, "full"))
+    # a ratio just under 1.0 still budgets every cached token: epic's own pass recomputes them all
+    nearly = tiny_engine.generate(docs, PREFIX, SUFFIX, selection="epic", recompute_ratio=0.9999, max_new_tokens=8)
+    assert nearly.stats.recomputed_tokens == nearly.stats.cached_tokens - nearly.stats.prefix_tokens > 0
+    assert nearly.token_ids == full.token_ids
+    torch.testing.assert_close(
+        last_logits(tiny_engine, docs, "blend", 0.9999, "epic"), last_logits(tiny_engine, docs, "full")
+    )

@@ -7,12 +7,14 @@
   then the probe's most deviated blocks.
 - ``craft`` (:mod:`.craft`): Cache-Craft's per-chunk budget from the fix overhead, tokens ranked
   by the attention statistics stored with the variant.
+- ``epic`` (:mod:`.epic`): the first tokens of every cached chunk (EPIC's LegoLink).
 
 A strategy is a function of a :class:`BlendPass` registered under its name
 (:func:`register_selection`); ``fusion.prefill`` looks it up with :func:`get_selection`.
 """
 
 from kvrag.engine.selection import craft as _craft  # noqa: F401  (registers "craft")
+from kvrag.engine.selection import epic as _epic  # noqa: F401  (registers "epic")
 from kvrag.engine.selection import focus as _focus  # noqa: F401  (registers "focus")
 from kvrag.engine.selection import hkvd as _hkvd  # noqa: F401  (registers "hkvd")
 from kvrag.engine.selection import probe as _probe  # noqa: F401  (registers "probe")
@@ -25,6 +27,7 @@ from kvrag.engine.selection.base import (
     register_selection,
     registered_selections,
 )
+from kvrag.engine.selection.epic import epic_shares, epic_tokens
 from kvrag.engine.selection.hkvd import HKVDSelector, keep_schedule
 from kvrag.engine.selection.probe import BlockProbe, probe_blocks, probe_sample
 from kvrag.engine.selection.recency import recency_window
@@ -42,4 +45,6 @@ __all__ = [
     "probe_sample",
     "probe_blocks",
     "recency_window",
+    "epic_shares",
+    "epic_tokens",
 ]

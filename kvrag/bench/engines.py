@@ -1,0 +1,113 @@
+"""The engines a run's methods run on: the run's own engine, or one built for a method (same weights).
+
+- :meth:`MethodEngines.shared`: workloads whose methods share one store (a, c). A method without
+  overrides runs on the run's engine; one with ``+field=value`` overrides gets an engine of its
+  own built with them over the run's engine's store (what was warmed there is found), so store
+  settings cannot be overridden there.
+- :meth:`MethodEngines.own`: workloads where each method keeps its own store (b, r): an engine
+  per method, with the workload's store settings and the method's overrides; with a disk tier,
+  each in a scratch directory of its own, so methods never share cache entries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from kvrag.bench.methods import Method
+from kvrag.bench.specs import STORE_FIELDS
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["MethodEngines"]
+
+
+class MethodEngines:
+    """Builds (and at :meth:`close` releases) the engines of a run's methods.
+
+    Args:
+        base: the run's engine; every engine built here shares its weights and tokenizer.
+    """
+
+    def __init__(self, base) -> None:
+        self.base = base
+        self._own: dict[str, object] = {}
+        self._shared: dict[str, object] = {}
+        self._scratch: tempfile.TemporaryDirectory | None = None
+
+    def _build(self, config, store=None):
+        from kvrag import Engine
+
+        return Engine.from_model(self.base.hf_model, self.base.tokenizer, config=config, store=store)
+
+    def shared(self, method: Method):
+        """The engine ``method`` runs on over the run's store (the run's engine without overrides)."""
+        if not method.overrides:
+            return self.base
+        store_fields = sorted(STORE_FIELDS & method.overrides.keys())
+        if store_fields:
+            raise InvalidRequestError(
+                f"method {method.name!r} overrides {', '.join(store_fields)}, a setting of the store, which "
+                "its methods share in this workload; store settings per method need workloads b or r"
+            )
+        if method.name not in self._shared:
+            config = self.base.config.replace(**method.overrides)
+            self._shared[method.name] = self._build(config, store=self.base.store)
+        return self._shared[method.name]
+
+    def own(self, name: str, method: Method, **store_settings):
+        """A new engine with a store of its own for the rows filed as ``name``.
+
+        ``store_settings`` (budgets, policy) come first; the method's overrides go over them.
+        """
+        if name in self._own:
+            raise InvalidRequestError(f"two engines for {name!r}")
+        settings = dict(store_settings, **method.overrides)
+        if settings.get("disk_tier", self.base.config.disk_tier):
+            if self._scratch is None:
+                self._scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
+            slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+            settings["cache_dir"] = os.path.join(self._scratch.name, f"{len(self._own)}-{slug}")
+        self._own[name] = self._build(self.base.config.replace(**settings))
+        return self._own[name]
+
+    def runners(self, methods: list[Method], settings: dict[str, dict]) -> list[tuple[str, Method, object]]:
+        """``(row name, method, engine)`` per method, in order, for workloads of stores of their own.
+
+        A method that uses no store runs on the run's engine. Every other one gets an engine per
+        entry of ``settings`` (store settings by label), filed as ``method/label`` when there are
+        several entries (``blend/lru``, ``blend/pgdsf``), else as the method.
+        """
+        out: list[tuple[str, Method, object]] = []
+        for m in methods:
+            if not m.uses_store:
+                out.append((m.name, m, self.base))
+                continue
+            for label, store in settings.items():
+                name = m.name if len(settings) == 1 else f"{m.name}/{label}"
+                out.append((name, m, self.own(name, m, **store)))
+        return out
+
+    @property
+    def owned(self) -> dict[str, object]:
+        """Row name -> engine with a store of its own, in the order built."""
+        return dict(self._own)
+
+    def close(self) -> None:
+        """Close the engines with stores of their own; the others only finish their write-back
+        (their store is the run's engine's, closed by its owner)."""
+        for engine in self._own.values():
+            engine.close()
+        for engine in self._shared.values():
+            engine.flush()
+        self._own.clear()
+        self._shared.clear()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def __enter__(self) -> MethodEngines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

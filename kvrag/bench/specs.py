@@ -1,0 +1,96 @@
+"""Method specs: ``base[@arg][+field=value]...``, parsed and checked before anything runs.
+
+- ``base``: a registered method (``full``, ``probe``, ``hkvd``, ``epic``, ``blend``, ...).
+- ``@arg``: the method's argument; for the blend methods the recompute ratio (``probe@0.15``).
+- ``+field=value``: an :class:`~kvrag.EngineConfig` override for this method alone, for ablations
+  (``probe@0.15+probe_layer=12``, ``epic@0.15+chunk_context=sink``). Values are JSON where they
+  parse (``12``, ``0.5``, ``true``, ``[2.0,1.5]``), else plain strings (``sink``). A method with
+  overrides runs on an engine of its own built with them (same weights).
+
+A comma separates methods in a list; commas inside brackets belong to a value
+(``full,hkvd@0.15+filter_schedule=[3.0,2.0]``). The name a method's results are filed under is
+its spec as written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["MethodSpec", "parse_spec", "split_specs", "config_overrides", "FIXED_FIELDS", "STORE_FIELDS"]
+
+#: Fields no method may override: every method of a run runs the same weights on the same device.
+FIXED_FIELDS = frozenset({"model", "dtype", "device", "cache_dir", "num_threads"})
+#: Fields of the store itself: an override of one needs a store of the method's own.
+STORE_FIELDS = frozenset(
+    {"memory_budget_bytes", "disk_tier", "disk_budget_bytes", "disk_dtype", "eviction_policy", "prefetch"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MethodSpec:
+    """A parsed method name.
+
+    Attributes:
+        name: the spec as written (results are filed under it).
+        base: the registered method.
+        arg: the text after ``@`` (each method parses its own), or None.
+        overrides: ``(field, value)`` pairs of EngineConfig overrides, in the order given.
+    """
+
+    name: str
+    base: str
+    arg: str | None = None
+    overrides: tuple[tuple[str, object], ...] = ()
+
+
+def config_overrides(pairs: list[str], *, what: str = "--config") -> dict:
+    """``["field=value", ...]`` -> ``{field: value}`` (:func:`kvrag.config.parse_overrides`), with the
+    values checked by building an :class:`~kvrag.EngineConfig` from them.
+
+    Raises:
+        InvalidRequestError: a pair without ``=``, a field EngineConfig does not have, or a value
+            it rejects (named, with ``what`` saying where it was written).
+    """
+    from kvrag.config import EngineConfig, parse_overrides
+
+    try:
+        out = parse_overrides(pair.strip() for pair in pairs)
+        EngineConfig().replace(**out)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{what}: {exc}") from None
+    return out
+
+
+def parse_spec(text: str, known: set[str] | dict) -> MethodSpec:
+    """One method spec (see the module docstring); ``known`` are the registered base names."""
+    name = text.strip()
+    head, *pairs = name.split("+")
+    base, sep, arg = head.strip().partition("@")
+    if base not in known:
+        raise InvalidRequestError(
+            f"unknown method {name!r}; known: {', '.join(known)} (as NAME, NAME@RATIO, NAME@RATIO+FIELD=VALUE)"
+        )
+    if sep and not arg.strip():
+        raise InvalidRequestError(f"method {name!r}: nothing after '@'")
+    overrides = config_overrides(pairs, what=f"method {name!r}") if pairs else {}
+    fixed = sorted(FIXED_FIELDS & overrides.keys())
+    if fixed:
+        raise InvalidRequestError(
+            f"method {name!r}: {', '.join(fixed)} cannot differ between methods (same weights, same device); "
+            "set it for the whole run with --config"
+        )
+    return MethodSpec(name, base, arg.strip() if sep else None, tuple(overrides.items()))
+
+
+def split_specs(text: str) -> list[str]:
+    """A comma-separated list of specs; commas inside ``[...]`` stay in their value."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return [s.strip() for s in out if s.strip()]
