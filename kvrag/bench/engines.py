@@ -1,9 +1,9 @@
 """The engines a run's methods run on: the run's own engine, or one built for a method (same weights).
 
-- :meth:`MethodEngines.shared`: workloads whose methods share one store (a, c). A method without
-  overrides runs on the run's engine; one with ``+field=value`` overrides gets an engine of its
-  own built with them over the run's engine's store (what was warmed there is found), so store
-  settings cannot be overridden there.
+- :meth:`MethodEngines.shared`: workloads whose methods share one store (a, c). Each method gets
+  an engine of its own (with its ``+field=value`` overrides) over the run's engine's store: what
+  was warmed there is found, what a method keeps from a request is its own; store settings
+  cannot be overridden there.
 - :meth:`MethodEngines.own`: workloads where each method keeps its own store (b, r): an engine
   per method, with the workload's store settings and the method's overrides; with a disk tier,
   each in a scratch directory of its own, so methods never share cache entries.
@@ -41,9 +41,13 @@ class MethodEngines:
         return Engine.from_model(self.base.hf_model, self.base.tokenizer, config=config, store=store)
 
     def shared(self, method: Method):
-        """The engine ``method`` runs on over the run's store (the run's engine without overrides)."""
-        if not method.overrides:
-            return self.base
+        """The engine ``method`` runs on over the run's store, built with the method's overrides.
+
+        Every method gets an engine of its own (over the same store, so what was warmed there is
+        found): its variant index and exact-prefix cache are its own, so what one method keeps
+        from a request (the variants of chunks it recomputed whole, its prompt's prefix) never
+        serves another method's run of the same request.
+        """
         store_fields = sorted(STORE_FIELDS & method.overrides.keys())
         if store_fields:
             raise InvalidRequestError(

@@ -330,6 +330,17 @@ register_method(
     description="fusion recomputing the first tokens of every cached chunk (EPIC's LegoLink); epic@r",
 )
 register_method(
+    "focus",
+    _blend("focus"),
+    description="fusion recomputing whole the chunks the question attends to (Cache-Craft's focused chunks), "
+    "then the probe's blocks; focus@r",
+)
+register_method(
+    "craft",
+    _blend("craft"),
+    description="fusion recomputing each chunk's share by Cache-Craft's fix overhead (CFO); craft@r",
+)
+register_method(
     "conv",
     _conv,
     description="blend within a conversation (kept KV of earlier turns, dedup); "

@@ -61,7 +61,7 @@ class RunContext:
     records: list[dict] = field(default_factory=list)
     extras: dict = field(default_factory=dict)  # per-workload facts (store budgets, pools, ...)
     progress: Callable | None = None  # tqdm-like factory: progress(iterable, desc=..., total=...)
-    method_engines: MethodEngines | None = None  # engines of methods with overrides (built on demand)
+    method_engines: MethodEngines | None = None  # an engine per method over the run's store (built on demand)
 
     def opt(self, name: str, default=None):
         return self.options.get(name, default)
