@@ -38,7 +38,10 @@ class MethodEngines:
     def _build(self, config, store=None):
         from kvrag import Engine
 
-        return Engine.from_model(self.base.hf_model, self.base.tokenizer, config=config, store=store)
+        base = self.base  # same weights, same fingerprint: the same chunk keys as the run's engine
+        return Engine(
+            base.hf_model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
+        )
 
     def shared(self, method: Method):
         """The engine ``method`` runs on over the run's store, built with the method's overrides.

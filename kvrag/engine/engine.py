@@ -70,6 +70,7 @@ class Engine:
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
+        self.weights_digest = weights_digest
         self.adapter = ModelAdapter(hf_model)
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, config.dtype)
         self.store: KVStore = store if store is not None else build_store(config)
