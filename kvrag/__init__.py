@@ -18,6 +18,7 @@ from kvrag.errors import (
     InvalidRequestError,
     KvragError,
     ModelNotFoundError,
+    OverloadedError,
     StoreError,
     UnsupportedModelError,
 )
@@ -43,5 +44,6 @@ __all__ = [
     "UnsupportedModelError",
     "ModelNotFoundError",
     "StoreError",
+    "OverloadedError",
     "__version__",
 ]

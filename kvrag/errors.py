@@ -9,6 +9,7 @@ __all__ = [
     "UnsupportedModelError",
     "ModelNotFoundError",
     "StoreError",
+    "OverloadedError",
 ]
 
 
@@ -49,3 +50,11 @@ class ModelNotFoundError(KvragError, FileNotFoundError):
 
 class StoreError(KvragError):
     """The KV store cannot be used at all (bad directory, closed store)."""
+
+
+class OverloadedError(KvragError):
+    """The engine's queue is full (``EngineConfig.max_queued`` / ``max_queued_tokens``): try again later.
+
+    Raised when a request is submitted, before any work is done for it; nothing is kept. A server
+    answers it with HTTP 503 (or 429) and a retry hint.
+    """
