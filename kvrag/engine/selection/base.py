@@ -43,6 +43,7 @@ class BlendPass:
         captures: KV captures the prefill must feed (prefix cache, missed chunks).
         trace: rows computed per layer.
         options: the prefill's options (selection parameters).
+        pause: the engine thread's pause hook, passed to every pass (see :func:`~kvrag.engine.runner.forward`).
     """
 
     adapter: ModelAdapter
@@ -57,6 +58,7 @@ class BlendPass:
     captures: list[KVCapture]
     trace: Trace
     options: PrefillOptions
+    pause: Callable[[], None] | None = None
 
     @property
     def uncached(self) -> torch.Tensor:
@@ -92,6 +94,7 @@ class BlendPass:
             hidden=hidden,
             layers=layers,
             last_row_only=last_row_only,
+            pause=self.pause,
         )
 
 
