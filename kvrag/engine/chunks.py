@@ -122,9 +122,9 @@ class ChunkComputer:
         """Longest chunk that fits the context window behind its context."""
         return window - len(self.sink_ids) - self.context_tokens - 1
 
-    def compute(self, ids: list[int], before: Sequence[list[int]] | None = None) -> KVRecord:
-        """KV record of a chunk computed behind its context (call under the engine's lock)."""
-        return self.compute_window([ids], before)[0]
+    def compute(self, ids: list[int], before: Sequence[list[int]] | None = None, *, pause=None) -> KVRecord:
+        """KV record of a chunk computed behind its context (on the engine thread)."""
+        return self.compute_window([ids], before, pause=pause)[0]
 
     def windows(self, docs: Sequence[list[int]], max_tokens: int = MAX_STREAM_TOKENS) -> list[list[int]]:
         """Indices of ``docs`` computed together: consecutive runs of at most ``max_tokens`` tokens
@@ -144,9 +144,12 @@ class ChunkComputer:
                 total = head + len(ids)
         return out
 
-    def compute_window(self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None) -> list[KVRecord]:
+    def compute_window(
+        self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None, *, pause=None
+    ) -> list[KVRecord]:
         """KV records of chunks computed in one pass, each behind the ones before it in ``docs``, the
-        first behind :meth:`context_ids` of ``before``; call under the engine's lock."""
+        first behind :meth:`context_ids` of ``before``; on the engine thread, ``pause`` its hook
+        between slices of the pass."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
         ids = self.context_ids(before, exclude=docs)
@@ -157,7 +160,7 @@ class ChunkComputer:
             pos += len(doc)
         buf = KVBuffer(self.adapter, pos)
         ids_t = torch.tensor(ids, dtype=torch.long)
-        forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, last_row_only=True)  # output unused
+        forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, last_row_only=True, pause=pause)
         for doc in docs:
             self._remember(doc)
         label = self.label
@@ -172,14 +175,21 @@ class ChunkComputer:
 
 
 def warm_list(
-    computer: ChunkComputer, store: KVStore, docs: list[list[int]], keys: list[StoreKey], *, lock, window_tokens: int
+    computer: ChunkComputer,
+    store: KVStore,
+    docs: list[list[int]],
+    keys: list[StoreKey],
+    *,
+    run: Callable[[Callable, int], list[KVRecord]],
+    window_tokens: int,
 ) -> int:
     """Compute and store the KV of the chunks of a list that are not cached; returns how many.
 
     The list is cut into windows of at most ``window_tokens`` (cached chunks included: what was
     cached never moves the others); a window with a missing chunk is computed as one stream behind
     the list's other documents, taken round the list and ending just before the window (never a
-    copy of a member). Each window's pass runs under ``lock``.
+    copy of a member). Each window's pass is one job for the engine thread: ``run(job, tokens)``
+    calls ``job(pause)`` there and returns its records.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
     for i, key in enumerate(keys):
@@ -196,8 +206,11 @@ def warm_list(
             first, inside = members[0], {keys[i] for i in members}
             ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
             before = [docs[j] for j in ring if keys[j] not in inside]
-            with lock:
-                records = computer.compute_window([docs[i] for i in members], before)
+            window = [docs[i] for i in members]
+            records = run(
+                lambda pause, window=window, before=before: computer.compute_window(window, before, pause=pause),
+                sum(map(len, window)),
+            )
             for i, record in zip(members, records):
                 if i in missing:
                     store.put(keys[i], record)

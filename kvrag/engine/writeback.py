@@ -2,8 +2,9 @@
 
 Two kinds of entries: exact-prefix blocks (the system prompt and instructions every request
 repeats) and the KV of chunks a request missed — taken from the request's own prefill when the
-chunk context is ``neighbor`` (captured in place, no extra compute), computed alone otherwise.
-Jobs run in one daemon thread, in order; a failed job costs only a future hit.
+chunk context is ``neighbor`` (captured in place, no extra compute), computed alone otherwise
+(that computation runs on the engine thread, queued like other work). Jobs run in one daemon
+thread, in order; a failed job costs only a future hit.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kvrag.engine.chunks import ChunkComputer
 from kvrag.engine.planner import Plan, Planner
@@ -77,11 +79,14 @@ class WriteBack:
     Args:
         config: the engine's config (``write_back``: keep the KV of missed chunks; chunks shorter than
             ``chunk_min_tokens`` are not kept).
-        lock: the engine's lock (taken when a chunk has to be computed afresh).
+        run: ``run(job, tokens)`` calls ``job(pause)`` on the engine thread and returns its result
+            (for a chunk that has to be computed afresh).
     """
 
-    def __init__(self, config, store: KVStore, planner: Planner, computer: ChunkComputer, lock) -> None:
-        self.config, self.store, self.planner, self.computer, self._lock = config, store, planner, computer, lock
+    def __init__(
+        self, config, store: KVStore, planner: Planner, computer: ChunkComputer, *, run: Callable[[Callable, int], Any]
+    ) -> None:
+        self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
         self._writer = BackgroundWriter()
         self._pending: set = set()
 
@@ -121,8 +126,7 @@ class WriteBack:
             if capture is not None:
                 record = self.computer.record_from_capture(ids, capture)
             else:
-                with self._lock:
-                    record = self.computer.compute(ids)
+                record = self._run(lambda pause: self.computer.compute(ids, pause=pause), len(ids))
             if not self.store.contains(key):
                 self.store.put(key, record)
         finally:
