@@ -8,6 +8,7 @@ kvrag bench methods                        # the registered method names
 kvrag bench store-sim --dataset QA.json --out DIR  # the store's steady state under a Zipf stream, LRU vs PGDSF
 kvrag bench registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
 kvrag bench kernels                        # Triton kernels against their references (needs a CUDA GPU)
+kvrag bench serving                        # batched decode, gaps during a long prefill, sync vs async TTFT
 """
 
 from __future__ import annotations
@@ -261,6 +262,12 @@ def _kernels(argv: list[str]) -> int:
     return kernels_main(argv)
 
 
+def _serving(argv: list[str]) -> int:
+    from kvrag.bench.serving import main as serving_main
+
+    return serving_main(argv)
+
+
 COMMANDS = {
     "compare": _compare,
     "merge": _merge,
@@ -269,6 +276,7 @@ COMMANDS = {
     "store-sim": _store_sim,
     "registry": _registry,
     "kernels": _kernels,
+    "serving": _serving,
 }
 
 
