@@ -117,6 +117,7 @@ def remote_server(tmp_path):
     srv.stop()
 
 
+@pytest.fixture
 def serve_tiny(tiny_model, tiny_tokenizer):
     """Start ``kvrag serve``'s app over a fresh tiny engine on a free loopback port (uvicorn in a thread).
 

@@ -34,9 +34,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
 import kvrag
-import kvrag.errors
 from kvrag.engine import Engine
-from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError
+from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError, OverloadedError
 from kvrag.integrations._shared import EngineCall, open_in_thread
 from kvrag.server.metrics import CONTENT_TYPE_LATEST, Metrics, RequestTrack
 from kvrag.server.protocol import (
@@ -242,8 +241,7 @@ class _Server:
 
     def _error(self, exc: Exception) -> tuple[int, dict[str, Any]]:
         """An exception as (HTTP status, OpenAI error body)."""
-        overloaded = getattr(kvrag.errors, "OverloadedError", None)  # the scheduler's, where it exists
-        if overloaded is not None and isinstance(exc, overloaded):
+        if isinstance(exc, OverloadedError):  # the engine's queue is full: come back later
             return 503, error_body(str(exc), type="server_error", code="overloaded")
         if isinstance(exc, AuthenticationError):
             return 401, error_body(str(exc), type="invalid_request_error", code="invalid_api_key")

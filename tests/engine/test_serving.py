@@ -13,8 +13,7 @@ import kvrag.engine.engine as engine_module
 from kvrag import Engine, OverloadedError
 from kvrag.engine.batch import DecodeRow, decode_step
 from kvrag.engine.runner import KVBuffer, forward
-from kvrag.engine.scheduler import Ticket
-from tests.helpers import PREFIX, SUFFIX, make_docs, prompt_ids
+from tests.helpers import PREFIX, SUFFIX, hold_engine_thread, make_docs, prompt_ids
 
 
 @pytest.fixture
@@ -50,19 +49,6 @@ def token_ids(stream) -> list[int]:
     for _ in stream:
         pass
     return stream.generation.token_ids
-
-
-def hold_engine_thread(engine: Engine) -> threading.Event:
-    """Occupy the engine thread with a job that waits for the event returned (set it to go on)."""
-    gate, started = threading.Event(), threading.Event()
-
-    def job(pause):
-        started.set()
-        gate.wait()
-
-    threading.Thread(target=engine._worker.call, args=(Ticket(tokens=1, bounded=False), job), daemon=True).start()
-    started.wait()
-    return gate
 
 
 REQUESTS = [  # (chunks, request arguments)
@@ -108,20 +94,29 @@ def rows_of(engine, prompts, tokens):
     return out
 
 
-def test_a_batched_decode_step_equals_each_row_decoded_alone(tiny_engine):
+def check_batched_step(engine, lengths) -> None:
+    """A batched decode step gives each row what it gives the row alone, and the model's own next-token logits."""
     torch.manual_seed(0)
-    prompts = [torch.randint(5, 500, (n,)) for n in (37, 80, 5, 121, 64, 9, 33, 100, 50, 12, 77)]
+    prompts = [torch.randint(5, 500, (n,)) for n in lengths]
     tokens = [7 + i for i in range(len(prompts))]
-    alone = [decode_step(tiny_engine.adapter, [row], 8)[0] for row in rows_of(tiny_engine, prompts, tokens)]
+    alone = [decode_step(engine.adapter, [row], 8)[0] for row in rows_of(engine, prompts, tokens)]
     for order in ([3, 1, 4], [10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]):  # one padded group; two groups
-        rows = rows_of(tiny_engine, [prompts[i] for i in order], [tokens[i] for i in order])
-        batched = decode_step(tiny_engine.adapter, rows, 8)
+        rows = rows_of(engine, [prompts[i] for i in order], [tokens[i] for i in order])
+        batched = decode_step(engine.adapter, rows, 8)
         assert all(torch.equal(batched[j], alone[i]) for j, i in enumerate(order))
         assert all(r.buf.length == r.pos + 1 for r in rows)
-    # and the step is the model's own next-token computation
     with torch.inference_mode():
-        theirs = tiny_engine.hf_model(torch.cat((prompts[1], torch.tensor([tokens[1]])))[None]).logits[0, -1]
+        theirs = engine.hf_model(torch.cat((prompts[1], torch.tensor([tokens[1]])))[None]).logits[0, -1]
     torch.testing.assert_close(alone[1], theirs.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_batched_decode_step_equals_each_row_decoded_alone(tiny_engine):
+    check_batched_step(tiny_engine, (37, 80, 5, 121, 64, 9, 33, 100, 50, 12, 77))
+
+
+def test_a_batched_decode_step_on_each_family(family_engine):
+    # rows longer than the tiny models' sliding windows (40-48): each layer's own window and RoPE
+    check_batched_step(family_engine, (37, 90, 5, 121, 64, 9, 33, 100, 50, 12, 77))
 
 
 def test_a_full_queue_raises_overloaded_and_the_engine_goes_on(tiny_model, tiny_tokenizer, docs):
