@@ -9,7 +9,8 @@ Endpoints:
   boundaries (any prompt that contains one reuses its KV, whatever client sent it) and, with
   ``warm``, computes their KV now for the request's tenant.
 - ``DELETE /v1/conversations/{id}``: forget a conversation's kept KV.
-- ``GET /v1/models`` (the served model; ``max_model_len`` is its context window), ``GET /health``,
+- ``GET /v1/models`` (the served model; ``max_model_len`` is its context window), ``GET /health``
+  (with the engine thread's queue: :meth:`~kvrag.Engine.queue_stats`),
   ``GET /metrics`` (Prometheus text, :mod:`kvrag.server.metrics`).
 
 Engine calls run in worker threads (:func:`~kvrag.integrations._shared.open_in_thread`): the event
@@ -71,7 +72,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": server.model_name}
+        return {"status": "ok", "model": server.model_name, "queue": server.engine.queue_stats()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

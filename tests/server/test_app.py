@@ -178,7 +178,8 @@ def test_unknown_route_and_model_lookup(serve_tiny):
     assert models["data"][0]["max_model_len"] == engine.context_window
     assert httpx.get(f"{url}/v1/models/default").json()["id"] == engine.model_name
     assert httpx.get(f"{url}/v1/models/other").json()["error"]["code"] == "model_not_found"
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["queue"]["waiting"] == 0 and health["queue"]["running"] == 0
 
 
 def test_served_model_name(serve_tiny):
