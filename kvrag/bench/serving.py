@@ -55,9 +55,15 @@ class _Timed(threading.Thread):
             self.times.append(time.perf_counter())
 
 
+def _counting_prompt(engine, run: int | None = None) -> str:
+    """A prompt the model answers at length, in its chat template (bare, it may end at once)."""
+    text = _LONG_PROMPT if run is None else f"{_LONG_PROMPT} (run {run})"
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
 def _tokens_per_s(engine, n: int, max_new_tokens: int) -> dict:
-    prompts = [f"{_LONG_PROMPT} (run {i})" for i in range(n)]
-    streams = [_Timed(engine.stream(prefix=p, max_new_tokens=max_new_tokens, mode="full")) for p in prompts]
+    prompts = [_counting_prompt(engine, i) for i in range(n)]
+    streams = [_Timed(engine.stream(prompt=p, max_new_tokens=max_new_tokens, mode="full")) for p in prompts]
     for s in streams:
         s.start()
     for s in streams:
@@ -93,9 +99,11 @@ def measure_gaps(engine, *, prompt_tokens: int = 4096, slice_s: float, seed: int
     """Gaps between a decoding stream's pieces while a cold ``prompt_tokens`` prefill runs."""
     engine._worker.slice_s = slice_s  # the engine thread reads it before each decision
     chunks = _cold_chunks(prompt_tokens - 40, seed, engine.count_tokens)
-    running = _Timed(engine.stream(prefix=_LONG_PROMPT, max_new_tokens=4000, mode="full"))
+    running = _Timed(engine.stream(prompt=_counting_prompt(engine), max_new_tokens=4000, mode="full"))
     running.start()
     while not running.times:
+        if not running.is_alive():
+            raise RuntimeError("the decoding stream ended before its first piece")
         time.sleep(0.01)
     submitted = time.perf_counter()
     long = engine.stream(chunks, "Passages:\n", "Which passage mentions a castle?", max_new_tokens=1)
@@ -105,7 +113,8 @@ def measure_gaps(engine, *, prompt_tokens: int = 4096, slice_s: float, seed: int
     first = first or time.perf_counter()
     running.stream.close()
     running.join()
-    marks = [submitted] + [t for t in running.times if submitted < t <= first]
+    # the last gap ends at the long prompt's first token: a prefill that never pauses is one long gap
+    marks = [submitted] + [t for t in running.times if submitted < t <= first] + [first]
     gaps = [b - a for a, b in zip(marks, marks[1:])]
     g = long.generation
     return {
