@@ -18,6 +18,7 @@ from kvrag.errors import (
     InvalidRequestError,
     KvragError,
     ModelNotFoundError,
+    OverloadedError,
     ServerError,
     StoreError,
     UnsupportedModelError,
@@ -45,5 +46,6 @@ __all__ = [
     "ModelNotFoundError",
     "StoreError",
     "ServerError",
+    "OverloadedError",
     "__version__",
 ]

@@ -10,7 +10,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: kvrag bench [options]   (see `kvrag bench --help`)\n"
-            "       kvrag bench {compare,merge,make-dataset,methods,store-sim,registry,kernels,serve-load} ...\n"
+            "       kvrag bench {compare,merge,make-dataset,methods,store-sim,registry,kernels,calibrate,\n"
+            "                    shared-stream,shared-warm,serve-load,serving} ...\n"
             "       kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]  (`kvrag serve --help`)"
         )
         return 0

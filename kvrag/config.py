@@ -165,6 +165,22 @@ class EngineConfig:
             dropped first; 0 keeps none). Each keeps ~``tokens x 46 KB`` (SmolLM2, fp32).
         conversation_dedup: in a conversation, drop chunks that an earlier turn already placed in
             the context (CRAFT's conversation-scoped deduplication); per call ``dedup=``.
+        max_running: requests decoding at once (the one prefilling included); each holds its KV,
+            up to ``(prompt + max_new_tokens) x kv_bytes_per_token`` (~46 KB a token on SmolLM2 in
+            float32), so running KV stays under ``max_running x context window x 46 KB``. Others wait.
+        max_queued: requests (and ``score``/``warm`` jobs) waiting to start; one more raises
+            :class:`~kvrag.errors.OverloadedError`.
+        max_queued_tokens: prompt tokens of the waiting requests together; a request that would pass
+            it raises :class:`~kvrag.errors.OverloadedError` (one alone in the queue is always taken).
+        starvation_window: among waiting requests the one with the highest cached/compute ratio
+            starts first (RAGCache's cache-aware order); one that later arrivals have passed this
+            many times starts next. 0 is first come, first served.
+        decode_group: rows of one batched decode pass: running requests advance together, padded to
+            this many rows (more take several passes), so that a request's tokens do not depend on
+            how many others run (:mod:`kvrag.engine.batch`).
+        prefill_slice_s: while requests are decoding, a prefill (or ``warm`` window, or ``score``)
+            runs at most about this long (plus half a layer) before their next decode step. Smaller
+            keeps inter-token gaps short; larger finishes the prefill sooner.
     """
 
     model: str | None = None
@@ -208,6 +224,12 @@ class EngineConfig:
     seed: int | None = None
     max_conversations: int = 8
     conversation_dedup: bool = True
+    max_running: int = 8
+    max_queued: int = 64
+    max_queued_tokens: int = 131072
+    starvation_window: int = 32
+    decode_group: int = 8
+    prefill_slice_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -282,6 +304,19 @@ class EngineConfig:
             or self.max_conversations < 0
         ):
             raise InvalidRequestError("max_conversations must be an integer >= 0")
+        for name, least in (
+            ("max_running", 1),
+            ("max_queued", 1),
+            ("max_queued_tokens", 1),
+            ("starvation_window", 0),
+            ("decode_group", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidRequestError(f"{name} must be an integer >= {least}, got {value!r}")
+        s = self.prefill_slice_s
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
+            raise InvalidRequestError(f"prefill_slice_s must be a number of seconds >= 0, got {s!r}")
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

@@ -10,6 +10,7 @@ __all__ = [
     "ModelNotFoundError",
     "StoreError",
     "ServerError",
+    "OverloadedError",
 ]
 
 
@@ -73,3 +74,11 @@ class ServerError(KvragError):
         self.code = code
         self.retry_after = retry_after
         super().__init__(message)
+
+
+class OverloadedError(KvragError):
+    """The engine's queue is full (``EngineConfig.max_queued`` / ``max_queued_tokens``): try again later.
+
+    Raised when a request is submitted, before any work is done for it; nothing is kept. A server
+    answers it with HTTP 503 (or 429) and a retry hint.
+    """

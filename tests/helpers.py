@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -175,3 +176,18 @@ def failing_stream(*args, **kwargs):
         raise InvalidRequestError("the engine gave up")
 
     return GenerationStream(pieces())
+
+
+def hold_engine_thread(engine) -> threading.Event:
+    """Occupy an engine's thread with a job that waits for the event returned (set it to go on)."""
+    from kvrag.engine.scheduler import Ticket
+
+    gate, started = threading.Event(), threading.Event()
+
+    def job(pause):
+        started.set()
+        gate.wait()
+
+    threading.Thread(target=engine._worker.call, args=(Ticket(tokens=1, bounded=False), job), daemon=True).start()
+    started.wait()
+    return gate

@@ -14,6 +14,7 @@ kvrag bench calibrate --dataset QA.json    # the model's constants of recompute_
 kvrag bench shared-stream --dataset QA.json --workers 4 --requests 100   # N processes, one server
 kvrag bench shared-warm --dataset QA.json --questions 4 --top-k 5        # A warms, B reads remotely
 kvrag bench serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
+kvrag bench serving                        # batched decode, gaps during a long prefill, sync vs async TTFT
 """
 
 from __future__ import annotations
@@ -344,6 +345,12 @@ def _serve_load(argv: list[str]) -> int:
     return serve_load_main(argv)
 
 
+def _serving(argv: list[str]) -> int:
+    from kvrag.bench.serving import main as serving_main
+
+    return serving_main(argv)
+
+
 COMMANDS = {
     "calibrate": _calibrate,
     "compare": _compare,
@@ -357,6 +364,7 @@ COMMANDS = {
     "shared-stream": _shared("shared-stream"),
     "shared-warm": _shared("shared-warm"),
     "serve-load": _serve_load,
+    "serving": _serving,
 }
 
 

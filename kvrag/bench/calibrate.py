@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             recompute_ratio=a.target,
             selection="probe",
         )
-        with engine._lock:
-            plan, res = engine._prefill(request, capacity=int(request.ids.shape[0]))
+        n = int(request.ids.shape[0])  # the prefill runs on the engine thread, as requests do
+        plan, res = engine._run_internal(lambda pause, r=request, n=n: engine._prefill(r, capacity=n, pause=pause), n)
         sizes.append(res.measured["block_sizes"])
         deviations.append(res.measured["block_deviation"])
         chunks += [(u.length, u.fix) for u in plan.chunks if u.source == "store" and u.fix is not None]

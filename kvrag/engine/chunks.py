@@ -137,9 +137,9 @@ class ChunkComputer:
         """Longest chunk that fits the context window behind its context."""
         return window - len(self.sink_ids) - self.context_tokens - 1
 
-    def compute(self, ids: list[int], before: Sequence[list[int]] | None = None) -> KVRecord:
-        """KV record of a chunk computed behind its context (call under the engine's lock)."""
-        return self.compute_window([ids], before)[0]
+    def compute(self, ids: list[int], before: Sequence[list[int]] | None = None, *, pause=None) -> KVRecord:
+        """KV record of a chunk computed behind its context (on the engine thread)."""
+        return self.compute_window([ids], before, pause=pause)[0]
 
     def windows(self, docs: Sequence[list[int]], max_tokens: int = MAX_STREAM_TOKENS) -> list[list[int]]:
         """Indices of ``docs`` computed together: consecutive runs of at most ``max_tokens`` tokens
@@ -159,11 +159,14 @@ class ChunkComputer:
                 total = head + len(ids)
         return out
 
-    def compute_window(self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None) -> list[KVRecord]:
+    def compute_window(
+        self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None, *, pause=None
+    ) -> list[KVRecord]:
         """KV records of chunks computed in one pass, each behind the ones before it in ``docs``, the
         first behind :meth:`context_ids` of ``before``; each record's ``meta["context"]`` names the
         documents it was computed behind, with Cache-Craft's attention statistics of the chunk
-        (:func:`attach_statistics`). Call under the engine's lock."""
+        (:func:`attach_statistics`). Runs on the engine thread, ``pause`` its hook between slices
+        of the pass."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
         ids, used = self.context_ids(before, exclude=docs)
@@ -180,7 +183,9 @@ class ChunkComputer:
         tap = Tap([m for a, b in spans for m in block_middles(a, b, self.stats_stride)], self.adapter.n_layers)
         buf = KVBuffer(self.adapter, pos)
         ids_t = torch.tensor(ids, dtype=torch.long)
-        forward(self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, taps=[tap], last_row_only=True)
+        forward(
+            self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, taps=[tap], last_row_only=True, pause=pause
+        )
         records = []
         for doc, cap, (a, b) in zip(docs, caps, spans):
             self._remember(doc)
@@ -264,7 +269,7 @@ def warm_list(
     docs: list[list[int]],
     keys: list[StoreKey],
     *,
-    lock,
+    run: Callable[[Callable, int], list[KVRecord]],
     window_tokens: int,
     keep: Callable[[StoreKey, KVRecord], bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -274,8 +279,9 @@ def warm_list(
     The list is cut into windows of at most ``window_tokens`` (cached chunks included: what was
     cached never moves the others); a window with a missing chunk is computed as one stream behind
     the list's other documents, taken round the list and ending just before the window (never a
-    copy of a member). Each window's pass runs under ``lock``. ``keep(key, record)`` stores a
-    record (the planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
+    copy of a member). Each window's pass is one job for the engine thread: ``run(job, tokens)``
+    calls ``job(pause)`` there and returns its records. ``keep(key, record)`` stores a record (the
+    planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
     ``progress(windows done, windows)`` is called after each window.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
@@ -293,8 +299,11 @@ def warm_list(
                 first, inside = members[0], {keys[i] for i in members}
                 ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
                 before = [docs[j] for j in ring if keys[j] not in inside]
-                with lock:
-                    records = computer.compute_window([docs[i] for i in members], before)
+                inner = [docs[i] for i in members]
+                records = run(
+                    lambda pause, inner=inner, before=before: computer.compute_window(inner, before, pause=pause),
+                    sum(map(len, inner)),
+                )
                 for i, record in zip(members, records):
                     if i in missing:
                         (keep or store.put)(keys[i], record)

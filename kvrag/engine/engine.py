@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from typing_extensions import Unpack
 
 from kvrag.config import AUTO, EngineConfig
 from kvrag.engine import calibration, loading
+from kvrag.engine.batch import DecodeRow, decode_step
 from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label, similarity_order, warm_list
 from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.costs import CostFeedback
@@ -34,12 +34,14 @@ from kvrag.engine.requests import (
     request_parts,
 )
 from kvrag.engine.sampling import SamplingParams, TextStream, sample
+from kvrag.engine.scheduler import Scheduler, Ticket
 from kvrag.engine.selection import auto_kind
 from kvrag.engine.sequence import Sequence as RunningSequence
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.engine.variants import VariantIndex
+from kvrag.engine.worker import Pause, StreamJob, Worker
 from kvrag.engine.writeback import WriteBack
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
@@ -52,8 +54,15 @@ class Engine:
     """An embedded PyTorch engine that reuses the KV cache of document chunks.
 
     Build it with :meth:`from_pretrained` (the bundled SmolLM2-135M-Instruct by default) or
-    :meth:`from_model` (transformers objects already in memory). Calls are thread-safe: requests
-    interleave at layer-pass granularity under one lock.
+    :meth:`from_model` (transformers objects already in memory).
+
+    Calls are thread-safe, and any number of threads may call at once. One engine thread runs all
+    model compute (:mod:`kvrag.engine.worker`): a call validates its request on the caller's
+    thread, queues it (cache-aware order, bounded: a full queue raises
+    :class:`~kvrag.errors.OverloadedError`; :mod:`kvrag.engine.scheduler`) and waits for its
+    result. Running requests decode together, one batched step per token
+    (:mod:`kvrag.engine.batch`), and a long prefill (or a ``warm()`` window) runs in slices
+    between those steps. A request's output does not depend on what else runs.
     """
 
     def __init__(
@@ -100,8 +109,6 @@ class Engine:
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         self.registry = ChunkRegistry()
         self.conversations = Conversations(self.adapter, config.max_conversations)
-        self._lock = threading.RLock()
-        self.writeback = WriteBack(config, self.store, self.planner, self.chunk_computer, self._lock)
         probe = calibration.probe_key(
             config.resolved_probe_layer(self.adapter.n_layers), config.probe_stride, config.deviation
         )
@@ -112,6 +119,21 @@ class Engine:
         )
         #: Cache-Craft's alpha for ``selection="craft"`` with ``"auto"``
         self.auto_alpha = calibrated.get("alpha", 1.0)
+        self.scheduler = Scheduler(
+            max_running=config.max_running,
+            max_queued=config.max_queued,
+            max_queued_tokens=config.max_queued_tokens,
+            starvation_window=config.starvation_window,
+        )
+        self._worker = Worker(
+            scheduler=self.scheduler,
+            start=self._start,
+            step=self._decode_step,
+            finish=self._finish,
+            eos_ids=self.eos_ids,
+            slice_s=config.prefill_slice_s,
+        )
+        self.writeback = WriteBack(config, self.store, self.planner, self.chunk_computer, run=self._run_internal)
         self._closed = False
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -189,9 +211,10 @@ class Engine:
         With ``chunk_context="neighbor"`` (default) the list is computed as one stream (windows of
         up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are cached), each chunk
         behind the documents before it, the first behind the list's last ones: closer to how they
-        will appear inside prompts. Requests from other threads wait while a window computes (one
-        prefill of up to ``MAX_STREAM_TOKENS`` tokens). With ``"sink"`` each chunk is computed alone
-        behind the attention-sink token (CacheBlend).
+        will appear inside prompts. Each window is one job for the engine thread, queued like a
+        request (running streams go on decoding while it computes; a full queue raises
+        :class:`~kvrag.errors.OverloadedError`, the windows computed before stay stored). With
+        ``"sink"`` each chunk is computed alone behind the attention-sink token (CacheBlend).
 
         Args:
             chunks: document texts.
@@ -232,7 +255,7 @@ class Engine:
                 self.store,
                 docs,
                 keys,
-                lock=self._lock,
+                run=lambda job, tokens: self._worker.call(Ticket(tokens=tokens, compute=tokens), job),
                 window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
                 keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
                 progress=report,
@@ -264,13 +287,14 @@ class Engine:
     ) -> GenerationStream:
         """Like :meth:`generate`, but yields text pieces as they are decoded.
 
-        The request is validated before this returns; ``.generation`` holds the result once the
-        stream is exhausted. Its TTFT counts from this call (segmenting and tokenising the prompt
-        included).
+        The request is validated and queued before this returns (a full queue raises
+        :class:`~kvrag.errors.OverloadedError`); ``.generation`` holds the result once the stream is
+        exhausted. Closing the stream early cancels the request and frees its KV. Its TTFT counts
+        from this call (segmenting and tokenising the prompt included).
         """
         t0 = time.perf_counter()
         req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **check_request_args(request))
-        return GenerationStream(self._run(req, t0))
+        return GenerationStream(self._worker.stream(self._ticket(req), StreamJob(req, t0)))
 
     def end_conversation(self, conversation_id: str, *, namespace: str | None = None) -> bool:
         """Forget a conversation's kept KV and chunk set; False if it was not live."""
@@ -308,27 +332,37 @@ class Engine:
         if n + len(cont_ids) > self.context_window:
             raise ContextLengthError(n + len(cont_ids), self.context_window, "prompt + continuation")
         t0 = time.perf_counter()
-        with self._lock:
-            plan, res = self._prefill(req, capacity=n + len(cont_ids))
+
+        def run(pause: Pause):
+            plan, res = self._prefill(req, capacity=n + len(cont_ids), pause=pause)
             logits = [self.adapter.logits(res.last_hidden)]
             if len(cont_ids) > 1:
-                logits.append(extend(self.adapter, res.buf, torch.tensor(cont_ids[:-1]), n))
+                logits.append(extend(self.adapter, res.buf, torch.tensor(cont_ids[:-1]), n, pause=pause))
             logp = torch.log_softmax(torch.cat(logits), dim=-1)
-        per_token = logp[torch.arange(len(cont_ids)), torch.tensor(cont_ids)].tolist()
+            return plan, res, logp[torch.arange(len(cont_ids)), torch.tensor(cont_ids)].tolist()
+
+        plan, res, per_token = self._worker.call(self._ticket(req), run)
         stats = generation_stats(plan, res, self.adapter.n_layers, time.perf_counter() - t0)
         return ScoreResult(float(sum(per_token)), len(cont_ids), per_token, stats)
+
+    def queue_stats(self) -> dict:
+        """The engine thread's load now: ``running`` (requests holding a decoding slot), ``waiting``
+        (requests and jobs queued), ``queued_tokens`` (their prompt tokens), ``decode_steps``."""
+        return self._worker.stats()
 
     def flush(self) -> None:
         """Wait until background write-back (KV of chunks seen for the first time) is stored."""
         self.writeback.flush()
 
     def close(self) -> None:
-        """Finish pending write-back and release the store."""
+        """Refuse new requests, let queued and running ones finish, finish write-back, release the store."""
         if self._closed:
             return
-        self.writeback.close()
-        self.store.close()
         self._closed = True
+        self._worker.wait_idle()
+        self.writeback.close()  # its chunk computations still run on the engine thread
+        self._worker.wait_idle()
+        self.store.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -372,8 +406,7 @@ class Engine:
         mode, ratio = check_mode(cfg, mode, recompute_ratio)
         self.gate.require(self.model_name, mode, ratio)
         selection = check_selection(cfg, selection)
-        with self._lock:  # the tokenizer memo is shared
-            segments, ids = self.planner.segment(parts)
+        segments, ids = self.planner.segment(parts)
         n = int(ids.shape[0])
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
@@ -395,8 +428,38 @@ class Engine:
         """A conversation is scoped to its tenant (the default tenant's keys are the ids themselves)."""
         return conversation_id if namespace == self.config.namespace else f"{namespace}\0{conversation_id}"
 
-    def _prefill(self, req: Request, *, capacity: int) -> tuple[Plan, PrefillResult]:
-        """Plan and run a request's prefill (call under the lock); a damaged cached entry re-plans it."""
+    def _ticket(self, req: Request) -> Ticket:
+        """A request's place in the queue: its prompt tokens, and how many of them the cache holds.
+
+        Estimated without loading anything (key lookups only): the chunks whose KV is stored and the
+        exact prefix blocks in store; the plan made when it starts may differ (an entry evicted
+        meanwhile).
+        """
+        n = int(req.ids.shape[0])
+        ratio = self._budget(req)[0]  # with "auto", its cap: the most it may recompute
+        if req.mode == "full" or (req.mode == "blend" and ratio >= 1.0):
+            return Ticket(tokens=n, compute=n)
+        prefix = 0
+        if self.config.prefix_cache:
+            prefix = self.planner.prefix_cache.cached_length(req.ids.tolist(), n - 1, namespace=req.namespace)
+        chunks = 0
+        if req.mode in ("blend", "reuse"):
+            chunks = sum(
+                len(s.ids)
+                for s in req.segments
+                if s.kind == "chunk"
+                and s.start >= prefix
+                and self.store.contains(self.planner.chunk_key(s.ids, req.namespace))
+            )
+        cached = min(n - 1, prefix + chunks)
+        return Ticket(tokens=n, cached=cached, compute=n - cached + round(ratio * chunks))
+
+    def _run_internal(self, job, tokens: int):
+        """Run ``job(pause)`` on the engine thread for internal work (write-back): never refused."""
+        return self._worker.call(Ticket(tokens=tokens, compute=tokens, bounded=False), job)
+
+    def _prefill(self, req: Request, *, capacity: int, pause: Pause | None = None) -> tuple[Plan, PrefillResult]:
+        """Plan and run a request's prefill (on the engine thread); a damaged cached entry re-plans it."""
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
         attempts, limit = 0, 1
@@ -437,7 +500,7 @@ class Engine:
             )
             t0 = time.perf_counter()
             try:
-                res = prefill(self.adapter, plan, capacity, options=options)
+                res = prefill(self.adapter, plan, capacity, options=options, pause=pause)
             except DamagedEntryError:  # found while streaming; the store dropped it: plan again
                 if mode == "full":
                     raise
@@ -456,21 +519,15 @@ class Engine:
             return cfg.auto_max_ratio, True, self.auto_threshold
         return cfg.auto_ratio, False, None
 
-    # -- a request's life: prefill, decode one token at a time, finish (gpt-fast's split) ----------
+    # -- a request's life on the engine thread: prefill, batched decode steps, finish -----------------
 
-    def _run(self, req: Request, t0: float) -> Iterator[str]:
-        seq = self._start(req, t0)
-        yield from self._decode_tokens(seq)
-        return self._finish(seq)
-
-    def _start(self, req: Request, t0: float) -> RunningSequence:
+    def _start(self, req: Request, t0: float, pause: Pause) -> RunningSequence:
         """Prefill the request and sample its first token; schedules write-back of what it computed."""
         n = int(req.ids.shape[0])
         sp = req.sampling
         budget = min(sp.max_new_tokens, self.context_window - n)
-        with self._lock:
-            plan, res = self._prefill(req, capacity=n + budget)
-            logits = self.adapter.logits(res.last_hidden)[0]
+        plan, res = self._prefill(req, capacity=n + budget, pause=pause)
+        logits = self.adapter.logits(res.last_hidden)[0]
         generator = sp.generator()
         token = sample(logits, sp.temperature, sp.top_p, generator)
         ttft = time.perf_counter() - t0
@@ -493,34 +550,21 @@ class Engine:
             ttft=ttft,
         )
 
-    def _decode_one_token(self, seq: RunningSequence) -> None:
-        """Put ``seq.token``'s KV in the buffer and sample the next token."""
-        sp = seq.req.sampling
-        with self._lock:
-            logits = extend(self.adapter, seq.buf, torch.tensor([seq.token]), seq.pos)[0]
-        seq.pos += 1
-        seq.token = sample(logits, sp.temperature, sp.top_p, seq.generator)
-
-    def _decode_tokens(self, seq: RunningSequence) -> Iterator[str]:
-        """Emit tokens until the budget, end of sequence or a stop string; yields text pieces."""
-        while True:
-            piece = seq.accept(self.eos_ids)
-            if piece:
-                yield piece
-            if seq.done:
-                break
-            self._decode_one_token(seq)
-        tail = seq.text.flush()
-        if tail:
-            yield tail
+    def _decode_step(self, seqs: list[RunningSequence]) -> None:
+        """Put each sequence's ``token`` in its buffer and sample its next one: one batched pass."""
+        rows = [DecodeRow(seq.buf, seq.token, seq.pos) for seq in seqs]
+        logits = decode_step(self.adapter, rows, self.config.decode_group)
+        for seq, row in zip(seqs, logits):
+            sp = seq.req.sampling
+            seq.pos += 1
+            seq.token = sample(row, sp.temperature, sp.top_p, seq.generator)
 
     def _finish(self, seq: RunningSequence) -> Generation:
         """Keep a conversation's turn; the request's result."""
         req = seq.req
         if req.conversation is not None:
             chunk_texts = [s.text for s in seq.plan.segments if s.kind == "chunk"]
-            with self._lock:
-                self.conversations.record(req.conversation, req.ids.tolist() + seq.generated, seq.buf, chunk_texts)
+            self.conversations.record(req.conversation, req.ids.tolist() + seq.generated, seq.buf, chunk_texts)
         total = time.perf_counter() - seq.t0
         seq.stats.completion_tokens = len(seq.generated)
         seq.stats.decode_s = total - seq.ttft

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -95,12 +96,20 @@ def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tup
     return capture, chunk_caps
 
 
-def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: PrefillOptions) -> PrefillResult:
+def prefill(
+    adapter: ModelAdapter,
+    plan: Plan,
+    capacity: int,
+    *,
+    options: PrefillOptions,
+    pause: Callable[[], None] | None = None,
+) -> PrefillResult:
     """Compute the KV of a plan's prompt into a new buffer of ``capacity`` positions.
 
     ``full`` (and ``blend`` at ratio 1.0) computes every row; ``prefix`` and ``reuse`` compute the
     rows without cached KV; ``blend`` hands the prefill to the selection strategy of
-    ``options.selection`` (:mod:`kvrag.engine.selection`).
+    ``options.selection`` (:mod:`kvrag.engine.selection`). ``pause`` reaches every layer pass
+    (:func:`~kvrag.engine.runner.forward`).
     """
     n = plan.num_tokens
     buf = KVBuffer(adapter, capacity)
@@ -114,7 +123,9 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
     taps = [tap] if tap is not None else []
 
     if plan.is_full or not plan.cached_spans():
-        h, _ = forward(adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True)
+        h, _ = forward(
+            adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True, pause=pause
+        )
         return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap))
 
     source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos))
@@ -126,7 +137,7 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
             spans=[(s, s + r.num_tokens) for s, r in plan.chunk_records], source=source, captures=captures,
-            taps=taps, trace=trace, options=options,
+            taps=taps, trace=trace, options=options, pause=pause,
         )  # fmt: skip
         h, pos = get_selection(options.selection)(blend)
         measured = blend.measured
@@ -137,23 +148,36 @@ def prefill(adapter: ModelAdapter, plan: Plan, capacity: int, *, options: Prefil
     else:  # prefix mode has no candidates; reuse never recomputes them
         pos = all_pos[rows & ~candidates]
         h, pos = forward(
-            adapter, buf, ids[pos], pos, n, source=source, capture=captures, taps=taps, trace=trace, last_row_only=True
+            adapter,
+            buf,
+            ids[pos],
+            pos,
+            n,
+            source=source,
+            capture=captures,
+            taps=taps,
+            trace=trace,
+            last_row_only=True,
+            pause=pause,
         )
     computed = int(pos.numel())
     recomputed = int(candidates[pos].sum())
     return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, kept_taps, measured)
 
 
-def extend(adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int) -> torch.Tensor:
+def extend(
+    adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int, *, pause: Callable[[], None] | None = None
+) -> torch.Tensor:
     """Append tokens at positions [start, start + T) and return their logits [T, V].
 
-    Grows the buffer if needed. Used for decoding (T = 1) and for scoring continuations.
+    Grows the buffer if needed. Used for scoring continuations (decoding runs batched:
+    :mod:`kvrag.engine.batch`).
     """
     t = int(ids.shape[0])
     if start + t > buf.capacity:
         buf.grow(start + t)
     pos = torch.arange(start, start + t, device=adapter.device)
-    h, _ = forward(adapter, buf, ids.to(adapter.device), pos, start + t)
+    h, _ = forward(adapter, buf, ids.to(adapter.device), pos, start + t, pause=pause)
     return adapter.logits(h)
 
 

@@ -8,6 +8,7 @@ candidates for HKVD recompute, and which must be computed.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -162,21 +163,24 @@ class Planner:
         self.context_label = context_label  # how chunk KV was computed (part of every chunk key)
         self.variants = variants if variants is not None else VariantIndex()
         self._tok_cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._tok_lock = threading.Lock()  # callers' threads tokenise their requests at once
         bos = getattr(tokenizer, "bos_token_id", None)
         with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
         plain = tokenizer("a", add_special_tokens=False)["input_ids"]
         self.bos_id = bos if bos is not None and len(with_special) > len(plain) and with_special[0] == bos else None
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of a text on its own (no special tokens added), memoised."""
-        ids = self._tok_cache.get(text)
-        if ids is None:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of a text on its own (no special tokens added), memoised (thread-safe)."""
+        with self._tok_lock:
+            ids = self._tok_cache.get(text)
+            if ids is not None:
+                self._tok_cache.move_to_end(text)
+                return ids
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._tok_lock:
             self._tok_cache[text] = ids
             if len(self._tok_cache) > 4096:
                 self._tok_cache.popitem(last=False)
-        else:
-            self._tok_cache.move_to_end(text)
         return ids
 
     def _best_variant(

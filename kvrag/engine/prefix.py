@@ -66,6 +66,17 @@ class PrefixCache:
                 break
         return pos, found
 
+    def cached_length(self, ids: list[int], limit: int, *, namespace: str) -> int:
+        """How many leading tokens of ``ids`` (at most ``limit``) have full blocks in store: key
+        lookups only, nothing loaded (a scheduler's estimate; :meth:`lookup` is the real thing)."""
+        parent, pos = self._root(namespace), 0
+        while pos + self.block <= limit:
+            parent = self._child(parent, ids[pos : pos + self.block])
+            if not self.store.contains(StoreKey(namespace, parent)):
+                break
+            pos += self.block
+        return pos
+
     def insert(
         self,
         ids: list[int],

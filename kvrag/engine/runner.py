@@ -14,6 +14,7 @@ tier can prefetch layer l+1 while layer l computes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -144,6 +145,7 @@ def forward(
     hidden: torch.Tensor | None = None,
     layers: tuple[int, int] | None = None,
     last_row_only: bool = False,
+    pause: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
 
@@ -159,6 +161,8 @@ def forward(
         layers: (first, stop) the layers run; all of them by default.
         last_row_only: on the model's last layer compute every row's KV but only the last row's
             output (a prefill needs only the last token's logits; nothing reads the other rows').
+        pause: called after each layer's attention and after its MLP: the engine thread runs other
+            requests' decode steps there (:mod:`kvrag.engine.worker`); it may raise to end the pass.
 
     Returns:
         (hidden [R', E], pos [R']) of the rows still computed, entering layer ``stop`` (after the
@@ -196,7 +200,11 @@ def forward(
         window = adapter.windows[layer]
         kv = buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len]
         out = attention(q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window)
+        if pause is not None:
+            pause()
         h = adapter.finish_layer(layer, h, out)
+        if pause is not None:
+            pause()
     if stop == adapter.n_layers:
         buf.length = max(buf.length, seq_len)
     return h, pos

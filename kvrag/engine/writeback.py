@@ -3,7 +3,9 @@
 Two kinds of entries: exact-prefix blocks (the system prompt and instructions every request
 repeats) and the KV of chunks a request missed — taken from the request's own prefill when the
 chunk context is ``neighbor`` (captured in place, no extra compute), computed alone otherwise.
-Jobs run in one daemon thread, in order; a failed job costs only a future hit.
+What needs torch compute (a chunk computed alone, Cache-Craft's attention statistics over the
+request's queries and KV) runs on the engine thread, queued like other work. Jobs run in one
+daemon thread, in order; a failed job costs only a future hit.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kvrag.engine.attention_stats import Segment
 from kvrag.engine.chunks import ChunkComputer, attach_statistics
 from kvrag.engine.planner import Plan, Planner
 from kvrag.engine.runner import KVCapture
-from kvrag.engine.store.base import KVStore
+from kvrag.engine.store.base import KVRecord, KVStore
 from kvrag.engine.variants import context_id
 
 log = logging.getLogger(__name__)
@@ -79,11 +82,14 @@ class WriteBack:
     Args:
         config: the engine's config (``write_back``: keep the KV of missed chunks; chunks shorter than
             ``chunk_min_tokens`` are not kept).
-        lock: the engine's lock (taken when a chunk has to be computed afresh).
+        run: ``run(job, tokens)`` calls ``job(pause)`` on the engine thread and returns its result
+            (for a chunk that has to be computed afresh).
     """
 
-    def __init__(self, config, store: KVStore, planner: Planner, computer: ChunkComputer, lock) -> None:
-        self.config, self.store, self.planner, self.computer, self._lock = config, store, planner, computer, lock
+    def __init__(
+        self, config, store: KVStore, planner: Planner, computer: ChunkComputer, *, run: Callable[[Callable, int], Any]
+    ) -> None:
+        self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
         self._writer = BackgroundWriter()
         self._pending: set = set()
 
@@ -142,20 +148,26 @@ class WriteBack:
     def _write_chunk(self, job, ids: list[int], capture: KVCapture | None, measured=None) -> None:
         key, context, exact = job
         try:
-            if capture is not None:
-                record = self.computer.record_from_capture(ids, capture)
-                if measured is not None:  # Cache-Craft's statistics, from the request's own queries and KV
-                    tap, buf, segments = measured
-                    span = (capture.start, capture.end)
-                    attach_statistics(record, tap, buf, span, segments, self.computer.adapter)
+            if capture is None and self.store.contains(key):
+                return
+            if capture is None or measured is not None:  # model compute: on the engine thread
+                record = self._run(lambda pause: self._record(ids, capture, measured, pause), len(ids))
             else:
-                if self.store.contains(key):
-                    return
-                with self._lock:
-                    record = self.computer.compute(ids)
+                record = self._record(ids, capture, None, None)
             self.planner.keep_variant(key, record, context, exact)
         finally:
             self._pending.discard(job)
+
+    def _record(self, ids: list[int], capture: KVCapture | None, measured, pause) -> KVRecord:
+        """A missed chunk's record: from the request's capture (with Cache-Craft's statistics from its
+        own queries and KV, when measured), or computed alone behind its context."""
+        if capture is None:
+            return self.computer.compute(ids, pause=pause)
+        record = self.computer.record_from_capture(ids, capture)
+        if measured is not None:
+            tap, buf, segments = measured
+            attach_statistics(record, tap, buf, (capture.start, capture.end), segments, self.computer.adapter)
+        return record
 
     def flush(self) -> None:
         """Wait until every scheduled job has run."""

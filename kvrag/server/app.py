@@ -9,7 +9,8 @@ Endpoints:
   boundaries (any prompt that contains one reuses its KV, whatever client sent it) and, with
   ``warm``, computes their KV now for the request's tenant.
 - ``DELETE /v1/conversations/{id}``: forget a conversation's kept KV.
-- ``GET /v1/models`` (the served model; ``max_model_len`` is its context window), ``GET /health``,
+- ``GET /v1/models`` (the served model; ``max_model_len`` is its context window), ``GET /health``
+  (with the engine thread's queue: :meth:`~kvrag.Engine.queue_stats`),
   ``GET /metrics`` (Prometheus text, :mod:`kvrag.server.metrics`).
 
 Engine calls run in worker threads (:func:`~kvrag.integrations._shared.open_in_thread`): the event
@@ -34,9 +35,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
 import kvrag
-import kvrag.errors
 from kvrag.engine import Engine
-from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError
+from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError, OverloadedError
 from kvrag.integrations._shared import EngineCall, open_in_thread
 from kvrag.server.metrics import CONTENT_TYPE_LATEST, Metrics, RequestTrack
 from kvrag.server.protocol import (
@@ -72,7 +72,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": server.model_name}
+        return {"status": "ok", "model": server.model_name, "queue": server.engine.queue_stats()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -242,8 +242,7 @@ class _Server:
 
     def _error(self, exc: Exception) -> tuple[int, dict[str, Any]]:
         """An exception as (HTTP status, OpenAI error body)."""
-        overloaded = getattr(kvrag.errors, "OverloadedError", None)  # the scheduler's, where it exists
-        if overloaded is not None and isinstance(exc, overloaded):
+        if isinstance(exc, OverloadedError):  # the engine's queue is full: come back later
             return 503, error_body(str(exc), type="server_error", code="overloaded")
         if isinstance(exc, AuthenticationError):
             return 401, error_body(str(exc), type="invalid_request_error", code="invalid_api_key")

@@ -21,7 +21,7 @@ from kvrag.client import Client  # noqa: E402
 from kvrag.engine import GenerationStream  # noqa: E402
 from kvrag.errors import ServerError  # noqa: E402
 from kvrag.server import ServerSettings, TenantMap  # noqa: E402
-from tests.helpers import failing_stream, make_docs  # noqa: E402
+from tests.helpers import failing_stream, hold_engine_thread, make_docs  # noqa: E402
 
 
 def rag_messages(docs, question="where was the king born?"):
@@ -178,7 +178,8 @@ def test_unknown_route_and_model_lookup(serve_tiny):
     assert models["data"][0]["max_model_len"] == engine.context_window
     assert httpx.get(f"{url}/v1/models/default").json()["id"] == engine.model_name
     assert httpx.get(f"{url}/v1/models/other").json()["error"]["code"] == "model_not_found"
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["queue"]["waiting"] == 0 and health["queue"]["running"] == 0
 
 
 def test_served_model_name(serve_tiny):
@@ -321,26 +322,24 @@ def test_end_conversation(serve_tiny):
     assert httpx.delete(f"{url}/v1/conversations/c1").json()["deleted"] is False
 
 
-def test_an_overloaded_engine_is_a_503_with_retry_after(serve_tiny, monkeypatch):
-    import kvrag.errors
-
-    class OverloadedError(kvrag.errors.KvragError):  # the scheduler's error, looked up by name
-        pass
-
-    engine, url = serve_tiny(ServerSettings(retry_after_s=3))
-    monkeypatch.setattr(kvrag.errors, "OverloadedError", OverloadedError, raising=False)
-
-    def full_queue(*args, **kwargs):
-        raise OverloadedError("the queue is full")
-
-    monkeypatch.setattr(engine, "stream", full_queue)
-    for stream in (False, True):
-        response = httpx.post(f"{url}/v1/completions", json={"prompt": "the king", "stream": stream}, timeout=60)
-        assert response.status_code == 503 and response.headers["retry-after"] == "3"
-        assert response.json()["error"]["code"] == "overloaded"
-    with Client(url) as client, pytest.raises(ServerError) as info:
-        client.complete("the king")
-    assert info.value.status_code == 503 and info.value.retry_after == 3.0 and info.value.code == "overloaded"
+def test_an_overloaded_engine_is_a_503_with_retry_after(serve_tiny):
+    engine, url = serve_tiny(ServerSettings(retry_after_s=3), max_queued=1)
+    gate = hold_engine_thread(engine)  # the engine thread is busy: requests wait in its queue
+    try:
+        waiting = engine.stream(prefix="the king was born in", mode="full")  # the queue is full now
+        for stream in (False, True):
+            response = httpx.post(f"{url}/v1/completions", json={"prompt": "the king", "stream": stream}, timeout=60)
+            assert response.status_code == 503 and response.headers["retry-after"] == "3"
+            assert response.json()["error"]["code"] == "overloaded"
+            assert "max_queued=1" in response.json()["error"]["message"]
+        with Client(url) as client, pytest.raises(ServerError) as info:
+            client.complete("the king")
+        assert info.value.status_code == 503 and info.value.retry_after == 3.0 and info.value.code == "overloaded"
+    finally:
+        gate.set()
+    assert "".join(waiting) == waiting.generation.text  # the queued request was not harmed
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "the king"}, timeout=60)
+    assert response.status_code == 200  # and the server serves again
 
 
 def test_request_options_reach_the_engine(serve_tiny):

@@ -49,6 +49,7 @@ class BlendPass:
             ``block_sizes`` and ``block_deviation``, [B] each).
         kept: start -> (KV capture, query tap) of cached chunks the strategy recomputes whole,
             kept as new variants computed in this prompt's company (:meth:`keep_whole`).
+        pause: the engine thread's pause hook, passed to every pass (see :func:`~kvrag.engine.runner.forward`).
     """
 
     adapter: ModelAdapter
@@ -66,6 +67,7 @@ class BlendPass:
     options: PrefillOptions
     measured: dict = field(default_factory=dict)
     kept: dict[int, tuple[KVCapture, Tap]] = field(default_factory=dict)
+    pause: Callable[[], None] | None = None
 
     def keep_whole(self, start: int, end: int) -> None:
         """Keep the KV of the cached chunk at [start, end), which the strategy recomputes whole on
@@ -114,6 +116,7 @@ class BlendPass:
             hidden=hidden,
             layers=layers,
             last_row_only=last_row_only,
+            pause=self.pause,
         )
 
 
