@@ -24,7 +24,16 @@ __all__ = ["MethodSpec", "parse_spec", "split_specs", "config_overrides", "FIXED
 FIXED_FIELDS = frozenset({"model", "dtype", "device", "cache_dir", "num_threads"})
 #: Fields of the store itself: an override of one needs a store of the method's own.
 STORE_FIELDS = frozenset(
-    {"memory_budget_bytes", "disk_tier", "disk_budget_bytes", "disk_dtype", "eviction_policy", "prefetch"}
+    {
+        "memory_budget_bytes",
+        "disk_tier",
+        "disk_budget_bytes",
+        "disk_dtype",
+        "eviction_policy",
+        "prefetch",
+        "kv_codec",
+        "remote_url",
+    }
 )
 
 
