@@ -76,6 +76,19 @@ def test_round_trip_parts_ttl_and_key_layout(remote_server):
     store.close()
 
 
+@pytest.mark.parametrize("size", [1, 8, 15, 16, 40, 200])
+def test_a_value_truncated_inside_its_header_is_damage_not_eviction(remote_server, size):
+    store = RemoteStore(remote_server.url)
+    assert store.put(key(2), record(2))
+    client = remote_server.client()
+    head = store.rkey(key(2))
+    client.set(head, client.get(head)[:size])
+    assert store.get(key(2), token_ids(2, 40)) is None
+    st = store.stats()
+    assert (st["damaged"], st["vanished"]) == (1, 0) and not client.exists(head)  # dropped, to be rewritten
+    store.close()
+
+
 def test_tenants_on_one_server_never_share_an_entry(tiny_model, tiny_tokenizer, remote_server):
     docs = make_docs(3, seed=13)
     alice = engine(tiny_model, tiny_tokenizer, remote_server.url, namespace="alice")

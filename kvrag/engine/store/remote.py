@@ -88,8 +88,9 @@ def redact(url: str) -> str:
 class _Source:
     """Byte ranges of one stored value (split into parts) for :mod:`serial`'s readers."""
 
-    def __init__(self, store: RemoteStore, rkey: str, head: bytes, part_bytes: int) -> None:
+    def __init__(self, store: RemoteStore, rkey: str, head: bytes, part_bytes: int, length: int) -> None:
         self.store, self.rkey, self.head, self.part_bytes = store, rkey, head, part_bytes
+        self.length = length  # of the first part, read with the head: reads past it are truncation
         self.tag = f"{int.from_bytes(head[12:16], 'little'):08x}" if len(head) >= 16 else "0"
 
     def part_key(self, i: int) -> str:
@@ -97,6 +98,8 @@ class _Source:
 
     def read_into(self, views: list[memoryview], offset: int) -> None:
         want = sum(len(v) for v in views)
+        if offset < self.part_bytes and min(offset + want, self.part_bytes) > self.length:
+            raise DamagedEntryError(f"damaged KV entry: truncated ({self.length} bytes stored)")
         if offset + want <= len(self.head):
             data = memoryview(self.head)[offset : offset + want]
         else:
@@ -308,7 +311,7 @@ class RemoteStore(Bookkeeping, KVStore):
             self._forget(rkey)
             self._count("misses")
             return None
-        src = _Source(self, rkey, bytes(head), self.part_bytes)
+        src = _Source(self, rkey, bytes(head), self.part_bytes, int(length))
         try:
             h = serial.read_header(src, None)
             if length != min(h.size, self.part_bytes):
