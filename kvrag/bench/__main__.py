@@ -49,7 +49,8 @@ def _run_parser() -> argparse.ArgumentParser:
         "side by side on the same requests (ratios paired within one run).",
     )
     p.add_argument("--dataset", required=True, help="QA JSON: [{question, answers, ctxs: [{title, text}]}]")
-    p.add_argument("--n", type=int, default=d.n, help="questions (the first N)")
+    p.add_argument("--n", type=int, default=d.n, help="questions (the first N after --skip)")
+    p.add_argument("--skip", type=int, default=d.skip, help="questions to skip first (held-out runs: --skip 20 --n 30)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="passages per request")
     p.add_argument(
         "--methods",
@@ -201,6 +202,7 @@ def _run(argv: list[str]) -> int:
     opts = BenchOptions(
         dataset=a.dataset,
         n=a.n,
+        skip=a.skip,
         top_k=a.top_k,
         methods=a.methods,
         order=a.order,

@@ -29,7 +29,7 @@ class BenchOptions:
 
     Attributes:
         dataset: QA file (``[{"question", "answers", "ctxs": [{"title", "text"}]}]``).
-        n: questions (the first n).
+        n: questions (the first n after ``skip``); skip: questions skipped first (held-out runs).
         top_k: passages per request (the first k of each question's ``ctxs``).
         methods: comma-separated method names (``full`` is always added).
         order: ``shuffled`` (seeded) or ``given`` passage order.
@@ -61,6 +61,7 @@ class BenchOptions:
 
     dataset: str
     n: int = 20
+    skip: int = 0
     top_k: int = 6
     methods: str = DEFAULT_METHODS
     order: str = "shuffled"
@@ -104,6 +105,8 @@ class BenchOptions:
     progress: bool = True
 
     def check(self) -> None:
+        if self.skip < 0:
+            raise InvalidRequestError("--skip must be >= 0")
         if self.n < 1 or self.top_k < 1 or self.repeat < 1 or self.stream_requests < 1:
             raise InvalidRequestError("--n, --top-k, --repeat and --stream-requests must be >= 1")
         if self.order not in ("shuffled", "given"):
@@ -194,7 +197,7 @@ def run_bench(
     retrieval_methods = parse_methods(opts.retrieval_methods) if "retrieval" in names else None
     score = _scored(opts.score, methods, "--score")
     retrieval_score = _scored(opts.retrieval_score, retrieval_methods, "--retrieval-score") if retrieval_methods else []
-    items = load_dataset(opts.dataset, opts.n)
+    items = load_dataset(opts.dataset, opts.skip + opts.n)[opts.skip :]
     stream_items = items
     if opts.stream_questions:
         stream_items = load_dataset(opts.dataset, opts.stream_questions)

@@ -356,6 +356,26 @@ def test_injected_engine_and_bad_options(tmp_path, tiny_engine):
         )
     with pytest.raises(InvalidRequestError, match="workload"):
         run_bench(BenchOptions(dataset=str(data), workloads="z", out=str(tmp_path / "z")), engine=tiny_engine)
+    held_out = run_bench(
+        BenchOptions(
+            dataset=str(data),
+            n=1,
+            skip=1,
+            methods="full",
+            max_new_tokens=1,
+            workloads="a",
+            out=str(tmp_path / "s"),
+            plots=False,
+            progress=False,
+        ),
+        engine=tiny_engine,
+    )  # --skip 1: the second question
+    second = load_dataset(data)[1].question
+    assert [r["question"] for r in held_out["records"]] == [second] and held_out["meta"]["settings"]["skip"] == 1
+    with pytest.raises(InvalidRequestError, match="--skip"):
+        run_bench(BenchOptions(dataset=str(data), skip=-1, out=str(tmp_path / "k")), engine=tiny_engine)
+    with pytest.raises(InvalidRequestError, match="has 2 questions, 3 were asked for"):
+        run_bench(BenchOptions(dataset=str(data), n=1, skip=2, out=str(tmp_path / "k")), engine=tiny_engine)
 
 
 def test_warm_in_other_company(tmp_path, tiny_engine, monkeypatch):
