@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import select
 import signal
 import sys
 import tempfile
@@ -100,12 +101,13 @@ def kills(directory: str, n: int, seed: int) -> dict:
             finally:
                 os._exit(1)
         os.close(write_fd)
-        time.sleep(rng.uniform(0.05, 0.6))
+        # the first record stored (however slow the machine), then a random moment: mostly mid-write
+        first = os.read(read_fd, 64) if select.select([read_fd], [], [], 60.0)[0] else b""
+        time.sleep(rng.uniform(0.0, 0.6))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        acknowledged = set()
-        with os.fdopen(read_fd) as r:
-            acknowledged = {int(line) for line in r.read().split()}
+        with os.fdopen(read_fd, "rb") as r:
+            acknowledged = {int(line) for line in (first + r.read()).split()}
         last = max(acknowledged, default=next_start - 1) + 2  # the one mid-write, and one more
         store = DiskStore(directory, 1 << 34, dtype="float32")
         for i in range(next_start, last + 1):
