@@ -69,13 +69,16 @@ def worker(job_path: str, out_path: str) -> None:
                 row["error"] = f"{type(e).__name__}: {e}"
             engine.flush()  # write-back (and the write-through to the server) before the next request
             rows.append(row)
+            if barrier:  # how far this worker is, for the parent's progress lines
+                Path(barrier, f"done-{job['index']}").write_text(str(len(rows)))
     stats = engine.store.stats()
     engine.close()
     Path(out_path).write_text(json.dumps({"index": job.get("index", 0), "rows": rows, "store": stats}, default=str))
 
 
-def run_workers(jobs: list[dict], directory: Path, timeout: float = 7200) -> list[dict]:
-    """Run jobs in parallel processes started together (a barrier after model loading)."""
+def run_workers(jobs: list[dict], directory: Path, timeout: float = 7200, progress_s: float = 30.0) -> list[dict]:
+    """Run jobs in parallel processes started together (a barrier after model loading); a progress
+    line on stderr every ``progress_s`` seconds (0: none)."""
     barrier = directory / "barrier"
     barrier.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -96,14 +99,34 @@ def run_workers(jobs: list[dict], directory: Path, timeout: float = 7200) -> lis
             raise RuntimeError("workers did not get ready in time")
         time.sleep(0.1)
     (barrier / "go").touch()
-    for p in procs:
-        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    total = sum(len(j["requests"]) * (2 if j.get("again") else 1) for j in jobs)
+    last = time.monotonic()
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"workers did not finish in {timeout:.0f} s; see {directory}/worker-*.log")
+        if progress_s and time.monotonic() - last >= progress_s:
+            last = time.monotonic()
+            print(f"{len(jobs)} workers: {_done(barrier)}/{total} requests answered", file=sys.stderr, flush=True)
+        time.sleep(0.2)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a worker failed; see {directory}/worker-*.log")
     return [json.loads((directory / f"out-{i}.json").read_text()) for i in range(len(jobs))]
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _done(barrier: Path) -> int:
+    """Requests answered so far, over every worker (each writes its own count)."""
+    total = 0
+    for f in barrier.glob("done-*"):
+        try:
+            total += int(f.read_text() or 0)
+        except (OSError, ValueError):  # being rewritten right now
+            pass
+    return total
 
 
 def _summary(rows: list[dict]) -> dict:
