@@ -39,7 +39,7 @@ __all__ = ["Pause", "Worker", "StreamJob"]
 #: The runner calls it between slices of a prefill: it may run a decode step of other requests there.
 Pause = Callable[[], None]
 
-_PIECE, _DONE, _ERROR = range(3)
+_PIECE, _DONE, _ERROR, _CLOSED = range(4)
 
 
 class _Cancelled(Exception):
@@ -315,12 +315,15 @@ class _Pieces:
         self._ended = True
         if kind == _ERROR:
             raise value
+        if kind == _CLOSED:  # closed from another thread while this one waited for a piece
+            raise StopIteration
         raise StopIteration(value)
 
     def close(self) -> None:
         if not self._ended:
             self._ended = True
             self._worker.cancel(self._ticket)
+            self._job.out.put((_CLOSED, None))  # wakes a consumer blocked in __next__ on another thread
 
     def __del__(self) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -159,6 +160,27 @@ def test_closing_a_stream_frees_its_slot_and_kv(tiny_model, tiny_tokenizer, docs
         assert sum(e[0] == "prefill" for e in events) == prefills + 1
     finally:
         engine.close()
+
+
+def test_closing_a_stream_wakes_its_consumer_on_another_thread(tiny_engine):
+    stream = tiny_engine.stream(prefix="the king was born in", max_new_tokens=900, mode="full")
+    got, finished = [], threading.Event()
+
+    def consume():
+        for piece in stream:
+            got.append(piece)
+        finished.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    while not got:
+        time.sleep(0.01)
+    gate = hold_engine_thread(tiny_engine)  # no piece comes now: the consumer waits for one
+    stream.close()
+    assert finished.wait(10), "the consumer still waits for a piece of a closed stream"
+    gate.set()
+    assert stream.generation is None and len(got) < 900
+    assert tiny_engine.generate(prefix="the king", max_new_tokens=2, mode="full").token_ids  # the engine goes on
 
 
 def test_a_long_prefill_runs_between_another_streams_decode_steps(serving, events):
