@@ -18,7 +18,7 @@ from kvrag.engine.costs import CostFeedback
 from kvrag.engine.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.gate import load_gate
 from kvrag.engine.model import ModelAdapter
-from kvrag.engine.planner import Plan, Planner
+from kvrag.engine.planner import Plan, Planner, reuses_nothing
 from kvrag.engine.progress import progress_reporter
 from kvrag.engine.registry import ChunkRegistry
 from kvrag.engine.requests import (
@@ -436,8 +436,8 @@ class Engine:
         meanwhile).
         """
         n = int(req.ids.shape[0])
-        ratio = self._budget(req)[0]  # with "auto", its cap: the most it may recompute
-        if req.mode == "full" or (req.mode == "blend" and ratio >= 1.0):
+        ratio, auto, _ = self._budget(req)  # with "auto", its cap: the most it may recompute
+        if reuses_nothing(req.mode, ratio, auto):
             return Ticket(tokens=n, compute=n)
         prefix = 0
         if self.config.prefix_cache:

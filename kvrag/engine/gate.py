@@ -32,7 +32,7 @@ import torch
 from kvrag.engine.fusion import PrefillOptions, prefill
 from kvrag.engine.loading import KV_FORMAT_VERSION, atomic_write_text
 from kvrag.engine.model import ModelAdapter
-from kvrag.engine.planner import Plan, Segment
+from kvrag.engine.planner import Plan, Segment, reuses_nothing
 from kvrag.engine.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.store.base import KVRecord
 from kvrag.errors import UnsupportedModelError
@@ -58,8 +58,7 @@ class GateResult:
 
     def require(self, model: str, mode: str, ratio: float | str) -> None:
         """Raise if ``mode`` would reuse cached KV on a model that failed the gate."""
-        exact = mode == "blend" and not isinstance(ratio, str) and ratio >= 1.0  # ratio 1.0 reuses nothing
-        if self.ok or mode not in ("blend", "reuse") or exact:
+        if self.ok or mode not in ("blend", "reuse") or reuses_nothing(mode, ratio):
             return
         raise UnsupportedModelError(
             f"mode={mode!r} is refused for model {model!r}: kvrag's self-test at load failed the "

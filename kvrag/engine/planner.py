@@ -21,7 +21,7 @@ from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, chunk_key
 from kvrag.engine.variants import ExactDigest, VariantIndex, VariantInfo, context_id, fix_overhead, variant_key
 from kvrag.kernels import rope_rotate
 
-__all__ = ["Segment", "ChunkUse", "Plan", "Planner", "SpanSource"]
+__all__ = ["Segment", "ChunkUse", "Plan", "Planner", "SpanSource", "reuses_nothing"]
 
 
 @dataclass(slots=True)
@@ -54,6 +54,12 @@ class ChunkUse:
     fix: float | None = None  # the used variant's cache fix overhead (Cache-Craft's CFO without alpha)
 
 
+def reuses_nothing(mode: str, ratio: float | str, auto: bool = False) -> bool:
+    """Every token is computed: ``full`` mode, or ``blend`` at a fixed ratio of 1.0 (with ``auto``,
+    or the ratio ``"auto"``, the ratio is a cap and reuse may still happen)."""
+    return mode == "full" or (mode == "blend" and not auto and not isinstance(ratio, str) and ratio >= 1.0)
+
+
 @dataclass(slots=True)
 class Plan:
     """A prefill plan for one request."""
@@ -76,8 +82,8 @@ class Plan:
 
     @property
     def is_full(self) -> bool:
-        """Every token is computed, nothing reused: ``full`` mode, or ``blend`` at ratio 1.0."""
-        return self.mode == "full" or (self.mode == "blend" and self.ratio >= 1.0 and not self.auto)
+        """Every token is computed, nothing reused (:func:`reuses_nothing`)."""
+        return reuses_nothing(self.mode, self.ratio, self.auto)
 
     @property
     def boundaries(self) -> list[int]:
