@@ -255,7 +255,7 @@ class Engine:
                 self.store,
                 docs,
                 keys,
-                run=lambda job, tokens: self._worker.call(Ticket(tokens=tokens, compute=tokens), job),
+                run=self._run_job,  # bounded: a full queue refuses the window (OverloadedError)
                 window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
                 keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
                 progress=report,
@@ -454,9 +454,14 @@ class Engine:
         cached = min(n - 1, prefix + chunks)
         return Ticket(tokens=n, cached=cached, compute=n - cached + round(ratio * chunks))
 
+    def _run_job(self, job, tokens: int, *, bounded: bool = True):
+        """Run ``job(pause)`` on the engine thread, queued as ``tokens`` of compute; ``bounded=False``
+        for internal work (write-back, calibration) that a full queue must never refuse."""
+        return self._worker.call(Ticket(tokens=tokens, compute=tokens, bounded=bounded), job)
+
     def _run_internal(self, job, tokens: int):
-        """Run ``job(pause)`` on the engine thread for internal work (write-back): never refused."""
-        return self._worker.call(Ticket(tokens=tokens, compute=tokens, bounded=False), job)
+        """:meth:`_run_job` for internal work: never refused."""
+        return self._run_job(job, tokens, bounded=False)
 
     def _prefill(self, req: Request, *, capacity: int, pause: Pause | None = None) -> tuple[Plan, PrefillResult]:
         """Plan and run a request's prefill (on the engine thread); a damaged cached entry re-plans it."""
