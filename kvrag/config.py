@@ -135,7 +135,9 @@ class EngineConfig:
             that move bytes). The codec is applied once, when a chunk is first stored, and every
             tier (memory included) holds its result, so answers never depend on the tier that
             served a chunk. ``int8`` also turns a memory-only store into one that keeps codes.
-            Exact-prefix blocks stay plain.
+            Exact-prefix blocks stay plain. ``auto`` (default): ``int8`` when ``remote_url`` is
+            set (measured on the dev bench: answer drift +0.0003 nats/token against fp16, 1.9x
+            fewer bytes to move; docs/scale-out.md), ``plain`` otherwise.
         prefetch: stream disk and remote hits layer by layer while the prefill computes (else read
             them whole first).
         loading_controller: in ``blend``, raise a request's recompute ratio while the extra
@@ -209,7 +211,7 @@ class EngineConfig:
     remote_url: str | None = None
     remote_timeout_s: float = 1.0
     remote_ttl_s: float | None = 7 * 86400.0
-    kv_codec: str = "plain"
+    kv_codec: str = "auto"
     prefetch: bool = True
     loading_controller: bool = True
     eviction_policy: str = "pgdsf"
@@ -282,8 +284,8 @@ class EngineConfig:
             or self.remote_ttl_s <= 0
         ):
             raise InvalidRequestError(f"remote_ttl_s must be None or a number > 0, got {self.remote_ttl_s!r}")
-        if self.kv_codec not in KV_CODECS:
-            raise InvalidRequestError(f"kv_codec must be one of {KV_CODECS}, got {self.kv_codec!r}")
+        if self.kv_codec != "auto" and self.kv_codec not in KV_CODECS:
+            raise InvalidRequestError(f"kv_codec must be 'auto' or one of {KV_CODECS}, got {self.kv_codec!r}")
         if self.eviction_policy not in _POLICIES:
             raise InvalidRequestError(f"eviction_policy must be one of {_POLICIES}, got {self.eviction_policy!r}")
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -331,7 +333,10 @@ class EngineConfig:
         return max(1, min(layer, n_layers - 1))
 
     def resolved_kv_codec(self) -> str:
-        """The codec chunk KV is held in at rest (see ``kv_codec``)."""
+        """The codec chunk KV is held in at rest (see ``kv_codec``): ``auto`` is ``int8`` with a remote
+        tier, else ``plain``."""
+        if self.kv_codec == "auto":
+            return "int8" if self.remote_url else "plain"
         return self.kv_codec
 
     def resolved_cache_dir(self) -> Path:

@@ -222,7 +222,14 @@ def shared_stream(args) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     srv, url = _server(args, directory, remote_budget)
     try:
-        config = dict(memory_budget_bytes=memory_budget, loading_controller=False, **_overrides(args.config))
+        # kv_codec plain unless asked: the reference replay sizes entries in fp16 (int8, the remote
+        # default, would fit ~1.9x more chunks in the same budget and flatter the workers)
+        config = {
+            "memory_budget_bytes": memory_budget,
+            "loading_controller": False,
+            "kv_codec": "plain",
+            **_overrides(args.config),
+        }
         every = [_request(fmt, item, [pool["pool"][p] for p in picks], j) for j, (item, picks) in enumerate(reqs)]
         base = {"model": args.model, "remote_url": url, "config": config, "threads": args.threads}
         base["max_new_tokens"] = args.max_new_tokens

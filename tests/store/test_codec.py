@@ -9,8 +9,8 @@ import torch
 
 from kvrag import Engine
 from kvrag.config import EngineConfig
-from kvrag.engine.store import DiskStore, MemoryStore, TieredStore, serial
-from kvrag.engine.store.codec import CodedRecord, Int8Codec, PlainCodec
+from kvrag.engine.store import DiskStore, MemoryStore, TieredStore, build_store, serial
+from kvrag.engine.store.codec import AtRest, CodedRecord, Int8Codec, PlainCodec
 from kvrag.engine.store.remote import RemoteStore
 from kvrag.errors import InvalidRequestError
 from tests.helpers import make_docs
@@ -122,6 +122,18 @@ def test_engine_answers_alike_from_memory_disk_and_remote(tiny_model, tiny_token
     assert [c.tier for c in disk.stats.chunks] == ["disk"] * 4
     assert [c.tier for c in remote.stats.chunks] == ["remote"] * 4
     assert mem.token_ids == disk.token_ids == remote.token_ids
+
+
+def test_the_codec_defaults_to_int8_only_with_a_remote_tier(tmp_path, remote_server):
+    assert EngineConfig().resolved_kv_codec() == "plain"
+    assert EngineConfig(disk_tier=True).resolved_kv_codec() == "plain"
+    assert EngineConfig(remote_url="redis://h:6379/0").resolved_kv_codec() == "int8"
+    assert EngineConfig(remote_url="redis://h:6379/0", kv_codec="plain").resolved_kv_codec() == "plain"
+    store = build_store(EngineConfig(remote_url=remote_server.url, disk_tier=True, cache_dir=str(tmp_path)))
+    try:
+        assert store.remote.at_rest.tag == store.disk.at_rest.tag == AtRest("int8").tag
+    finally:
+        store.close()
 
 
 def test_config_validates_the_remote_fields():

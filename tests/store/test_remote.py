@@ -27,10 +27,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def engine(model, tok, url, **kw) -> Engine:
     """An engine over memory + the remote tier (no disk). Loading controller off: the answers of
-    these tests must not depend on how fast the server was. KV at rest in float32, so that reused
-    prefix blocks are exact and an engine that computes every chunk answers as the reference."""
+    these tests must not depend on how fast the server was. KV at rest in float32 and plain (not the
+    remote default int8), so that reused blocks are exact and an engine that computes every chunk
+    answers as the reference."""
     kw.setdefault("loading_controller", False)
     kw.setdefault("disk_dtype", "float32")
+    kw.setdefault("kv_codec", "plain")
     return Engine.from_model(model, tok, remote_url=url, max_new_tokens=4, **kw)
 
 
