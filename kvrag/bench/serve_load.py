@@ -44,6 +44,8 @@ __all__ = ["LoadOptions", "LoadRequest", "build_requests", "arrivals", "summariz
 
 #: The methods compared: kvrag's default (the server's config, blend) and the full prefill.
 METHODS = {"kvrag": None, "full": "full"}
+#: seconds between progress lines while a run is under way
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclass
@@ -150,10 +152,30 @@ async def _run_one(base_url: str, opts: LoadOptions, method: str, rate: float, p
                 await client.warm(warm)
         start = time.perf_counter()
         jobs = [
-            _one(client, req, mode=METHODS[method], max_new_tokens=opts.max_new_tokens, start=start, at=at)
+            asyncio.ensure_future(
+                _one(client, req, mode=METHODS[method], max_new_tokens=opts.max_new_tokens, start=start, at=at)
+            )
             for req, at in zip(requests, times)
         ]
-        return [{"method": method, "rate": rate, **rec} for rec in await asyncio.gather(*jobs)]
+        ticker = asyncio.ensure_future(_progress(jobs, f"{method} at {rate:g} req/s"))
+        try:
+            done = await asyncio.gather(*jobs)
+        finally:
+            ticker.cancel()
+        return [{"method": method, "rate": rate, **rec} for rec in done]
+
+
+async def _progress(jobs: list[asyncio.Future], what: str, every_s: float = PROGRESS_EVERY_S) -> None:
+    """A line on stderr every ``every_s`` seconds while a run's requests are out (a run takes minutes)."""
+    t0 = time.perf_counter()
+    while True:
+        await asyncio.sleep(every_s)
+        answered = sum(j.done() for j in jobs)
+        print(
+            f"serve-load: {what}: {answered}/{len(jobs)} answered after {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def summarize_run(records: list[dict], *, ttft_slo: float) -> dict:

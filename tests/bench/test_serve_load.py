@@ -98,3 +98,21 @@ def test_a_small_run_against_the_server(serve_tiny, tmp_path):
     assert saved["highest_sustained_rate"] == doc["highest_sustained_rate"]
     assert (tmp_path / "out" / "latency_vs_load.png").stat().st_size > 0
     assert "| kvrag | 20.0 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_run_under_way_reports_progress(capsys):
+    import asyncio
+
+    from kvrag.bench.serve_load import _progress
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [loop.create_future() for _ in range(3)]
+        jobs[0].set_result(None)
+        ticker = asyncio.ensure_future(_progress(jobs, "kvrag at 0.1 req/s", every_s=0.01))
+        await asyncio.sleep(0.05)
+        ticker.cancel()
+
+    asyncio.run(main())
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith("serve-load: kvrag at 0.1 req/s: 1/3 answered after") for line in lines)
