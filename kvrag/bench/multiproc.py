@@ -79,8 +79,7 @@ def worker(job_path: str, out_path: str) -> None:
 def run_workers(jobs: list[dict], directory: Path, timeout: float = 7200, progress_s: float = 30.0) -> list[dict]:
     """Run jobs in parallel processes started together (a barrier after model loading); a progress
     line on stderr every ``progress_s`` seconds (0: none)."""
-    barrier = directory / "barrier"
-    barrier.mkdir(parents=True, exist_ok=True)
+    barrier = fresh_barrier(directory)
     procs = []
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     for i, job in enumerate(jobs):
@@ -116,6 +115,17 @@ def run_workers(jobs: list[dict], directory: Path, timeout: float = 7200, progre
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def fresh_barrier(directory: Path) -> Path:
+    """The run's barrier directory, emptied: marks left by an earlier run into the same directory
+    (``ready-*``, ``go``, ``done-*``) would let workers start before the others are loaded and
+    count the old run's requests as answered."""
+    barrier = Path(directory) / "barrier"
+    barrier.mkdir(parents=True, exist_ok=True)
+    for stale in barrier.iterdir():
+        stale.unlink()
+    return barrier
 
 
 def _done(barrier: Path) -> int:
