@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import weakref
 
 import pytest
@@ -164,17 +163,17 @@ def test_closing_a_stream_frees_its_slot_and_kv(tiny_model, tiny_tokenizer, docs
 
 def test_closing_a_stream_wakes_its_consumer_on_another_thread(tiny_engine):
     stream = tiny_engine.stream(prefix="the king was born in", max_new_tokens=900, mode="full")
-    got, finished = [], threading.Event()
+    got, first, finished = [], threading.Event(), threading.Event()
 
     def consume():
         for piece in stream:
             got.append(piece)
+            first.set()
         finished.set()
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    while not got:
-        time.sleep(0.01)
+    assert first.wait(30), "the stream gave no first piece"
     gate = hold_engine_thread(tiny_engine)  # no piece comes now: the consumer waits for one
     stream.close()
     assert finished.wait(10), "the consumer still waits for a piece of a closed stream"
