@@ -4,6 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from kvrag.config import EngineConfig
 from kvrag.engine import (
+    CacheLookup,
     ChunkInfo,
     Engine,
     Generation,
@@ -39,6 +40,7 @@ __all__ = [
     "ChunkInfo",
     "ScoreResult",
     "WarmResult",
+    "CacheLookup",
     "KvragError",
     "InvalidRequestError",
     "ContextLengthError",

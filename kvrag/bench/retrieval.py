@@ -19,7 +19,9 @@ prompt tokens not found in the store (``uncached_share`` = 1 - cached / prompt),
 not the engine's to save), ``many_hits`` (at least ``--retrieval-min-hits`` chunk hits), and the
 answer drift against the full prefill's answer. A method is scored *before* it runs a request:
 scoring stores nothing, so its prefill meets the store the run then meets (after the run, the
-run's own write-back would be there).
+run's own write-back would be there). When the store holds none of the request's chunks, the
+method's prefill is the full prefill's computation: its drift is recorded as 0 without a scoring
+prefill (``drift_unscored``).
 """
 
 from __future__ import annotations
@@ -115,10 +117,14 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
             )
             outcomes: dict[str, Outcome] = {}
             logps: dict[str, list[float] | None] = {}
+            exact: set[str] = set()  # methods whose prefill reused no chunk KV: drift 0 without scoring
             for name, m, eng in runners:  # full first (ordered)
                 answer = outcomes["full"].text if outcomes else None
                 if answer and answer.strip() and m.answers and m.name in score_set:
-                    logps[name] = m.score_tokens(eng, req, answer)  # before the run: see the module docstring
+                    if name in owned and _blends_nothing(eng, req):
+                        exact.add(name)
+                    else:
+                        logps[name] = m.score_tokens(eng, req, answer)  # before the run: see the module docstring
                 outcomes[name] = m.run(eng, req, max_new_tokens=max_new)
                 eng.flush()  # write-back off the clock, before the next method is timed
                 if name == "full" and "full" in score_set and outcomes[name].text and outcomes[name].text.strip():
@@ -128,6 +134,8 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                 rec["many_hits"] = rec["chunk_hits"] >= min_hits
                 if name != "full" and logps.get(name) and logps.get("full"):
                     rec["answer_drift_full"] = answer_drift(logps[name], logps["full"])
+                elif name in exact and logps.get("full"):
+                    rec["answer_drift_full"], rec["drift_unscored"] = 0.0, True
                 if name in owned:
                     rec.update(store_usage(eng.store.stats()))
                 out.append(rec)
@@ -135,6 +143,18 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                 bar.set_postfix_str(_postfix(out))
     ctx.records.extend(out)
     return out
+
+
+def _blends_nothing(engine, req: Request) -> bool:
+    """True when the store holds none of the request's chunks (key lookups only, nothing loaded).
+
+    Its prefill then reuses no chunk KV (every token computed, or an exact prefix), the same
+    computation as the full prefill's, so its drift is 0 and a scoring prefill (~a full one) would
+    only confirm it. In write-back mode that is every first ask of a question with new passages.
+    """
+    if req.prompt is not None:
+        return engine.lookup(prompt=req.prompt).chunks_stored == 0
+    return engine.lookup(req.chunks, req.prefix, req.suffix).chunks_stored == 0
 
 
 def retrieval_record(

@@ -3,7 +3,15 @@
 from kvrag.engine.engine import Engine
 from kvrag.engine.sampling import SamplingParams
 from kvrag.engine.shared import drop_engines, get_engine
-from kvrag.engine.types import ChunkInfo, Generation, GenerationStats, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.types import (
+    CacheLookup,
+    ChunkInfo,
+    Generation,
+    GenerationStats,
+    GenerationStream,
+    ScoreResult,
+    WarmResult,
+)
 
 __all__ = [
     "Engine",
@@ -16,4 +24,5 @@ __all__ = [
     "ChunkInfo",
     "ScoreResult",
     "WarmResult",
+    "CacheLookup",
 ]

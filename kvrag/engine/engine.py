@@ -39,7 +39,7 @@ from kvrag.engine.selection import auto_kind
 from kvrag.engine.sequence import Sequence as RunningSequence
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
-from kvrag.engine.types import Generation, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.types import CacheLookup, Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.engine.variants import VariantIndex
 from kvrag.engine.worker import Pause, StreamJob, Worker
 from kvrag.engine.writeback import WriteBack
@@ -345,6 +345,31 @@ class Engine:
         stats = generation_stats(plan, res, self.adapter.n_layers, time.perf_counter() - t0)
         return ScoreResult(float(sum(per_token)), len(cont_ids), per_token, stats)
 
+    def lookup(
+        self,
+        chunks: Sequence[str] | None = None,
+        prefix: str = "",
+        suffix: str = "",
+        *,
+        prompt: str | None = None,
+        namespace: str | None = None,
+    ) -> CacheLookup:
+        """How much of this prompt the cache holds now, without loading or changing anything.
+
+        Key lookups only (the prefix cache, then each chunk's key), so it is cheap and never counts
+        as a hit or a use; a request made next may still find less (an entry evicted or damaged in
+        between). Takes the prompt as :meth:`generate` does.
+        """
+        req = self._request(
+            chunks=chunks,
+            prefix=prefix,
+            suffix=suffix,
+            prompt=prompt,
+            sampling=SamplingParams(max_new_tokens=0, temperature=0.0),
+            namespace=namespace,
+        )
+        return self._lookup(req)
+
     def queue_stats(self) -> dict:
         """The engine thread's load now: ``running`` (requests holding a decoding slot), ``waiting``
         (requests and jobs queued), ``queued_tokens`` (their prompt tokens), ``decode_steps``."""
@@ -431,28 +456,35 @@ class Engine:
     def _ticket(self, req: Request) -> Ticket:
         """A request's place in the queue: its prompt tokens, and how many of them the cache holds.
 
-        Estimated without loading anything (key lookups only): the chunks whose KV is stored and the
-        exact prefix blocks in store; the plan made when it starts may differ (an entry evicted
-        meanwhile).
+        Estimated without loading anything (:meth:`_lookup`); the plan made when it starts may
+        differ (an entry evicted meanwhile).
         """
         n = int(req.ids.shape[0])
         ratio, auto, _ = self._budget(req)  # with "auto", its cap: the most it may recompute
         if reuses_nothing(req.mode, ratio, auto):
             return Ticket(tokens=n, compute=n)
+        found = self._lookup(req)
+        chunks = found.chunk_tokens_stored if req.mode in ("blend", "reuse") else 0
+        cached = min(n - 1, found.prefix_tokens + chunks)
+        return Ticket(tokens=n, cached=cached, compute=n - cached + round(ratio * chunks))
+
+    def _lookup(self, req: Request) -> CacheLookup:
+        """Key lookups only: the exact prefix in the prefix cache, then the chunks stored past it."""
+        n = int(req.ids.shape[0])
         prefix = 0
         if self.config.prefix_cache:
             prefix = self.planner.prefix_cache.cached_length(req.ids.tolist(), n - 1, namespace=req.namespace)
-        chunks = 0
-        if req.mode in ("blend", "reuse"):
-            chunks = sum(
-                len(s.ids)
-                for s in req.segments
-                if s.kind == "chunk"
-                and s.start >= prefix
-                and self.store.contains(self.planner.chunk_key(s.ids, req.namespace))
-            )
-        cached = min(n - 1, prefix + chunks)
-        return Ticket(tokens=n, cached=cached, compute=n - cached + round(ratio * chunks))
+        chunks = [s for s in req.segments if s.kind == "chunk"]
+        stored = [
+            s for s in chunks if s.start >= prefix and self.planner.holds(self.planner.chunk_key(s.ids, req.namespace))
+        ]
+        return CacheLookup(
+            prompt_tokens=n,
+            prefix_tokens=prefix,
+            chunks=len(chunks),
+            chunks_stored=len(stored),
+            chunk_tokens_stored=sum(len(s.ids) for s in stored),
+        )
 
     def _run_job(self, job, tokens: int, *, bounded: bool = True):
         """Run ``job(pause)`` on the engine thread, queued as ``tokens`` of compute; ``bounded=False``

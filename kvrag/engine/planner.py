@@ -241,6 +241,10 @@ class Planner:
         """A record whose KV has another model's shape is unusable (only a forged entry has one)."""
         return self.kv_shape is None or rec.kv_shape == self.kv_shape
 
+    def holds(self, key: StoreKey) -> bool:
+        """Whether the store holds a variant of the chunk whose own key is ``key`` (key lookups only)."""
+        return self.store.contains(key) or any(self.store.contains(k) for k in self.variants.keys(key))
+
     def chunk_key(self, ids: list[int], namespace: str | None = None) -> StoreKey:
         """Key of a chunk's KV for a tenant (default: the engine's namespace)."""
         return chunk_key(namespace or self.namespace, self.fingerprint, ids, context=self.context_label)

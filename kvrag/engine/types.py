@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["ChunkInfo", "GenerationStats", "Generation", "GenerationStream", "WarmResult", "ScoreResult"]
+__all__ = ["ChunkInfo", "GenerationStats", "Generation", "GenerationStream", "WarmResult", "ScoreResult", "CacheLookup"]
 
 
 @dataclass(slots=True)
@@ -149,3 +149,27 @@ class ScoreResult:
     tokens: int
     token_logprobs: list[float]
     stats: GenerationStats
+
+
+@dataclass(slots=True)
+class CacheLookup:
+    """How much of a prompt the cache holds now (``Engine.lookup``: key lookups, nothing loaded).
+
+    Attributes:
+        prompt_tokens: tokens in the prompt.
+        prefix_tokens: leading tokens held exactly in the prefix cache.
+        chunks: the prompt's chunks.
+        chunks_stored: of those, chunks with at least one stored KV (past the exact prefix).
+        chunk_tokens_stored: the tokens of those chunks.
+    """
+
+    prompt_tokens: int
+    prefix_tokens: int
+    chunks: int
+    chunks_stored: int
+    chunk_tokens_stored: int
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV a request would find (the last token is always computed)."""
+        return min(self.prompt_tokens - 1, self.prefix_tokens + self.chunk_tokens_stored)

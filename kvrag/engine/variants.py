@@ -184,6 +184,11 @@ class VariantIndex:
     def __len__(self) -> int:
         return len(self._by_chunk)
 
+    def keys(self, base: StoreKey) -> list[StoreKey]:
+        """The store keys of a chunk's indexed variants (a peek: the index's order is untouched)."""
+        with self._lock:
+            return [v.key for v in self._by_chunk.get(base, ())]
+
     def variants(self, base: StoreKey) -> list[VariantInfo]:
         with self._lock:
             found = self._by_chunk.get(base)

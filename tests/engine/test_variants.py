@@ -154,3 +154,16 @@ def test_a_chunk_recomputed_whole_becomes_a_variant_for_this_company(tiny_engine
         if n == 2:
             assert chunk.fix == 0.0  # computed in exactly this company
     assert g.stats.chunk_hits == again.stats.chunk_hits == 4 and min(fixes) == 0.0
+
+
+def test_lookup_finds_a_chunk_held_only_as_a_later_variant(tiny_engine, docs):
+    # the chunk's first variant (under its own key) evicted, a variant from another context left
+    tiny_engine.generate(docs[:2], PREFIX, SUFFIX)  # docs[1] behind docs[0]
+    tiny_engine.flush()
+    tiny_engine.generate([docs[2], docs[1]], PREFIX, SUFFIX, recompute_ratio=1.0)  # docs[1] again, other company
+    tiny_engine.flush()
+    key = tiny_engine.planner.chunk_key(tiny_engine.planner.tokenize(docs[1]))
+    others = [k for k in tiny_engine.planner.variants.keys(key) if k != key]
+    assert others, "the recomputed chunk was not kept as a second variant"
+    tiny_engine.store.remove(key)
+    assert tiny_engine.lookup([docs[1]], PREFIX, SUFFIX).chunks_stored == 1
