@@ -85,7 +85,7 @@ class BenchOptions:
     conv_top_k: int = 2
     conv_methods: str = "full,blend,conv"
     conv_max_new_tokens: int = 24
-    retrieval_methods: str = "full,probe@0.15,hkvd@0.15,epic@0.15"
+    retrieval_methods: str = "full,auto,probe@0.15,hkvd@0.15,epic@0.15"
     retrieval_requests: int | None = None
     retrieval_max_new_tokens: int = 32
     retrieval_score: str = "auto"

@@ -112,9 +112,11 @@ def test_retrieval_workload_both_store_modes(tmp_path, tiny_engine):
     # each method has a store of its own, starting cold: the first request misses for every one of
     # them (a shared store would hold the first method's write-back by the second)
     assert all(r["chunk_hits"] == 0 and r["uncached_share"] == 1.0 for r in wb if r["request"] == 0)
-    assert all(r["answer_drift_full"] == 0.0 for r in wb if r["request"] == 0)  # nothing reused: the full prefill
+    # nothing reused: the full prefill's computation, so drift 0 without a scoring prefill
+    assert all(r["answer_drift_full"] == 0.0 and r["drift_unscored"] for r in wb if r["request"] == 0)
     returns = [r for r in wb if r["occurrence"] > 0]
     assert returns and all(r["chunk_hits"] >= 1 for r in returns)  # its own passages came back
+    assert all("drift_unscored" not in r for r in returns)  # chunk KV reused: scored
     corpus = [r for r in recs if r["workload"] == "retrieval/corpus" and r["method"] != "full"]
     assert all(r["chunk_hits"] == 3 for r in corpus)  # the whole pool was warmed
     facts = res["extras"]["retrieval/corpus"]
