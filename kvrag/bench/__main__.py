@@ -165,10 +165,11 @@ def _run_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--corpus-order",
-        choices=("shuffled", "dataset"),
+        choices=("similar", "shuffled", "dataset"),
         default=d.corpus_order,
-        help="--store corpus warms the pool in this order: shuffled (seeded) or dataset (each question's "
-        "passages together: the favourable case)",
+        help="--store corpus warms the pool: similar (kvrag's own way, the default: warm(order='similar') "
+        "with the retriever's vectors, each passage behind the ones most like it), shuffled (seeded, "
+        "behind unrelated passages) or dataset (each question's passages together: the favourable case)",
     )
     r.add_argument(
         "--embedder",

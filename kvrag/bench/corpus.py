@@ -39,7 +39,7 @@ REWORDINGS = (
 #: Embedders of :func:`make_embedder`.
 EMBEDDERS = ("minilm", "lexical")
 #: Orders in which ``--store corpus`` warms the pool (:func:`corpus_order`).
-CORPUS_ORDERS = ("shuffled", "dataset")
+CORPUS_ORDERS = ("similar", "shuffled", "dataset")
 
 #: Texts -> [n, d] float32 unit vectors.
 Embedder = Callable[[list[str]], np.ndarray]
@@ -157,14 +157,21 @@ class Corpus:
         return [[int(i) for i in row] for row in ids]
 
 
-def corpus_order(corpus: Corpus, order: str, seed: int) -> list[str]:
-    """The pool in the order ``--store corpus`` warms it: ``dataset`` (each question's passages
-    together: every chunk computed among its own question's passages, the favourable case) or
-    ``shuffled`` (seeded: among passages of unrelated questions, as an app's corpus would be)."""
+def corpus_order(corpus: Corpus, order: str, seed: int) -> tuple[list[str], dict]:
+    """The pool as ``--store corpus`` warms it, and the keywords of that ``Engine.warm`` call.
+
+    ``similar`` (kvrag's own way): the pool in a seeded shuffle, given to
+    ``warm(order="similar", embeddings=...)`` with the retriever's own vectors, which computes each
+    passage behind the ones most like it (the company it will keep in prompts). ``shuffled``: the
+    seeded shuffle as it is (among passages of unrelated questions). ``dataset``: each question's
+    passages together (every chunk computed among its own question's passages, the favourable case).
+    """
     if order not in CORPUS_ORDERS:
         raise InvalidRequestError(f"corpus order must be one of {CORPUS_ORDERS}, got {order!r}")
-    texts = list(corpus.passages)
-    if order == "shuffled":
-        rng = np.random.default_rng(seed)
-        texts = [texts[i] for i in rng.permutation(len(texts))]
-    return texts
+    rows = list(range(len(corpus.passages)))
+    if order != "dataset":
+        rows = [int(i) for i in np.random.default_rng(seed).permutation(len(rows))]
+    texts = [corpus.passages[i] for i in rows]
+    if order == "similar":
+        return texts, {"order": "similar", "embeddings": corpus.vectors[rows]}
+    return texts, {}

@@ -33,6 +33,7 @@ class MethodEngines:
         self.base = base
         self._own: dict[str, object] = {}
         self._shared: dict[str, object] = {}
+        self._spare: list = []  # engines of :meth:`scratch`
         self._scratch: tempfile.TemporaryDirectory | None = None
 
     def _build(self, config, store=None):
@@ -78,6 +79,16 @@ class MethodEngines:
         self._own[name] = self._build(self.base.config.replace(**settings))
         return self._own[name]
 
+    def scratch(self, **settings):
+        """An engine with a store of its own that no method runs on (closed with the others):
+        e.g. one warm computed once and copied into every method's store."""
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
+        settings["cache_dir"] = os.path.join(self._scratch.name, f"scratch-{len(self._spare)}")
+        engine = self._build(self.base.config.replace(**settings))
+        self._spare.append(engine)
+        return engine
+
     def runners(self, methods: list[Method], settings: dict[str, dict]) -> list[tuple[str, Method, object]]:
         """``(row name, method, engine)`` per method, in order, for workloads of stores of their own.
 
@@ -103,12 +114,13 @@ class MethodEngines:
     def close(self) -> None:
         """Close the engines with stores of their own; the others only finish their write-back
         (their store is the run's engine's, closed by its owner)."""
-        for engine in self._own.values():
+        for engine in [*self._own.values(), *self._spare]:
             engine.close()
         for engine in self._shared.values():
             engine.flush()
         self._own.clear()
         self._shared.clear()
+        self._spare.clear()
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None

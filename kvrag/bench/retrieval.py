@@ -27,6 +27,7 @@ prefill (``drift_unscored``).
 from __future__ import annotations
 
 import math
+import time
 
 from kvrag.bench.corpus import Ask, Corpus, corpus_order, make_embedder, question_stream
 from kvrag.bench.data import QAItem, Request
@@ -42,6 +43,7 @@ from kvrag.bench.workloads import (
     ordered,
     store_usage,
 )
+from kvrag.engine.store.base import KVRecord
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["STORE_MODES", "run_retrieval", "retrieval_record"]
@@ -94,11 +96,8 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
         _warm_up(ctx, runners, owned)
         warmed = {}
         if mode == "corpus":
-            texts = corpus_order(corpus, ctx.opt("corpus_order", "shuffled"), ctx.opt("seed", 0))
-            for name, eng in owned.items():
-                res = eng.warm(texts)
-                eng.flush()
-                warmed[name] = {"computed": res.computed, "tokens": res.tokens, "seconds": res.seconds}
+            texts, how = corpus_order(corpus, ctx.opt("corpus_order", "similar"), ctx.opt("seed", 0))
+            warmed = _warm_stores(engines, owned, texts, how, store, progress=bool(ctx.progress))
         ctx.extras[workload] = _facts(ctx, corpus, stream, mode, min_hits, owned, warmed)
         out: list[dict] = []
         bar = ctx.progress(stream, desc=f"(r) {mode}", total=len(stream)) if ctx.progress else stream
@@ -117,24 +116,29 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
             )
             outcomes: dict[str, Outcome] = {}
             logps: dict[str, list[float] | None] = {}
-            exact: set[str] = set()  # methods whose prefill reused no chunk KV: drift 0 without scoring
+            # a method whose store holds none of the request's chunks reuses no chunk KV: its prefill is
+            # the full one's computation, drift 0 without a scoring prefill (nor full's, if none needs it)
+            wanted = [(n, m, e) for n, m, e in runners if n != "full" and m.answers and m.name in score_set]
+            exact = (
+                {n for n, _, e in wanted if n in owned and _blends_nothing(e, req)} if "full" in score_set else set()
+            )
+            scored = {n for n, _, _ in wanted if n not in exact}
             for name, m, eng in runners:  # full first (ordered)
                 answer = outcomes["full"].text if outcomes else None
-                if answer and answer.strip() and m.answers and m.name in score_set:
-                    if name in owned and _blends_nothing(eng, req):
-                        exact.add(name)
-                    else:
-                        logps[name] = m.score_tokens(eng, req, answer)  # before the run: see the module docstring
+                if answer and answer.strip() and name in scored:
+                    logps[name] = m.score_tokens(eng, req, answer)  # before the run: see the module docstring
                 outcomes[name] = m.run(eng, req, max_new_tokens=max_new)
                 eng.flush()  # write-back off the clock, before the next method is timed
-                if name == "full" and "full" in score_set and outcomes[name].text and outcomes[name].text.strip():
-                    logps[name] = m.score_tokens(eng, req, outcomes[name].text)
+                text = outcomes[name].text
+                if name == "full" and "full" in score_set and scored and text and text.strip():
+                    logps[name] = m.score_tokens(eng, req, text)
+            answered = bool((outcomes["full"].text or "").strip())
             for name, m, eng in runners:
                 rec = retrieval_record(ctx.run_id, req, ask, m, outcomes[name], outcomes["full"], name=name)
                 rec["many_hits"] = rec["chunk_hits"] >= min_hits
                 if name != "full" and logps.get(name) and logps.get("full"):
                     rec["answer_drift_full"] = answer_drift(logps[name], logps["full"])
-                elif name in exact and logps.get("full"):
+                elif name in exact and answered:
                     rec["answer_drift_full"], rec["drift_unscored"] = 0.0, True
                 if name in owned:
                     rec.update(store_usage(eng.store.stats()))
@@ -143,6 +147,59 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                 bar.set_postfix_str(_postfix(out))
     ctx.records.extend(out)
     return out
+
+
+def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dict, store: dict, *, progress: bool):
+    """Warm the pool into every method's store: computed once per kind of chunk KV, then copied.
+
+    The methods' engines differ in how they *use* chunk KV, not in how a warm computes it, except
+    through ``chunk_context``: engines alike in it get the records of one warm (on a scratch engine
+    with the run's store settings, so no method's store is read or promoted by the copying), each
+    record put as the warm itself puts it (the chunk's first variant, with its context).
+    """
+    groups: dict[str, list[str]] = {}
+    for name, eng in owned.items():
+        groups.setdefault(eng.config.chunk_context, []).append(name)
+    out = {}
+    for context, names in groups.items():
+        src = engines.scratch(**store, chunk_context=context)
+        res = src.warm(texts, progress=progress, **how)
+        src.flush()
+        for name in names:
+            t0 = time.perf_counter()
+            copied = _copy_records(src, owned[name], texts)
+            owned[name].flush()
+            out[name] = {
+                "computed": res.computed,
+                "tokens": res.tokens,
+                "seconds": res.seconds,
+                "copied": copied,
+                "copy_seconds": time.perf_counter() - t0,
+                "shared_with": [n for n in names if n != name],
+            }
+    return out
+
+
+def _copy_records(src, dst, texts: list[str]) -> int:
+    """Put each text's stored chunk KV from ``src`` into ``dst`` as its first variant; returns how many."""
+    copied = 0
+    for text in texts:
+        ids = src.planner.tokenize(text)
+        key = src.planner.chunk_key(ids)
+        rec = src.store.get(key, ids)
+        if rec is None:
+            continue
+        twin = KVRecord(
+            token_ids=rec.token_ids.clone(),
+            k=rec.k.clone(),
+            v=rec.v.clone(),
+            kind=rec.kind,
+            context=rec.context,
+            meta=dict(rec.meta),
+            stats={n: t.clone() for n, t in rec.stats.items()},
+        )
+        copied += dst.planner.keep_variant(key, twin, tuple(rec.meta.get("context", ())))
+    return copied
 
 
 def _blends_nothing(engine, req: Request) -> bool:

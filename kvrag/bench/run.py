@@ -53,7 +53,7 @@ class BenchOptions:
             (``None``: two thirds of ``top_k``), the memory budget of each method's store (``None``:
             the engine's). ``zipf`` is then the popularity of questions, ``top_k`` the passages retrieved.
         store: workload (r)'s store modes, ``corpus`` and/or ``writeback``.
-        corpus_order: the order ``--store corpus`` warms the pool in: ``shuffled`` (seeded) or ``dataset``.
+        corpus_order: how ``--store corpus`` warms the pool: ``similar`` (kvrag's own way), ``shuffled`` or ``dataset``.
         embedder: workload (r)'s retrieval embeddings: ``minilm`` (bundled) or ``lexical`` (hashed words).
         model: model for the engine (None: the bundled model); ``config``: EngineConfig overrides.
         out: output directory.
@@ -92,7 +92,7 @@ class BenchOptions:
     retrieval_min_hits: int | None = None
     retrieval_budget_bytes: int | None = None
     store: str = "corpus,writeback"
-    corpus_order: str = "shuffled"
+    corpus_order: str = "similar"
     embedder: str = "minilm"
     windows: int = 5
     model: str | None = None

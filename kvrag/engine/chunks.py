@@ -228,7 +228,15 @@ def similarity_order(docs: Sequence[list[int]], embeddings=None) -> list[int]:
     n = len(docs)
     if n <= 2:
         return list(range(n))
-    x = torch.as_tensor(embeddings, dtype=torch.float32) if embeddings is not None else _lexical_vectors(docs)
+    if embeddings is None:
+        x = _lexical_vectors(docs)
+    elif isinstance(embeddings, (list, tuple)) and len(embeddings) == n:  # rows: stacked, not built element-wise
+        rows = [torch.as_tensor(row, dtype=torch.float32) for row in embeddings]
+        if len({tuple(r.shape) for r in rows}) != 1 or rows[0].dim() != 1:
+            raise InvalidRequestError("embeddings must be [n_chunks, dim]: rows of one length")
+        x = torch.stack(rows)
+    else:
+        x = torch.as_tensor(embeddings, dtype=torch.float32)
     if x.dim() != 2 or x.shape[0] != n:
         raise InvalidRequestError(f"embeddings must be [n_chunks, dim] = [{n}, d], got {tuple(x.shape)}")
     x = torch.nn.functional.normalize(x, dim=1)

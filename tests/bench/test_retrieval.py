@@ -7,11 +7,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from kvrag import InvalidRequestError
 from kvrag.bench import BenchOptions, make_synthetic_dataset, run_bench
 from kvrag.bench.corpus import REWORDINGS, Corpus, corpus_order, make_embedder, question_stream
 from kvrag.bench.data import QAItem
+from tests.helpers import make_docs
 
 
 def _items(n: int) -> list[QAItem]:
@@ -58,8 +60,12 @@ def test_corpus_pools_passages_once_and_retrieves_the_nearest():
     assert [t[0] for t in top] == [0, 2] and all(len(t) == 2 for t in top)
     with pytest.raises(InvalidRequestError, match="top-k"):
         corpus.search(["x"], 4)
-    assert corpus_order(corpus, "dataset", 0) == corpus.passages
-    assert sorted(corpus_order(corpus, "shuffled", 0)) == sorted(corpus.passages)
+    assert corpus_order(corpus, "dataset", 0) == (corpus.passages, {})
+    shuffled, how = corpus_order(corpus, "shuffled", 0)
+    assert sorted(shuffled) == sorted(corpus.passages) and how == {}
+    similar, how = corpus_order(corpus, "similar", 0)  # kvrag's own way: warm by similarity, the retriever's vectors
+    assert similar == shuffled and how["order"] == "similar"
+    assert np.array_equal(how["embeddings"], np.stack([corpus.vectors[corpus.passages.index(t)] for t in similar]))
     with pytest.raises(InvalidRequestError, match="embedder"):
         make_embedder("tfidf")
 
@@ -120,8 +126,10 @@ def test_retrieval_workload_both_store_modes(tmp_path, tiny_engine):
     corpus = [r for r in recs if r["workload"] == "retrieval/corpus" and r["method"] != "full"]
     assert all(r["chunk_hits"] == 3 for r in corpus)  # the whole pool was warmed
     facts = res["extras"]["retrieval/corpus"]
-    assert facts["corpus_order"] == "shuffled" and set(facts["warmed"]) == set(names[1:])
-    assert all(w["computed"] == facts["pool_passages"] for w in facts["warmed"].values())
+    assert facts["corpus_order"] == "similar" and set(facts["warmed"]) == set(names[1:])
+    # one warm per kind of chunk KV (neighbor, sink), copied whole into each method's store
+    assert all(w["computed"] == w["copied"] == facts["pool_passages"] for w in facts["warmed"].values())
+    assert all(w["shared_with"] == [] for w in facts["warmed"].values())
     md = (tmp_path / "o" / "results.md").read_text()
     assert "(r) retrieval corpus, the store filled by write-back" in md and "at least 2 of 3 chunk hits" in md
     for mode in ("writeback", "corpus"):
@@ -142,3 +150,27 @@ def test_retrieval_options_are_checked(tmp_path, tiny_engine):
     ):
         with pytest.raises(InvalidRequestError, match=match):
             run_bench(BenchOptions(**{**base, **bad}), engine=tiny_engine)
+
+
+def test_a_copied_warm_is_the_warm_itself(tiny_engine):
+    from kvrag.bench.engines import MethodEngines
+    from kvrag.bench.methods import Method
+    from kvrag.bench.retrieval import _warm_stores
+
+    texts = make_docs(5, words=30)
+    how = {"order": "similar", "embeddings": make_embedder("lexical")(texts)}
+    with MethodEngines(tiny_engine) as engines:
+        own = engines.own("own", Method("own"))
+        own.warm(texts, **how)
+        owned = {"a": engines.own("a", Method("a")), "b": engines.own("b", Method("b", {"max_variants": 1}))}
+        facts = _warm_stores(engines, owned, texts, how, {}, progress=False)
+        assert facts["a"]["shared_with"] == ["b"] and facts["b"]["copied"] == 5
+        for text in texts:
+            ids = own.planner.tokenize(text)
+            key = own.planner.chunk_key(ids)
+            want = own.store.get(key, ids)
+            for eng in owned.values():
+                got = eng.store.get(key, ids)
+                assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+                assert got.meta["context"] == want.meta["context"]
+                assert [v.key for v in eng.planner.variants.variants(key)] == [key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,9 @@ def test_similarity_order_puts_each_passage_next_to_the_ones_most_like_it():
     assert abs(order.index(0) - order.index(2)) == 1 and abs(order.index(1) - order.index(3)) == 1
     vectors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [0.1, 0.9]])
     assert similarity_order(docs, vectors) == [0, 2, 3, 1]
+    assert similarity_order(docs, [np.asarray(v) for v in vectors.tolist()]) == [0, 2, 3, 1]  # rows of arrays
+    with pytest.raises(InvalidRequestError, match="one length"):
+        similarity_order(docs, [[1.0, 0.0], [0.0, 1.0], [0.9], [0.1, 0.9]])
 
 
 def test_warm_in_similar_order_computes_each_chunk_behind_its_neighbours(tiny_engine):
