@@ -169,13 +169,22 @@ def _load(args):
     """Dataset items, the prompt format and the model's facts (one engine load in this process)."""
     from kvrag import Engine
     from kvrag.bench.data import PromptFormat, load_dataset
-    from kvrag.bench.workloads import kv_bytes_per_token
+    from kvrag.bench.workloads import kv_shape
 
     items = load_dataset(args.dataset, args.questions)[: args.questions]
     engine = Engine.from_pretrained(args.model, max_new_tokens=1)
     fmt = PromptFormat(engine.tokenizer)
-    per_token_fp32 = kv_bytes_per_token(engine)
-    return items, fmt, engine, per_token_fp32
+    return items, fmt, engine, kv_shape(engine)
+
+
+def sizes_at_rest(tokens: list[int], shape: tuple[int, int, int], codec: str) -> list[int]:
+    """Bytes of each chunk's entry as the tiers hold it (``codec`` ``plain``: fp16; ``int8``: the
+    8-bit codes with their scales) plus its token ids: what the reference replay budgets by."""
+    from kvrag.engine.store.codec import Int8Codec, PlainCodec
+
+    layers, heads, dim = shape
+    at_rest = Int8Codec() if codec == "int8" else PlainCodec("float16")
+    return [layers * at_rest.layer_nbytes(heads, t, dim) + 8 * t for t in tokens]
 
 
 def _request(fmt, item, chunks: list[str], rid: int) -> dict:
@@ -217,13 +226,16 @@ def replay_hit_rate(stream: list[list[int]], sizes: list[int], budget: int, poli
 def shared_stream(args) -> dict:
     from kvrag.bench.workloads import zipf_requests
 
-    items, fmt, engine, per_token_fp32 = _load(args)
+    items, fmt, engine, shape = _load(args)
     n = args.workers * args.requests
     reqs, pool = zipf_requests(items, n, args.top_k, args.zipf, args.seed)
     tokens = [engine.count_tokens(t) for t in pool["pool"]]
     engine.close()
-    per_token = (per_token_fp32 - 8) // 2 + 8  # fp16 at rest (the tiers' representation) + the token id
-    sizes = [t * per_token for t in tokens]
+    # kv_codec plain unless asked; the reference replay sizes entries as the workers hold them, so
+    # the 8-bit codec (which fits ~1.9x more chunks in a budget) is compared with int8 entries too
+    config = {"kv_codec": "plain", **_overrides(args.config)}
+    codec = "int8" if config["kv_codec"] in ("int8", "auto") else "plain"  # auto: int8 with the remote tier
+    sizes = sizes_at_rest(tokens, shape, codec)
     pool_bytes = sum(sizes)
     total = int(args.budget_frac * pool_bytes)
     remote_budget = int(total * (1 - args.memory_share))
@@ -232,14 +244,7 @@ def shared_stream(args) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     srv, url = _server(args, directory, remote_budget)
     try:
-        # kv_codec plain unless asked: the reference replay sizes entries in fp16 (int8, the remote
-        # default, would fit ~1.9x more chunks in the same budget and flatter the workers)
-        config = {
-            "memory_budget_bytes": memory_budget,
-            "loading_controller": False,
-            "kv_codec": "plain",
-            **_overrides(args.config),
-        }
+        config = {"memory_budget_bytes": memory_budget, "loading_controller": False, **config}
         every = [_request(fmt, item, [pool["pool"][p] for p in picks], j) for j, (item, picks) in enumerate(reqs)]
         base = {"model": args.model, "remote_url": url, "config": config, "threads": args.threads}
         base["max_new_tokens"] = args.max_new_tokens
@@ -262,7 +267,8 @@ def shared_stream(args) -> dict:
         "top_k": args.top_k,
         "zipf_s": args.zipf,
         "pool_passages": len(pool["pool"]),
-        "pool_kv_bytes_fp16": pool_bytes,
+        "kv_codec": codec,
+        "pool_kv_bytes_at_rest": pool_bytes,
         "total_budget_bytes": total,
         "remote_maxmemory_bytes": remote_budget,
         "worker_memory_budget_bytes": memory_budget,
@@ -332,7 +338,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-frac", type=float, default=0.5, help="total budget as a share of the pool's fp16 KV")
+    p.add_argument(
+        "--budget-frac",
+        type=float,
+        default=0.5,
+        help="total budget as a share of the pool's KV at rest (fp16, or int8 with --config kv_codec=int8)",
+    )
     p.add_argument("--memory-share", type=float, default=0.2, help="share of the total budget in worker memories")
     p.add_argument("--max-new-tokens", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")

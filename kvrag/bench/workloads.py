@@ -273,13 +273,19 @@ def _postfix(outcomes: dict[str, Outcome]) -> str:
 # -- (b) a pooled Zipf stream ----------------------------------------------------------------------
 
 
-def kv_bytes_per_token(engine) -> int:
-    """Bytes of one token's KV at the engine's dtype (keys + values over all layers) + its id."""
+def kv_shape(engine) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the engine's model."""
     cfg = engine.hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of one token's KV at the engine's dtype (keys + values over all layers) + its id."""
+    layers, kv_heads, head_dim = kv_shape(engine)
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[engine.config.dtype]
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem + 8
+    return 2 * layers * kv_heads * head_dim * elem + 8
 
 
 def zipf_requests(items: list[QAItem], n_requests: int, top_k: int, s: float, seed: int) -> tuple[list, dict]:
