@@ -191,3 +191,12 @@ def hold_engine_thread(engine) -> threading.Event:
     threading.Thread(target=engine._worker.call, args=(Ticket(tokens=1, bounded=False), job), daemon=True).start()
     started.wait()
     return gate
+
+
+def stored_contexts(engine, texts: list[str]) -> list[tuple[str, ...]]:
+    """Per text, the context (ids of the chunks it was computed behind) of its first stored variant."""
+    out = []
+    for text in texts:
+        key = engine.planner.chunk_key(engine.planner.tokenize(text))
+        out.append(tuple(engine.store.get(key).meta["context"]))
+    return out

@@ -131,11 +131,11 @@ class Client(_Base):
         """Register texts with the server as chunk boundaries for every later prompt; their content ids."""
         return self._request("POST", "/v1/documents", {"documents": list(documents)})["ids"]
 
-    def warm(self, documents: Sequence[str]) -> WarmResult:
-        """Register texts and compute their KV now, for this client's tenant."""
-        return WarmResult(
-            **self._request("POST", "/v1/documents", {"documents": list(documents), "warm": True})["warm"]
-        )
+    def warm(self, documents: Sequence[str], *, order: str = "given") -> WarmResult:
+        """Register texts and compute their KV now, for this client's tenant (``order`` as
+        :meth:`kvrag.Engine.warm`'s: ``"similar"`` for a corpus)."""
+        body = {"documents": list(documents), "warm": True, "order": order}
+        return WarmResult(**self._request("POST", "/v1/documents", body)["warm"])
 
     def end_conversation(self, conversation_id: str) -> bool:
         """Forget a conversation's kept KV on the server; False if it was not live."""
@@ -244,9 +244,10 @@ class AsyncClient(_Base):
         """See :meth:`Client.register`."""
         return (await self._request("POST", "/v1/documents", {"documents": list(documents)}))["ids"]
 
-    async def warm(self, documents: Sequence[str]) -> WarmResult:
+    async def warm(self, documents: Sequence[str], *, order: str = "given") -> WarmResult:
         """See :meth:`Client.warm`."""
-        data = await self._request("POST", "/v1/documents", {"documents": list(documents), "warm": True})
+        body = {"documents": list(documents), "warm": True, "order": order}
+        data = await self._request("POST", "/v1/documents", body)
         return WarmResult(**data["warm"])
 
     async def end_conversation(self, conversation_id: str) -> bool:

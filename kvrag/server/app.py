@@ -5,7 +5,7 @@ Endpoints:
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI's shapes, streamed as
   server-sent events with ``"stream": true``; kvrag's request fields and ``kvrag`` response field
   are described in :mod:`kvrag.server.protocol`.
-- ``POST /v1/documents``: ``{"documents": [...], "warm": bool}`` registers texts as chunk
+- ``POST /v1/documents``: ``{"documents": [...], "warm": bool, "order": "given"|"similar"}`` registers texts as chunk
   boundaries (any prompt that contains one reuses its KV, whatever client sent it) and, with
   ``warm``, computes their KV now for the request's tenant.
 - ``DELETE /v1/conversations/{id}``: forget a conversation's kept KV.
@@ -105,7 +105,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         ids = await asyncio.to_thread(engine.register, body.documents)
         warm = None
         if body.warm:
-            res = await asyncio.to_thread(engine.warm, body.documents, namespace=namespace)
+            res = await asyncio.to_thread(engine.warm, body.documents, order=body.order, namespace=namespace)
             warm = {"computed": res.computed, "cached": res.cached, "tokens": res.tokens, "seconds": res.seconds}
         return {"object": "documents", "ids": ids, "warm": warm}
 

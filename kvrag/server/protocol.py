@@ -195,6 +195,7 @@ class DocumentsRequest(BaseModel):
 
     documents: list[str]
     warm: bool = False
+    order: Literal["given", "similar"] = "given"  # warm's: "similar" for a corpus (each behind its likes)
 
 
 def figures(generation: Generation, *, model_name: str, conversation_id: str | None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from kvrag.integrations.langchain import (  # noqa: E402
     KVCachedVectorStore,
     register_documents,
 )
-from tests.helpers import make_docs  # noqa: E402
+from tests.helpers import make_docs, stored_contexts  # noqa: E402
 
 PROMPT = ChatPromptTemplate.from_messages(
     [("system", "Answer from the documents.\n\n{context}"), ("human", "{question}")]
@@ -248,3 +248,17 @@ def test_text_llm(lc_engine, documents):
     chat = KVCachedTextLLM(engine=lc_engine, max_tokens=3, chat_template=True)
     assert chat.generate(["hi"]).generations[0][0].generation_info["prompt_tokens"] > lc_engine.count_tokens("hi") + 1
     assert asyncio.run(llm.ainvoke(prompt)) == res.generations[0][0].text  # blended like the sync call
+
+
+def test_register_documents_with_warm_computes_each_behind_its_likes(lc_engine, tiny_model, tiny_tokenizer, documents):
+    texts = [d.page_content for d in documents]
+    ids = register_documents(documents, KVCachedLLM(engine=lc_engine), warm=True)
+    assert len(ids) == len(texts)
+    got = stored_contexts(lc_engine, texts)
+    with (
+        Engine.from_model(tiny_model, tiny_tokenizer) as similar,
+        Engine.from_model(tiny_model, tiny_tokenizer) as given,
+    ):
+        similar.warm(texts, order="similar")
+        given.warm(texts)
+        assert got == stored_contexts(similar, texts) != stored_contexts(given, texts)

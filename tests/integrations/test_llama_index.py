@@ -11,6 +11,7 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
+from kvrag import Engine
 from kvrag.engine.types import GenerationStream
 from kvrag.errors import ContextLengthError, InvalidRequestError
 from kvrag.integrations.llama_index import (
@@ -22,7 +23,7 @@ from kvrag.integrations.llama_index import (
     record_stats,
     register_nodes,
 )
-from tests.helpers import make_docs
+from tests.helpers import make_docs, stored_contexts
 from tests.integrations.llama_index_helpers import BowEmbedding, no_default_models  # noqa: F401 (autouse fixture)
 
 STAT_KEYS = {
@@ -343,3 +344,17 @@ def test_async_chat_engine_keeps_the_conversation(tiny_engine, nodes):
     assert text and len(calls) == 3
     assert calls[0]["chunk_misses"] == 2 and calls[2]["conversation_tokens"] > 0
     assert tiny_engine.end_conversation("async-1")
+
+
+def test_register_nodes_warm_orders_by_the_nodes_own_embeddings(tiny_engine, tiny_model, tiny_tokenizer, nodes):
+    from kvrag.integrations.llama_index.nodes import node_texts
+
+    nodes = nodes[:4]
+    vectors = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.1, 1.0]]  # 0 with 2, 1 with 3
+    for node, vec in zip(nodes, vectors):
+        node.embedding = vec
+    register_nodes(tiny_engine, nodes, warm=True)
+    forms = [node_texts(n)[0].strip() for n in nodes]
+    with Engine.from_model(tiny_model, tiny_tokenizer) as ref:
+        ref.warm(forms, order="similar", embeddings=vectors)
+        assert stored_contexts(tiny_engine, forms) == stored_contexts(ref, forms)

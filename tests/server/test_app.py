@@ -21,7 +21,7 @@ from kvrag.client import Client  # noqa: E402
 from kvrag.engine import GenerationStream  # noqa: E402
 from kvrag.errors import ServerError  # noqa: E402
 from kvrag.server import ServerSettings, TenantMap  # noqa: E402
-from tests.helpers import failing_stream, hold_engine_thread, make_docs  # noqa: E402
+from tests.helpers import failing_stream, hold_engine_thread, make_docs, stored_contexts  # noqa: E402
 
 
 def rag_messages(docs, question="where was the king born?"):
@@ -91,6 +91,19 @@ def test_documents_endpoint_lets_plain_openai_requests_hit(serve_tiny):
     plain = {"model": engine.model_name, "messages": rag_messages(docs), "max_tokens": 4}  # no kvrag field at all
     data = httpx.post(f"{url}/v1/chat/completions", json=plain, timeout=60).json()
     assert data["kvrag"]["chunk_hits"] == 3 and data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_client_warms_a_corpus_in_similar_order(serve_tiny, tiny_model, tiny_tokenizer):
+    from kvrag import Engine
+
+    engine, url = serve_tiny()
+    docs = make_docs(5, seed=6)
+    assert Client(url).warm(docs, order="similar").computed == 5
+    with Engine.from_model(tiny_model, tiny_tokenizer) as ref:
+        ref.warm(docs, order="similar")
+        assert stored_contexts(engine, docs) == stored_contexts(ref, docs)
+    bad = httpx.post(f"{url}/v1/documents", json={"documents": docs, "warm": True, "order": "random"}, timeout=60)
+    assert bad.status_code == 400 and "order" in bad.text
 
 
 def test_completions_endpoint_matches_the_engine(serve_tiny):

@@ -73,10 +73,12 @@ class ServerDocuments:
         """Record texts, sent later with the requests whose prompt holds them; their content ids."""
         return self.registry.register(check_chunks(texts))
 
-    def warm(self, texts: Sequence[str]) -> WarmResult:
-        """Record texts and have the server register them and compute their KV now."""
+    def warm(self, texts: Sequence[str], *, order: str = "given", embeddings=None) -> WarmResult:
+        """Record texts and have the server register them and compute their KV now (``order`` as
+        :meth:`kvrag.Engine.warm`'s; the server orders by its own lexical similarity: ``embeddings``
+        are not sent)."""
         self.register(texts)
-        return self.client.warm(check_chunks(texts))
+        return self.client.warm(check_chunks(texts), order=order)
 
     def found(self, prompt: Prompt) -> list[str]:
         """The recorded texts that occur in the prompt, once each, in order."""

@@ -25,7 +25,7 @@ from kvrag.integrations._shared import check_target, registrar_of
 __all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
 
 
-def register_documents(documents: Iterable[Document | str], llm: Any = None) -> list[str]:
+def register_documents(documents: Iterable[Document | str], llm: Any = None, *, warm: bool = False) -> list[str]:
     """Record documents' text so that ``llm`` reuses their KV wherever a prompt contains them.
 
     Args:
@@ -33,6 +33,10 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None) -> 
         llm: the :class:`KVCachedLLM` / :class:`KVCachedTextLLM` (or :class:`~kvrag.Engine`) that
             will answer; ``None`` = the shared default engine (bundled model, default settings).
             An LLM with ``base_url`` sends the documents with the requests whose prompt holds them.
+        warm: also compute and store their KV now, each document behind the ones most like it
+            (``Engine.warm(order="similar")``: the company it will keep in prompts), so even the
+            first question over them hits. This computes every document: do it ahead of time
+            (e.g. when the corpus is loaded), not on the request path.
 
     Returns:
         The documents' content ids, in order.
@@ -43,7 +47,11 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None) -> 
         if not isinstance(text, str):
             raise InvalidRequestError(f"documents must be Documents or strings, got {type(d).__name__}")
         texts.append(text)
-    return registrar_of(llm).register(texts)
+    registrar = registrar_of(llm)
+    ids = registrar.register(texts)
+    if warm and texts:
+        registrar.warm(texts, order="similar")
+    return ids
 
 
 class KVCachedRetriever(BaseRetriever):

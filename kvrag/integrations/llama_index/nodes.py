@@ -49,7 +49,9 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
             engine (bundled model, default settings), as everywhere in kvrag's integrations.
         nodes: nodes or scored nodes (retrieved, or a whole docstore's ``docs.values()``).
         warm: also precompute and store their KV now, in the form the response synthesizers put
-            in prompts (metadata header, stripped), so even the first query over them hits.
+            in prompts (metadata header, stripped), so even the first query over them hits; each
+            node is computed behind the ones most like it (by the nodes' own embeddings when every
+            node carries one, else a lexical similarity): the company it will keep in prompts.
             This computes every node: do it ahead of time, not on the request path.
 
     Returns:
@@ -58,13 +60,18 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
     engine = registrar_of(target)  # an LLM with base_url keeps them, sends them with its requests
     texts: list[str] = []
     prompt_forms: list[str] = []
+    vectors: list = []
     for node in nodes:
         forms = node_texts(node)
         texts.extend(forms)
         if forms:
             prompt_forms.append(forms[0].strip())
+            vectors.append((node.node if isinstance(node, NodeWithScore) else node).embedding)
     engine.register(texts)
-    return engine.warm(prompt_forms) if warm else None
+    if not warm:
+        return None
+    embeddings = vectors if vectors and all(v is not None for v in vectors) else None
+    return engine.warm(prompt_forms, order="similar", embeddings=embeddings)
 
 
 class KVCachedNodePostprocessor(BaseNodePostprocessor):
