@@ -456,32 +456,45 @@ class Engine:
     def _ticket(self, req: Request) -> Ticket:
         """A request's place in the queue: its prompt tokens, and how many of them the cache holds.
 
-        Estimated without loading anything (:meth:`_lookup`); the plan made when it starts may
+        Estimated by key lookups only (nothing loaded); the plan made when it starts may
         differ (an entry evicted meanwhile).
         """
         n = int(req.ids.shape[0])
         ratio, auto, _ = self._budget(req)  # with "auto", its cap: the most it may recompute
         if reuses_nothing(req.mode, ratio, auto):
             return Ticket(tokens=n, compute=n)
-        found = self._lookup(req)
-        chunks = found.chunk_tokens_stored if req.mode in ("blend", "reuse") else 0
-        cached = min(n - 1, found.prefix_tokens + chunks)
+        prefix = self._prefix_length(req)
+        # chunk KV is looked up only for the modes that reuse it (a lookup may ask a remote tier)
+        chunks = sum(len(s.ids) for s in self._stored_chunks(req, prefix)) if req.mode in ("blend", "reuse") else 0
+        cached = min(n - 1, prefix + chunks)
         return Ticket(tokens=n, cached=cached, compute=n - cached + round(ratio * chunks))
+
+    def _prefix_length(self, req: Request) -> int:
+        """Leading tokens of the prompt held exactly in the prefix cache (key lookups only)."""
+        if not self.config.prefix_cache:
+            return 0
+        return self.planner.prefix_cache.cached_length(
+            req.ids.tolist(), int(req.ids.shape[0]) - 1, namespace=req.namespace
+        )
+
+    def _stored_chunks(self, req: Request, prefix: int) -> list:
+        """The prompt's chunks past ``prefix`` of which the store holds a variant (key lookups only)."""
+        return [
+            s
+            for s in req.segments
+            if s.kind == "chunk"
+            and s.start >= prefix
+            and self.planner.holds(self.planner.chunk_key(s.ids, req.namespace))
+        ]
 
     def _lookup(self, req: Request) -> CacheLookup:
         """Key lookups only: the exact prefix in the prefix cache, then the chunks stored past it."""
-        n = int(req.ids.shape[0])
-        prefix = 0
-        if self.config.prefix_cache:
-            prefix = self.planner.prefix_cache.cached_length(req.ids.tolist(), n - 1, namespace=req.namespace)
-        chunks = [s for s in req.segments if s.kind == "chunk"]
-        stored = [
-            s for s in chunks if s.start >= prefix and self.planner.holds(self.planner.chunk_key(s.ids, req.namespace))
-        ]
+        prefix = self._prefix_length(req)
+        stored = self._stored_chunks(req, prefix)
         return CacheLookup(
-            prompt_tokens=n,
+            prompt_tokens=int(req.ids.shape[0]),
             prefix_tokens=prefix,
-            chunks=len(chunks),
+            chunks=sum(s.kind == "chunk" for s in req.segments),
             chunks_stored=len(stored),
             chunk_tokens_stored=sum(len(s.ids) for s in stored),
         )
