@@ -159,6 +159,13 @@ class EngineConfig:
             prompt up to the chunk is the one it was computed in (RAGCache's knowledge tree). 1
             keeps a single KV per chunk.
         write_back: after a request, precompute and store the KV of chunks it missed.
+        tree_refresh: after a request that reused chunk KV computed in other company (blended, not
+            exact), compute its chunk sequence exactly when the engine thread is idle and keep each
+            chunk as an exact variant (RAGCache's knowledge tree): the same lead and chunks come back
+            (the question reworded, asked again, by another user) reused exactly, nothing recomputed,
+            the full prefill's answer. Background work: it starts only when no request waits or
+            runs, and gives way to the next request that arrives (it is dropped, not queued behind
+            it). Needs ``write_back``; the bytes count against the store's budgets like any variant.
         max_new_tokens: default generation length.
         temperature: default sampling temperature (0 = greedy).
         top_p: nucleus sampling threshold used when temperature > 0.
@@ -220,6 +227,7 @@ class EngineConfig:
     chunk_min_tokens: int = 1
     max_variants: int = 4
     write_back: bool = True
+    tree_refresh: bool = True
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -294,6 +302,9 @@ class EngineConfig:
             raise InvalidRequestError("max_context must be >= 2")
         if isinstance(self.max_variants, bool) or not isinstance(self.max_variants, int) or self.max_variants < 1:
             raise InvalidRequestError("max_variants must be an integer >= 1")
+        for name in ("write_back", "tree_refresh"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_new_tokens < 0:
             raise InvalidRequestError("max_new_tokens must be >= 0")
         if self.temperature < 0:

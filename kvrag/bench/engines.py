@@ -50,7 +50,10 @@ class MethodEngines:
         Every method gets an engine of its own (over the same store, so what was warmed there is
         found): its variant index and exact-prefix cache are its own, so what one method keeps
         from a request (the variants of chunks it recomputed whole, its prompt's prefix) never
-        serves another method's run of the same request.
+        serves another method's run of the same request. ``tree_refresh`` is off unless the method
+        sets it: it acts after a request, and these workloads ask each prompt once per method, so
+        it could only serve the method's own scoring of the request it just ran (and it costs a
+        prefill per request).
         """
         store_fields = sorted(STORE_FIELDS & method.overrides.keys())
         if store_fields:
@@ -59,7 +62,7 @@ class MethodEngines:
                 "its methods share in this workload; store settings per method need workloads b or r"
             )
         if method.name not in self._shared:
-            config = self.base.config.replace(**method.overrides)
+            config = self.base.config.replace(**{"tree_refresh": False, **method.overrides})
             self._shared[method.name] = self._build(config, store=self.base.store)
         return self._shared[method.name]
 

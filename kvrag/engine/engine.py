@@ -133,7 +133,9 @@ class Engine:
             eos_ids=self.eos_ids,
             slice_s=config.prefill_slice_s,
         )
-        self.writeback = WriteBack(config, self.store, self.planner, self.chunk_computer, run=self._run_internal)
+        self.writeback = WriteBack(
+            config, self.store, self.planner, self.chunk_computer, run=self._run_internal, worker=self._worker
+        )
         self._closed = False
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -384,6 +386,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.writeback.cancel_refreshes()  # background work not started yet is not worth waiting for
         self._worker.wait_idle()
         self.writeback.close()  # its chunk computations still run on the engine thread
         self._worker.wait_idle()

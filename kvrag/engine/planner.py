@@ -197,7 +197,11 @@ class Planner:
         Variants the store no longer has are dropped from the index on the way; with none indexed,
         the chunk's own key may still hold its first variant (a disk tier after a restart).
         """
-        ranked = sorted(self.variants.variants(key), key=lambda v: (fix_overhead(v, context, digest), -v.reuses))
+        # an exact variant first: one computed behind the same chunks (not exactly the same tokens) scores 0 too
+        ranked = sorted(
+            self.variants.variants(key),
+            key=lambda v: (fix_overhead(v, context, digest), v.exact is None or v.exact != digest, -v.reuses),
+        )
         for info in ranked:
             rec = self.store.get(info.key, ids)
             if rec is not None and self._fits(rec):
@@ -209,6 +213,17 @@ class Planner:
         info = VariantInfo.from_record(key, rec)
         self.variants.add(key, info)
         return info, rec
+
+    def _exact_variant(self, key: StoreKey, ids: list[int], digest: str) -> tuple[VariantInfo | None, KVRecord | None]:
+        """The chunk's variant computed exactly behind the tokens ``digest`` names, if stored."""
+        for info in self.variants.variants(key):
+            if info.exact != digest:
+                continue
+            rec = self.store.get(info.key, ids)
+            if rec is not None and self._fits(rec):
+                return info, rec
+            self.variants.drop(key, info.key)
+        return None, None
 
     def keep_variant(self, key: StoreKey, record: KVRecord, context: tuple[str, ...], exact: str | None = None) -> bool:
         """Store ``record`` as a variant of the chunk whose own key is ``key``; False if not kept.
@@ -279,8 +294,13 @@ class Planner:
         use_prefix: bool,
         namespace: str | None = None,
         auto: bool = False,
+        exact_only: bool = False,
     ) -> Plan:
-        """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt."""
+        """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt.
+
+        ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
+        its prefill computes exactly what a full prefill does (the knowledge tree's refresh).
+        """
         namespace = namespace or self.namespace
         plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids, namespace=namespace, auto=auto)
         id_list = ids.tolist()
@@ -314,9 +334,12 @@ class Planner:
             if s.start < plan.prefix_len:
                 continue
             use.digest = exact.at(s.start)
-            if mode not in ("blend", "reuse") or s.end > limit:  # the last token is always computed
+            if not (exact_only or mode in ("blend", "reuse")) or s.end > limit:  # the last token is always computed
                 continue
-            info, rec = self._best_variant(key, s.ids, use.context, use.digest)
+            if exact_only:
+                info, rec = self._exact_variant(key, s.ids, use.digest)
+            else:
+                info, rec = self._best_variant(key, s.ids, use.context, use.digest)
             if rec is None:
                 continue
             use.hit, use.tier, use.fix = True, rec.tier, fix_overhead(info, use.context, use.digest)
@@ -326,6 +349,7 @@ class Planner:
             else:
                 use.source = "store"
                 plan.chunk_records.append((s.start, rec))
-            self.variants.used(info)
-            self.store.record_reuse(info.key, use.fix)
+            if not exact_only:  # a refresh is not a use
+                self.variants.used(info)
+                self.store.record_reuse(info.key, use.fix)
         return plan

@@ -15,6 +15,9 @@ own lock), in the manner of nano-vllm's scheduler. The rules:
 - **Starvation window.** Every time a ticket is started ahead of an older one, the older one
   counts it; a ticket passed over ``starvation_window`` times starts before anything else
   (oldest first). So no ticket waits behind more than that many later arrivals.
+- **Background work** (a ``background`` ticket: the knowledge tree's refresh) starts only when the
+  engine is idle: no other ticket waits and no request is decoding; oldest first. The worker stops
+  a running one as soon as other work arrives (:meth:`Scheduler.has_foreground`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Ticket:
         compute: tokens its prefill computes (at least 1).
         decodes: it decodes after its prefill, holding a running slot until its last token.
         bounded: it counts against the queue bounds (internal work does not).
+        background: it runs only when the engine is idle, and gives way to any other ticket.
         payload: what the worker runs (opaque here).
         arrival: submission order, set by the scheduler.
         passed: how many later tickets started before it.
@@ -48,6 +52,7 @@ class Ticket:
     compute: int = 1
     decodes: bool = False
     bounded: bool = True
+    background: bool = False
     payload: object = None
     arrival: int = -1
     passed: int = 0
@@ -99,18 +104,26 @@ class Scheduler:
 
     def next(self) -> Ticket | None:
         """The ticket to start now (removed from the queue; a decoding one takes a slot), or None."""
-        startable = [t for t in self.waiting if not t.decodes or self.running < self.max_running]
+        startable = [t for t in self.waiting if not t.background and (not t.decodes or self.running < self.max_running)]
         if not startable:
-            return None
+            idle = self.running == 0 and not self.has_foreground()
+            pick = next((t for t in self.waiting if t.background), None) if idle else None
+            if pick is not None:
+                self.waiting.remove(pick)
+            return pick
         starved = [t for t in startable if t.passed >= self.starvation_window]
         pick = starved[0] if starved else min(startable, key=lambda t: (-t.priority, t.arrival))
         self.waiting.remove(pick)
         for t in self.waiting:
-            if t.arrival < pick.arrival:
+            if t.arrival < pick.arrival and not t.background:
                 t.passed += 1
         if pick.decodes:
             self.running += 1
         return pick
+
+    def has_foreground(self) -> bool:
+        """Whether any ticket other than background work waits."""
+        return any(not t.background for t in self.waiting)
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of the queue; False if it is not waiting."""

@@ -34,7 +34,7 @@ from kvrag.engine.scheduler import Scheduler, Ticket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pause", "Worker", "StreamJob"]
+__all__ = ["Pause", "Preempted", "Worker", "StreamJob"]
 
 #: The runner calls it between slices of a prefill: it may run a decode step of other requests there.
 Pause = Callable[[], None]
@@ -44,6 +44,10 @@ _PIECE, _DONE, _ERROR, _CLOSED = range(4)
 
 class _Cancelled(Exception):
     """Raised by the pause hook inside the prefill of a request whose consumer has gone."""
+
+
+class Preempted(Exception):
+    """Raised by the pause hook inside background work when other work is waiting: it gives way."""
 
 
 @dataclass(slots=True, eq=False)
@@ -123,6 +127,24 @@ class Worker:
         if job.error is not None:
             raise job.error
         return job.result
+
+    def post(self, ticket: Ticket, fn: Callable[[Pause], Any]) -> None:
+        """Queue ``fn(pause)`` for the engine thread and return at once (what it raises is logged)."""
+
+        def run(pause: Pause) -> None:
+            try:
+                fn(pause)
+            except Exception:
+                log.warning("kvrag: background work failed", exc_info=True)
+
+        ticket.payload = _Call(run)
+        self.submit(ticket)
+
+    def promote(self, ticket: Ticket) -> None:
+        """Background work runs from now on as ordinary work (it no longer waits for an idle engine)."""
+        with self._cond:
+            ticket.background = False
+            self._cond.notify_all()
 
     def stream(self, ticket: Ticket, job: StreamJob) -> Iterator[str]:
         """Queue a request now; the iterator returned yields its text pieces and returns its Generation.
@@ -212,10 +234,15 @@ class Worker:
         self._advance(ticket)
 
     def _pause(self) -> None:
-        """Between slices of a prefill: stop it if its consumer left; run a decode step if one is due."""
+        """Between slices of a prefill: stop it if its consumer left, or if it is background work and
+        other work waits; run a decode step if one is due."""
         current = self._current
         if current is not None and current.cancelled and isinstance(current.payload, StreamJob):
             raise _Cancelled
+        if current is not None and current.background:
+            with self._cond:
+                if current.cancelled or self.scheduler.has_foreground():
+                    raise Preempted
         if self._due():
             self._step()
 

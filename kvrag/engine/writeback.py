@@ -6,6 +6,14 @@ chunk context is ``neighbor`` (captured in place, no extra compute), computed al
 What needs torch compute (a chunk computed alone, Cache-Craft's attention statistics over the
 request's queries and KV) runs on the engine thread, queued like other work. Jobs run in one
 daemon thread, in order; a failed job costs only a future hit.
+
+A third kind, the knowledge tree's refresh (``tree_refresh``): a request that blended chunk KV
+computed in other company leaves its chunk sequence to be computed exactly, as background work
+on the engine thread (it starts only when the engine is idle and gives way to the next request,
+:mod:`kvrag.engine.scheduler`); each of those chunks is kept as an exact variant, so the same lead
+and chunks asked again (reworded, or by another user) are reused exactly. At most
+:data:`MAX_REFRESHES` wait at once; past that a new one is dropped (counted), never queued without
+bound.
 """
 
 from __future__ import annotations
@@ -18,14 +26,23 @@ from typing import Any
 
 from kvrag.engine.attention_stats import Segment
 from kvrag.engine.chunks import ChunkComputer, attach_statistics
-from kvrag.engine.planner import Plan, Planner
+from kvrag.engine.fusion import PrefillOptions, prefill
+from kvrag.engine.planner import ChunkUse, Plan, Planner
 from kvrag.engine.runner import KVCapture
+from kvrag.engine.scheduler import Ticket
 from kvrag.engine.store.base import KVRecord, KVStore
 from kvrag.engine.variants import context_id
+from kvrag.engine.worker import Preempted, Worker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BackgroundWriter", "WriteBack"]
+__all__ = ["BackgroundWriter", "WriteBack", "MAX_REFRESHES", "MAX_REFRESH_TRIES"]
+
+#: Most knowledge-tree refreshes waiting for an idle engine at once (one more is dropped).
+MAX_REFRESHES = 4
+
+#: Times a refresh starts over after giving way to other work before it is dropped.
+MAX_REFRESH_TRIES = 3
 
 
 class BackgroundWriter:
@@ -81,17 +98,32 @@ class WriteBack:
 
     Args:
         config: the engine's config (``write_back``: keep the KV of missed chunks; chunks shorter than
-            ``chunk_min_tokens`` are not kept).
+            ``chunk_min_tokens`` are not kept; ``tree_refresh``: compute blended sequences exactly).
         run: ``run(job, tokens)`` calls ``job(pause)`` on the engine thread and returns its result
             (for a chunk that has to be computed afresh).
+        worker: the engine thread, for the refreshes' background work.
     """
 
     def __init__(
-        self, config, store: KVStore, planner: Planner, computer: ChunkComputer, *, run: Callable[[Callable, int], Any]
+        self,
+        config,
+        store: KVStore,
+        planner: Planner,
+        computer: ChunkComputer,
+        *,
+        run: Callable[[Callable, int], Any],
+        worker: Worker,
     ) -> None:
         self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
+        self._worker = worker
         self._writer = BackgroundWriter()
         self._pending: set = set()
+        self._refreshing: dict[tuple, Ticket] = {}  # a refresh's path -> its ticket (waiting or running)
+        self._refresh_cond = threading.Condition()
+        self._closing = False
+        #: knowledge-tree refreshes: ``runs`` done, ``chunks`` kept, ``preempted`` (started over),
+        #: ``dropped`` (too many waiting, or given way too often)
+        self.refresh_counts = {"runs": 0, "chunks": 0, "preempted": 0, "dropped": 0}
 
     def _kept_misses(self, plan: Plan) -> list:
         """The plan's missed chunks whose KV is worth keeping."""
@@ -114,7 +146,8 @@ class WriteBack:
         return tuple(u.index for u in self._kept_misses(plan))
 
     def schedule(self, plan: Plan, res) -> None:
-        """After the first token: keep the exact prefix blocks and the KV of chunks seen first."""
+        """After the first token: keep the exact prefix blocks and the KV of chunks seen first; refresh
+        a blended chunk sequence (``tree_refresh``)."""
         capture = res.capture
         if capture is not None:
             prompt_ids, bounds, namespace = plan.ids.tolist(), plan.boundaries, plan.namespace
@@ -126,6 +159,7 @@ class WriteBack:
         exact_end = plan.exact_end()
         segments = [Segment(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
         kept = {u.index for u in self._kept_misses(plan)} | {i for i in res.chunk_captures if self.keeps(plan)}
+        written_exact = set()
         for n, use in enumerate(plan.chunks):
             if use.index not in kept:
                 continue
@@ -134,6 +168,8 @@ class WriteBack:
             # was missed and everything before it was exact (the knowledge tree's path)
             context = use.context if cap is not None else ()
             exact = use.digest if cap is not None and not use.hit and use.start + use.length <= exact_end else None
+            if exact is not None:
+                written_exact.add(use.index)
             job = (use.key, context, exact)
             if job in self._pending:
                 continue
@@ -144,6 +180,100 @@ class WriteBack:
             self._writer.submit(
                 lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
             )
+        self._schedule_refresh(plan, written_exact)
+
+    # -- the knowledge tree's refresh -----------------------------------------------------------------
+
+    def _schedule_refresh(self, plan: Plan, written_exact: set[int]) -> None:
+        """Post background work that computes a blended request's chunk sequence exactly."""
+        if not (self.config.tree_refresh and self.keeps(plan) and plan.chunk_records):
+            return
+        # chunks whose KV here was not exact and will not be stored exact by the write-back above
+        targets = [
+            u
+            for u in plan.chunks
+            if u.digest is not None
+            and u.source not in ("tree", "prefix")
+            and u.index not in written_exact
+            and u.length >= self.config.chunk_min_tokens
+        ]
+        if not targets:
+            return
+        path = (plan.namespace, targets[-1].key, targets[-1].digest)  # the last chunk's digest names the path
+        segments = plan.segments[: targets[-1].index + 1]
+        ids = plan.ids[: segments[-1].end].clone()
+        with self._refresh_cond:
+            if self._closing or path in self._refreshing:
+                return
+            if len(self._refreshing) >= MAX_REFRESHES:
+                self.refresh_counts["dropped"] += 1
+                return
+            self._refreshing[path] = None  # reserved before the ticket exists: flush() waits for it
+        self._post_refresh(path, segments, ids, plan.namespace, targets, 0)
+
+    def _post_refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int) -> None:
+        ticket = Ticket(tokens=len(ids), compute=len(ids), bounded=False, background=True)
+        self._worker.post(ticket, lambda pause: self._refresh(path, segments, ids, namespace, targets, tries, pause))
+        with self._refresh_cond:
+            if path in self._refreshing:
+                self._refreshing[path] = ticket
+
+    def _refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int, pause) -> None:
+        """On the engine thread: compute ``ids`` exactly (reusing only exact KV) and keep the targets."""
+        again = False
+        try:
+            plan = self.planner.plan(
+                segments,
+                ids,
+                mode="prefix",
+                ratio=0.0,
+                use_prefix=self.config.prefix_cache,
+                namespace=namespace,
+                exact_only=True,
+            )
+            options = PrefillOptions.from_config(
+                self.config, self.computer.adapter.n_layers, capture_chunks=tuple(u.index for u in targets)
+            )
+            try:
+                res = prefill(self.computer.adapter, plan, len(ids), options=options, pause=pause)
+            except Preempted:
+                again = tries + 1 < MAX_REFRESH_TRIES and not self._closing
+                self.refresh_counts["preempted" if again else "dropped"] += 1
+                return
+            self.refresh_counts["runs"] += 1
+            for use in targets:
+                cap = res.chunk_captures.get(use.index)
+                if cap is not None:
+                    ids_ = list(plan.segments[use.index].ids)
+                    self._writer.submit(lambda use=use, ids_=ids_, cap=cap: self._keep_refreshed(use, ids_, cap))
+        finally:
+            if again:
+                self._post_refresh(path, segments, ids, namespace, targets, tries + 1)
+            else:
+                self._refresh_done(path)
+
+    def _keep_refreshed(self, use: ChunkUse, ids: list[int], capture: KVCapture) -> None:
+        record = self.computer.record_from_capture(ids, capture)
+        record.meta["computed"] = "refresh"
+        if self.planner.keep_variant(use.key, record, use.context, use.digest):
+            self.refresh_counts["chunks"] += 1
+
+    def _refresh_done(self, path) -> None:
+        with self._refresh_cond:
+            self._refreshing.pop(path, None)
+            self._refresh_cond.notify_all()
+
+    def cancel_refreshes(self) -> None:
+        """Take back the refreshes not started yet, and refuse new ones (the engine is closing)."""
+        with self._refresh_cond:
+            self._closing = True
+            waiting = [t for t in self._refreshing.values() if t is not None]
+        for ticket in waiting:
+            self._worker.cancel(ticket)
+        with self._refresh_cond:
+            for path in [p for p, t in self._refreshing.items() if t is not None and t.cancelled]:
+                del self._refreshing[path]
+            self._refresh_cond.notify_all()
 
     def _write_chunk(self, job, ids: list[int], capture: KVCapture | None, measured=None) -> None:
         key, context, exact = job
@@ -170,8 +300,18 @@ class WriteBack:
         return record
 
     def flush(self) -> None:
-        """Wait until every scheduled job has run."""
+        """Wait until every scheduled job has run; refreshes waiting for an idle engine run now, as
+        ordinary work (a request that never ends would otherwise keep them waiting forever)."""
+        with self._refresh_cond:
+            while self._refreshing:
+                for ticket in self._refreshing.values():
+                    if ticket is not None:
+                        self._worker.promote(ticket)
+                self._refresh_cond.wait(timeout=0.05)  # a refresh posted again comes in the background
         self._writer.flush()
 
     def close(self) -> None:
+        self.cancel_refreshes()
+        with self._refresh_cond:
+            self._refresh_cond.wait_for(lambda: not self._refreshing)
         self._writer.close()

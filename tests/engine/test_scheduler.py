@@ -90,3 +90,18 @@ def test_a_cancelled_ticket_leaves_the_queue():
 def test_serving_bounds_are_validated(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_background_work_starts_only_when_nothing_else_waits_or_decodes():
+    s = make(starvation_window=1)
+    refresh = Ticket(tokens=500, bounded=False, background=True, payload="refresh")
+    request = Ticket(tokens=10, decodes=True, payload="request")
+    s.submit(refresh)
+    s.submit(request)
+    assert s.has_foreground()
+    assert s.next() is request and s.running == 1
+    assert s.next() is None  # a request decodes: the engine is not idle
+    s.submit(Ticket(tokens=1, payload="score"))
+    assert s.next().payload == "score" and refresh.passed == 0  # never counted as passed over
+    s.finish(request)
+    assert not s.has_foreground() and s.next() is refresh
