@@ -145,6 +145,8 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                 out.append(rec)
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(_postfix(out))
+        # the knowledge tree's refreshes: engine time spent off the clock, in the idle time the bench gives
+        ctx.extras[workload]["refresh"] = {name: dict(e.writeback.refresh_counts) for name, e in owned.items()}
     ctx.records.extend(out)
     return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -122,8 +123,8 @@ class WriteBack:
         self._refresh_cond = threading.Condition()
         self._closing = False
         #: knowledge-tree refreshes: ``runs`` done, ``chunks`` kept, ``preempted`` (started over),
-        #: ``dropped`` (too many waiting, or given way too often)
-        self.refresh_counts = {"runs": 0, "chunks": 0, "preempted": 0, "dropped": 0}
+        #: ``dropped`` (too many waiting, or given way too often), ``seconds`` of engine time spent
+        self.refresh_counts = {"runs": 0, "chunks": 0, "preempted": 0, "dropped": 0, "seconds": 0.0}
 
     def _kept_misses(self, plan: Plan) -> list:
         """The plan's missed chunks whose KV is worth keeping."""
@@ -220,7 +221,7 @@ class WriteBack:
 
     def _refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int, pause) -> None:
         """On the engine thread: compute ``ids`` exactly (reusing only exact KV) and keep the targets."""
-        again = False
+        again, t0 = False, time.perf_counter()
         try:
             plan = self.planner.plan(
                 segments,
@@ -247,6 +248,7 @@ class WriteBack:
                     ids_ = list(plan.segments[use.index].ids)
                     self._writer.submit(lambda use=use, ids_=ids_, cap=cap: self._keep_refreshed(use, ids_, cap))
         finally:
+            self.refresh_counts["seconds"] += time.perf_counter() - t0
             if again:
                 self._post_refresh(path, segments, ids, namespace, targets, tries + 1)
             else:
