@@ -164,8 +164,10 @@ class EngineConfig:
             chunk as an exact variant (RAGCache's knowledge tree): the same lead and chunks come back
             (the question reworded, asked again, by another user) reused exactly, nothing recomputed,
             the full prefill's answer. Background work: it starts only when no request waits or
-            runs, and gives way to the next request that arrives (it is dropped, not queued behind
-            it). Needs ``write_back``; the bytes count against the store's budgets like any variant.
+            runs, and gives way within half a layer to the next request that arrives (it starts
+            over when the engine is idle again; given way three times, or more than four waiting,
+            it is dropped). Needs ``write_back``; its bytes count against the store's budgets like
+            any variant's.
         max_new_tokens: default generation length.
         temperature: default sampling temperature (0 = greedy).
         top_p: nucleus sampling threshold used when temperature > 0.

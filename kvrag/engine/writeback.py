@@ -232,6 +232,10 @@ class WriteBack:
                 namespace=namespace,
                 exact_only=True,
             )
+            computed = {u.index for u in plan.chunks if u.source == "computed"}
+            targets = [u for u in targets if u.index in computed]  # not those stored exact meanwhile
+            if not targets:
+                return
             options = PrefillOptions.from_config(
                 self.config, self.computer.adapter.n_layers, capture_chunks=tuple(u.index for u in targets)
             )
