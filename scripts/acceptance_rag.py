@@ -151,6 +151,7 @@ def record(ask, text: str, meta: dict, full_text: str, full_meta: dict, min_hits
         "prompt_tokens_match_full": meta["prompt_tokens"] == full_meta["prompt_tokens"],
         "cached_tokens": meta["cache_read"],
         "prefix_tokens": meta["prefix_tokens"],
+        "exact_tokens": meta["exact_tokens"],
         "recomputed_tokens": meta["recomputed_tokens"],
         "recompute_fraction": meta["recompute_ratio"] if meta["chunk_hits"] else None,  # asked or, auto, measured
         "uncached_share": uncached,

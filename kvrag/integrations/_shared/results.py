@@ -21,6 +21,7 @@ METADATA_KEYS = frozenset(
         "completion_tokens",
         "cache_read",
         "prefix_tokens",
+        "exact_tokens",
         "recomputed_tokens",
         "compute_fraction",
         "chunk_hits",
@@ -37,8 +38,9 @@ def call_metadata(generation: Generation, *, model_name: str | None, conversatio
     """What a finished request did, flat: TTFT, cache read, chunk hits/misses, recompute, mode.
 
     ``cache_read`` counts prompt tokens whose KV was reused (exact prefix, chunk hits and the
-    conversation's previous turn); ``conversation_spans`` are the prompt positions ``[a, b)`` of
-    the ``conversation_tokens``. See :class:`~kvrag.engine.GenerationStats`.
+    conversation's previous turn), ``exact_tokens`` those of them reused exactly (the exact prefix
+    and the knowledge tree's chunk sequences: nothing to fix there); ``conversation_spans`` are the
+    prompt positions ``[a, b)`` of the ``conversation_tokens``. See :class:`~kvrag.engine.GenerationStats`.
     """
     s = generation.stats
     return {
@@ -52,6 +54,7 @@ def call_metadata(generation: Generation, *, model_name: str | None, conversatio
         "completion_tokens": s.completion_tokens,
         "cache_read": s.cached_tokens,
         "prefix_tokens": s.prefix_tokens,
+        "exact_tokens": s.exact_tokens,
         "recomputed_tokens": s.recomputed_tokens,
         "compute_fraction": s.compute_fraction,
         "chunk_hits": s.chunk_hits,
