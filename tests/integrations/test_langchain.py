@@ -68,6 +68,17 @@ def test_lcel_stuff_chain_reuses_retrieved_chunks(lc_engine, documents):
     assert second.usage_metadata["input_token_details"]["cache_read"] >= 3 * 40
     assert second.response_metadata["recomputed_tokens"] > 0 and second.response_metadata["mode"] == "blend"
     assert second.response_metadata["ttft_s"] > 0
+    # the second ask blended its documents; the engine then computed that sequence exactly (idle
+    # time): the same documents asked again, in a reworded question, are reused exactly
+    lc_engine.flush()
+    again = chain.invoke("3,1,0,4: and what about the queen?")
+    meta = again.response_metadata
+    assert meta["chunk_hits"] == 4 and meta["recomputed_tokens"] == 0
+    assert meta["exact_tokens"] == meta["cache_read"] > second.response_metadata["exact_tokens"]
+    full = (PROMPT | KVCachedLLM(engine=lc_engine, mode="full")).invoke(
+        {"context": format_docs([documents[i] for i in (3, 1, 0, 4)]), "question": "3,1,0,4: and what about the queen?"}
+    )
+    assert again.content == full.content
 
 
 def test_vector_store_wrapper_records_search_results(lc_engine, documents):
