@@ -378,7 +378,8 @@ class Engine:
         return self._worker.stats()
 
     def flush(self) -> None:
-        """Wait until background write-back (KV of chunks seen for the first time) is stored."""
+        """Wait until background write-back is stored: the KV of chunks seen for the first time, and
+        the knowledge tree's refreshes (those waiting for an idle engine run now)."""
         self.writeback.flush()
 
     def close(self) -> None:

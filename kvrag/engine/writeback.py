@@ -213,11 +213,16 @@ class WriteBack:
         self._post_refresh(path, segments, ids, plan.namespace, targets, 0)
 
     def _post_refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int) -> None:
+        # called on the engine thread, so the ticket cannot start before this returns
         ticket = Ticket(tokens=len(ids), compute=len(ids), bounded=False, background=True)
         self._worker.post(ticket, lambda pause: self._refresh(path, segments, ids, namespace, targets, tries, pause))
         with self._refresh_cond:
             if path in self._refreshing:
                 self._refreshing[path] = ticket
+            closing = self._closing
+        if closing:  # close() began between the reservation and now: it did not see this ticket
+            self._worker.cancel(ticket)
+            self._refresh_done(path)
 
     def _refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int, pause) -> None:
         """On the engine thread: compute ``ids`` exactly (reusing only exact KV) and keep the targets."""
