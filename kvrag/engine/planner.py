@@ -202,11 +202,9 @@ class Planner:
             self.variants.variants(key),
             key=lambda v: (fix_overhead(v, context, digest), v.exact is None or v.exact != digest, -v.reuses),
         )
-        for info in ranked:
-            rec = self.store.get(info.key, ids)
-            if rec is not None and self._fits(rec):
-                return info, rec
-            self.variants.drop(key, info.key)
+        info, rec = self._first_stored(key, ids, ranked)
+        if rec is not None:
+            return info, rec
         rec = self.store.get(key, ids)
         if rec is None or not self._fits(rec):
             return None, None
@@ -216,9 +214,13 @@ class Planner:
 
     def _exact_variant(self, key: StoreKey, ids: list[int], digest: str) -> tuple[VariantInfo | None, KVRecord | None]:
         """The chunk's variant computed exactly behind the tokens ``digest`` names, if stored."""
-        for info in self.variants.variants(key):
-            if info.exact != digest:
-                continue
+        return self._first_stored(key, ids, [v for v in self.variants.variants(key) if v.exact == digest])
+
+    def _first_stored(
+        self, key: StoreKey, ids: list[int], ranked: list[VariantInfo]
+    ) -> tuple[VariantInfo | None, KVRecord | None]:
+        """The first of ``ranked`` whose record the store still has (the others are dropped from the index)."""
+        for info in ranked:
             rec = self.store.get(info.key, ids)
             if rec is not None and self._fits(rec):
                 return info, rec
