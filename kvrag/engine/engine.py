@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,6 +50,28 @@ from kvrag.errors import ContextLengthError, InvalidRequestError
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
+
+#: Engines not closed yet: at interpreter exit their threads are let finish first (see _quiesce_at_exit).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+#: Seconds an engine may take at interpreter exit to finish what it runs.
+EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _quiesce_at_exit() -> None:
+    """Let live engines' threads end before the interpreter tears down.
+
+    The engine and write-back threads are daemons; one still inside a torch op while the
+    interpreter finalises aborts the process ("terminate called without an active exception",
+    exit code 134): a script whose last request had just returned could die that way. Refreshes
+    not started are dropped; running work and write-back finish (bounded by ``EXIT_WAIT_S``).
+    """
+    for engine in list(_LIVE):
+        try:
+            engine._quiesce(EXIT_WAIT_S)
+        except Exception:  # exiting anyway: never fail the interpreter's shutdown
+            log.debug("kvrag: an engine did not finish at exit", exc_info=True)
 
 
 class Engine:
@@ -137,6 +161,7 @@ class Engine:
             config, self.store, self.planner, self.chunk_computer, run=self._run_internal, worker=self._worker
         )
         self._closed = False
+        _LIVE.add(self)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
@@ -387,6 +412,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         self.writeback.cancel_refreshes()  # background work not started yet is not worth waiting for
         self._worker.wait_idle()
         self.writeback.close()  # its chunk computations still run on the engine thread
@@ -400,6 +426,12 @@ class Engine:
         self.close()
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _quiesce(self, timeout: float) -> None:
+        """Drop refreshes not started, let running work and write-back finish (the exit hook)."""
+        self.writeback.cancel_refreshes()
+        if self._worker.wait_idle(timeout=timeout):
+            self.writeback.flush()
 
     def _check_open(self) -> None:
         if self._closed:

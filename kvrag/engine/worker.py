@@ -175,11 +175,12 @@ class Worker:
                 "decode_steps": self.steps,
             }
 
-    def wait_idle(self) -> None:
-        """Block until nothing waits or runs (the thread has exited)."""
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing waits or runs (the thread has exited); False if ``timeout`` passed first."""
         with self._cond:
-            while self._thread is not None and self._thread is not threading.current_thread():
-                self._cond.wait()
+            return self._cond.wait_for(
+                lambda: self._thread is None or self._thread is threading.current_thread(), timeout
+            )
 
     # -- the engine thread --------------------------------------------------------------------
 

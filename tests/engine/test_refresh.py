@@ -115,24 +115,48 @@ def test_refreshes_wait_for_an_idle_engine_are_bounded_and_flush_runs_them(engin
 
 
 def test_closing_the_engine_drops_a_refresh_not_started(tiny_model, tiny_tokenizer):
-    docs = make_docs(3, seed=44)
     engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2)
+    caller, busy = refresh_waiting_behind_other_work(engine, seed=44)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    wait_until(lambda: engine.writeback._closing)
+    busy.set()
+    closing.join(timeout=60)
+    caller.join(timeout=60)
+    assert not closing.is_alive() and engine.writeback.refresh_counts["runs"] == 0
+
+
+def test_at_exit_live_engines_finish_their_work_first(tiny_model, tiny_tokenizer):
+    """A daemon thread still inside torch when the interpreter tears down aborts the process (exit
+    code 134; `make demo` did): at exit, live engines drop waiting refreshes and finish the rest."""
+    from kvrag.engine import engine as engine_module
+
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2)
+    assert engine in engine_module._LIVE
+    caller, busy = refresh_waiting_behind_other_work(engine, seed=45)
+    threading.Timer(0.2, busy.set).start()
+    engine._quiesce(engine_module.EXIT_WAIT_S)  # what the exit hook does for each live engine
+    assert engine._worker._thread is None and not engine.writeback._refreshing
+    assert engine.writeback.refresh_counts["runs"] == 0
+    caller.join(timeout=60)
+    engine.close()
+    assert engine not in engine_module._LIVE
+
+
+def refresh_waiting_behind_other_work(engine, seed: int) -> tuple[threading.Thread, threading.Event]:
+    """A blended request has run and posted its refresh, which waits: foreground work holds the
+    engine thread until the event returned is set. Returns the request's caller thread and the event."""
+    docs = make_docs(3, seed=seed)
     engine.warm(docs[::-1])
     first = hold_engine_thread(engine)
     caller = threading.Thread(target=engine.generate, args=(docs, PREFIX, SUFFIX))
     caller.start()
     wait_until(lambda: engine.queue_stats()["waiting"] == 1)
-    second = threading.Event()  # more work behind the request: the engine is never idle
-    threading.Thread(target=engine._worker.call, args=(Ticket(tokens=1), lambda pause: second.wait())).start()
+    busy = threading.Event()  # more work behind the request: the engine is never idle
+    threading.Thread(target=engine._worker.call, args=(Ticket(tokens=1), lambda pause: busy.wait())).start()
     first.set()
     wait_until(lambda: engine.writeback._refreshing)  # the request prefilled; its refresh waits
-    closing = threading.Thread(target=engine.close)
-    closing.start()
-    wait_until(lambda: engine.writeback._closing)
-    second.set()
-    closing.join(timeout=60)
-    caller.join(timeout=60)
-    assert not closing.is_alive() and engine.writeback.refresh_counts["runs"] == 0
+    return caller, busy
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:
