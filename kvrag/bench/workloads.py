@@ -379,6 +379,10 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                 out.append(rec)
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(_postfix(outcomes))
+        ctx.extras["stream"]["refresh"] = {name: dict(e.writeback.refresh_counts) for name, e in owned.items()}
+        ctx.extras["stream"]["speculative_refused"] = {
+            name: store_usage(e.store.stats()).get("speculative_refused") for name, e in owned.items()
+        }
         ctx.records.extend(out)
         return out
     finally:
@@ -393,6 +397,7 @@ def store_usage(stats: dict) -> dict:
         "memory_bytes": mem.get("bytes"),
         "memory_budget_bytes": mem.get("budget_bytes"),
         "memory_evictions": mem.get("evictions"),
+        "speculative_refused": mem.get("speculative_refused"),
     }
     if disk:
         out.update(

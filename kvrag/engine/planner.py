@@ -227,13 +227,24 @@ class Planner:
             self.variants.drop(key, info.key)
         return None, None
 
-    def keep_variant(self, key: StoreKey, record: KVRecord, context: tuple[str, ...], exact: str | None = None) -> bool:
+    def keep_variant(
+        self,
+        key: StoreKey,
+        record: KVRecord,
+        context: tuple[str, ...],
+        exact: str | None = None,
+        *,
+        speculative: bool = False,
+    ) -> bool:
         """Store ``record`` as a variant of the chunk whose own key is ``key``; False if not kept.
 
         The first variant goes under ``key`` itself, later ones under keys derived from their
         context (the same context, or the same exact digest, is kept once). Past the per-chunk cap
         the least reused variant leaves the store. The record's meta keeps the context (and its
         attention statistics, when measured) so the variant can be scored again from the record.
+        ``speculative``: kept ahead of any request for it: not kept when the chunk is at the cap (it
+        pushes out no variant), and the store's ``put`` gives it no room a request's entry holds and
+        evicts it first until it is used.
         """
         record.meta = {**record.meta, "context": list(context)}
         if exact is not None:
@@ -248,11 +259,20 @@ class Planner:
             slot = variant_key(key, tag)
             if self.store.contains(slot):
                 return False
-        if not self.store.put(slot, record):
+            if speculative and not self._room_for_variant(key):
+                return False  # a variant kept ahead of need never pushes out one a request kept
+        if not self.store.put(slot, record, speculative=speculative):
             return False
         for old in self.variants.add(key, VariantInfo.from_record(slot, record)):
             self.store.remove(old)
         return True
+
+    def _room_for_variant(self, key: StoreKey) -> bool:
+        """Whether the chunk has fewer variants than the cap (those the store lost are forgotten first)."""
+        for k in self.variants.keys(key):
+            if not self.store.contains(k):
+                self.variants.drop(key, k)
+        return len(self.variants.keys(key)) < self.variants.max_variants
 
     def _fits(self, rec) -> bool:
         """A record whose KV has another model's shape is unusable (only a forged entry has one)."""

@@ -11,7 +11,10 @@ A third kind, the knowledge tree's refresh (``tree_refresh``): a request that bl
 computed in other company leaves its chunk sequence to be computed exactly, as background work
 on the engine thread (it starts only when the engine is idle and gives way to the next request,
 :mod:`kvrag.engine.scheduler`); each of those chunks is kept as an exact variant, so the same lead
-and chunks asked again (reworded, or by another user) are reused exactly. At most
+and chunks asked again (reworded, or by another user) are reused exactly. Those variants are kept
+``speculative``: a bounded store takes them only into room that no request's entry holds and
+evicts them first until a request uses one, so refreshing never costs the hit rate of what
+requests keep. At most
 :data:`MAX_REFRESHES` wait at once; past that a new one is dropped (counted), never queued without
 bound.
 """
@@ -122,9 +125,17 @@ class WriteBack:
         self._refreshing: dict[tuple, Ticket] = {}  # a refresh's path -> its ticket (waiting or running)
         self._refresh_cond = threading.Condition()
         self._closing = False
-        #: knowledge-tree refreshes: ``runs`` done, ``chunks`` kept, ``preempted`` (started over),
-        #: ``dropped`` (too many waiting, or given way too often), ``seconds`` of engine time spent
-        self.refresh_counts = {"runs": 0, "chunks": 0, "preempted": 0, "dropped": 0, "seconds": 0.0}
+        #: knowledge-tree refreshes: ``runs`` done, ``chunks`` kept, ``not_kept`` (the store had no
+        #: spare room, or holds that variant already), ``preempted`` (started over), ``dropped`` (too
+        #: many waiting, or given way too often), ``seconds`` of engine time spent
+        self.refresh_counts = {
+            "runs": 0,
+            "chunks": 0,
+            "not_kept": 0,
+            "preempted": 0,
+            "dropped": 0,
+            "seconds": 0.0,
+        }
 
     def _kept_misses(self, plan: Plan) -> list:
         """The plan's missed chunks whose KV is worth keeping."""
@@ -266,8 +277,8 @@ class WriteBack:
     def _keep_refreshed(self, use: ChunkUse, ids: list[int], capture: KVCapture) -> None:
         record = self.computer.record_from_capture(ids, capture)
         record.meta["computed"] = "refresh"
-        if self.planner.keep_variant(use.key, record, use.context, use.digest):
-            self.refresh_counts["chunks"] += 1
+        kept = self.planner.keep_variant(use.key, record, use.context, use.digest, speculative=True)
+        self.refresh_counts["chunks" if kept else "not_kept"] += 1
 
     def _refresh_done(self, path) -> None:
         with self._refresh_cond:

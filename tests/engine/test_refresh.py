@@ -164,3 +164,26 @@ def wait_until(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_refresh_takes_no_room_from_what_requests_kept(tiny_model, tiny_tokenizer):
+    """In a full store the refresh's exact variants are not kept (counted), and every entry the warm
+    and the request kept stays; with one variant per chunk a refresh never replaces a chunk's KV."""
+    docs = make_docs(3, seed=44)
+    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, tree_refresh=False) as probe:
+        probe.warm(docs[::-1])
+        probe.generate(docs, PREFIX, SUFFIX)
+        probe.flush()
+        held = probe.store.stats()["bytes"]  # warmed chunks and the prompt's prefix blocks
+    for settings in (dict(memory_budget_bytes=held + 64), dict(max_variants=1)):
+        with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, **settings) as engine:
+            engine.warm(docs[::-1])
+            before = set(engine.store._items)
+            engine.generate(docs, PREFIX, SUFFIX)
+            engine.flush()
+            counts = engine.writeback.refresh_counts
+            assert (counts["runs"], counts["chunks"], counts["not_kept"]) == (1, 0, 3), settings
+            assert before <= set(engine.store._items)
+            refused = engine.store.stats()["speculative_refused"]
+            assert refused == (3 if "memory_budget_bytes" in settings else 0)  # else: the cap refused
+            assert sources(engine.generate(docs, PREFIX, SUFFIX)) == ["store"] * 3

@@ -297,6 +297,66 @@ def test_a_pinned_batch_never_evicts_its_own_members(policy):
     assert not m._pins  # released
 
 
+@pytest.mark.parametrize("policy", ["lru", "pgdsf"])
+def test_speculative_entries_rank_last_until_used(policy):
+    p = LRUPolicy() if policy == "lru" else PGDSFPolicy()
+    for k in "ab":
+        p.access(k, False)
+        p.insert(k, 1)
+        p.record_cost(k, 1.0)
+    p.insert("s", 1, speculative=True)
+    p.insert("t", 1, speculative=True)
+    assert p.victim() == "s"  # the oldest speculative entry first, before any entry a request kept
+    p.evicted("s")
+    assert p.victim() == "t"
+    p.access("t", True)  # used: an ordinary entry from now on
+    assert p.victim() != "t"
+    if policy == "pgdsf":
+        p.insert("u", 1, speculative=True)
+        assert p.value_of("u")[0] == 0  # the tier below ranks it last too
+        assert p.value_of("t")[0] >= 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "pgdsf"])
+def test_a_speculative_put_never_evicts_what_requests_kept(policy):
+    """A speculative put takes free room or the room of other unused speculative entries; an
+    ordinary put evicts speculative entries first: the request-kept population is what it would be
+    without them."""
+    size = record(0).nbytes
+    m = MemoryStore(3 * size, policy)
+    for i in range(2):
+        assert m.put(key(i), record(i))
+    assert m.put(key(10), record(10), speculative=True)  # free room
+    assert m.put(key(11), record(11), speculative=True)  # in place of the older speculative entry
+    assert not m.contains(key(10)) and all(m.contains(key(i)) for i in (0, 1, 11))
+    assert m.put(key(2), record(2))  # an ordinary put: the speculative entry goes, not key 0 or 1
+    assert all(m.contains(key(i)) for i in range(3)) and not m.contains(key(11))
+    assert not m.put(key(12), record(12), speculative=True)  # only a request's entry could make room
+    assert m.stats()["speculative_refused"] == 1 and all(m.contains(key(i)) for i in range(3))
+    m.remove(key(2))
+    assert m.put(key(12), record(12), speculative=True)
+    assert m.get(key(12)) is not None  # used: an ordinary entry from now on
+    assert not m.put(key(13), record(13), speculative=True)
+    assert m.put(key(3), record(3))
+    assert m.contains(key(3)) and m.stats()["bytes"] <= m.budget_bytes
+
+
+def test_tiers_rank_a_speculative_entry_last_on_disk(tmp_path):
+    t = TieredStore(MemoryStore(1 << 20, "pgdsf"), DiskStore(tmp_path / "kv", 1 << 22, policy="pgdsf"))
+    t.memory.budget_bytes = 2 * t.at_rest(record(0)).nbytes  # two records as held at rest
+    try:
+        assert t.put(key(0), record(0))
+        assert t.put(key(1), record(1), speculative=True)
+        assert t.disk.contains(key(1))
+        counts = dict(t.disk._cache._sql("SELECT key, access_count FROM Cache").fetchall())
+        assert counts[t.disk._name(key(1))] == 0 and counts[t.disk._name(key(0))] >= 1
+        assert t.put(key(2), record(2))  # memory is full: the speculative entry leaves memory first
+        assert t.memory.contains(key(0)) and not t.memory.contains(key(1))
+        assert t.get(key(1), token_ids(1)) is not None  # still on disk
+    finally:
+        t.close()
+
+
 def test_cost_profile_interpolates_bilinearly():
     prof = CostProfile(edges=(0, 100, 200))
     for a, b, t in [(0, 100, 1.0), (0, 200, 2.0), (100, 100, 1.5), (100, 200, 3.0)]:

@@ -132,8 +132,13 @@ class KVStore(ABC):
     def get(self, key: StoreKey, token_ids=None) -> KVRecord | None: ...
 
     @abstractmethod
-    def put(self, key: StoreKey, record: KVRecord) -> bool:
-        """Store a record; False if it was not kept (too big for the budget, write failed)."""
+    def put(self, key: StoreKey, record: KVRecord, *, speculative: bool = False) -> bool:
+        """Store a record; False if it was not kept (too big for the budget, write failed).
+
+        ``speculative``: the record is kept ahead of any request for it (a refreshed variant); a tier
+        with an eviction order ranks it last until it is used, and memory never evicts for it an
+        entry a request kept (:class:`~kvrag.engine.store.memory.MemoryStore`).
+        """
 
     @abstractmethod
     def remove(self, key: StoreKey) -> bool: ...

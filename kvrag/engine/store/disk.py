@@ -228,8 +228,19 @@ class DiskStore(Bookkeeping, KVStore):
         self._rank(key, hit=True)
         return DiskEntry(key, fh, header, ids)
 
-    def put(self, key: StoreKey, record: KVRecord, *, frequency: int = 1, cost: float | None = None) -> bool:
-        """Write a record (``frequency`` and ``cost`` per token seed its PGDSF rank)."""
+    def put(
+        self,
+        key: StoreKey,
+        record: KVRecord,
+        *,
+        frequency: int = 1,
+        cost: float | None = None,
+        speculative: bool = False,
+    ) -> bool:
+        """Write a record (``frequency`` and ``cost`` per token seed its PGDSF rank; ``speculative``,
+        kept ahead of need, ranks as never used: frequency 0, the first to go under PGDSF)."""
+        if speculative:
+            frequency = 0
         record = self.at_rest(record)
         data = serial.encode(key, record, self.at_rest.codec_of(record))
         if len(data) > self.budget_bytes:

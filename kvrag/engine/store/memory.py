@@ -18,6 +18,11 @@ class MemoryStore(KVStore):
     Args:
         budget_bytes: the most bytes of records kept (a record larger than this is refused).
         policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``).
+
+    A ``speculative`` put (an entry kept ahead of need, :meth:`put`) takes only free room or the room
+    of other speculative entries not used yet (oldest first), never an entry a request kept: it is
+    refused otherwise (counted ``speculative_refused``). Until a lookup hits it, the policy ranks it
+    last, so ordinary puts evict it first.
     """
 
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | str | None = None) -> None:
@@ -27,8 +32,9 @@ class MemoryStore(KVStore):
         self._sizes: dict[StoreKey, int] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0}
+        self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0, "speculative_refused": 0}
         self._pins: Counter = Counter()
+        self._speculative: dict[StoreKey, None] = {}  # resident, put speculative, not hit since (oldest first)
 
     @contextmanager
     def pinned(self, keys):
@@ -56,13 +62,19 @@ class MemoryStore(KVStore):
             rec = self._items.get(key)
             hit = rec is not None and (token_ids is None or rec.matches(token_ids))
             self.policy.access(key, hit)
+            if hit:
+                self._speculative.pop(key, None)
             self._stats["hits" if hit else "misses"] += 1
             return rec if hit else None
 
-    def put(self, key: StoreKey, record: KVRecord) -> bool:
-        return self.put_evicting(key, record) is not None
+    def put(self, key: StoreKey, record: KVRecord, *, speculative: bool = False) -> bool:
+        """Keep a record, evicting by the policy; ``speculative``: only in free room or in place of
+        other speculative entries (see the class)."""
+        return self.put_evicting(key, record, speculative=speculative) is not None
 
-    def put_evicting(self, key: StoreKey, record: KVRecord) -> list[tuple[StoreKey, KVRecord]] | None:
+    def put_evicting(
+        self, key: StoreKey, record: KVRecord, *, speculative: bool = False
+    ) -> list[tuple[StoreKey, KVRecord]] | None:
         """Like :meth:`put`; returns the evicted entries (``None`` if the record was refused)."""
         size = record.nbytes
         evicted: list[tuple[StoreKey, KVRecord]] = []
@@ -70,13 +82,15 @@ class MemoryStore(KVStore):
             if size > self.budget_bytes:
                 self._stats["rejected"] += 1
                 return None
+            if speculative:
+                spare = [k for k in self._speculative if k != key and not self._pins[k]]
+                room = self.budget_bytes - self._bytes + self._sizes.get(key, 0)
+                if room + sum(self._sizes[k] for k in spare) < size:
+                    self._stats["speculative_refused"] += 1
+                    return None
             self._drop(key)
             while self._items and self._bytes + size > self.budget_bytes:
-                victim = self.policy.victim(self._pins.keys()) if self._pins else self.policy.victim()
-                if victim is None:  # only pinned entries left: one goes after all (the policy's pick)
-                    victim = self.policy.victim()
-                if victim is None or victim not in self._items:  # policy out of step: fall back to any
-                    victim = next(iter(self._items))
+                victim = spare.pop(0) if speculative else self._victim()
                 evicted.append((victim, self._items[victim]))
                 self.policy.evicted(victim)  # before _drop: PGDSF raises its clock to the victim's priority
                 self._drop(victim)
@@ -84,14 +98,26 @@ class MemoryStore(KVStore):
             self._items[key] = record
             self._sizes[key] = size
             self._bytes += size
-            self.policy.insert(key, size)
+            self.policy.insert(key, size, speculative)
+            if speculative:
+                self._speculative[key] = None
             self._stats["puts"] += 1
         return evicted
+
+    def _victim(self) -> StoreKey:
+        """The policy's next victim, not a pinned entry unless only pinned ones are left."""
+        victim = self.policy.victim(self._pins.keys()) if self._pins else self.policy.victim()
+        if victim is None:  # only pinned entries left: one goes after all (the policy's pick)
+            victim = self.policy.victim()
+        if victim is None or victim not in self._items:  # policy out of step: fall back to any
+            victim = next(iter(self._items))
+        return victim
 
     def _drop(self, key: StoreKey) -> bool:
         rec = self._items.pop(key, None)
         if rec is None:
             return False
+        self._speculative.pop(key, None)
         self._bytes -= self._sizes.pop(key)
         self.policy.remove(key)
         return True

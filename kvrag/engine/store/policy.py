@@ -14,6 +14,11 @@ next victim. It keeps no tensors, so it is cheap to test on its own.
   The frequency is Cache-Craft's frequency-reuse (§3.3): a reuse reported with its cache fix
   overhead (:meth:`KVStore.record_reuse`, the planner does for every chunk variant it uses) counts
   ``1 / CFO`` accesses, so variants that fit their prompts well outlive those that need fixing.
+
+An entry inserted ``speculative`` (kept ahead of any request for it: the knowledge tree's refreshed
+variants) ranks below every other resident entry until a lookup hits it: LRU puts it at the cold
+end, PGDSF gives it the current clock (no frequency credit). So under pressure such entries go
+first, and what requests themselves keep is evicted exactly as if they were not there.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ class EvictionPolicy(ABC):
     name = "policy"
 
     @abstractmethod
-    def insert(self, key, size: int) -> None:
-        """A new (or replaced) resident entry."""
+    def insert(self, key, size: int, speculative: bool = False) -> None:
+        """A new (or replaced) resident entry; ``speculative``: ranked last until a lookup hits it."""
 
     @abstractmethod
     def access(self, key, hit: bool) -> None:
@@ -74,31 +79,36 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first (speculative entries not used yet before all others, oldest first)."""
 
     name = "lru"
 
     def __init__(self) -> None:
         self._order: OrderedDict = OrderedDict()
+        self._unused: OrderedDict = OrderedDict()  # speculative entries not hit since their insertion
 
-    def insert(self, key, size: int) -> None:
-        self._order[key] = size
-        self._order.move_to_end(key)
+    def insert(self, key, size: int, speculative: bool = False) -> None:
+        self.remove(key)
+        (self._unused if speculative else self._order)[key] = size
 
     def access(self, key, hit: bool) -> None:
-        if hit and key in self._order:
+        if hit and key in self._unused:
+            self._order[key] = self._unused.pop(key)
+        elif hit and key in self._order:
             self._order.move_to_end(key)
 
     def remove(self, key) -> None:
         self._order.pop(key, None)
+        self._unused.pop(key, None)
 
     def victim(self, skip=frozenset()):
-        return next((k for k in self._order if k not in skip), None)
+        return next((k for k in itertools.chain(self._unused, self._order) if k not in skip), None)
 
 
 @dataclass(slots=True)
 class _Meta:
     frequency: float = 0.0  # accesses, reuses weighted by 1/CFO
+    speculative: bool = False  # inserted ahead of need and not hit since: ranked at the clock
     total_cost: float = 0.0
     costed: int = 0  # requests that computed the entry (m in RAGCache's formula 3)
 
@@ -144,6 +154,8 @@ class PGDSFPolicy(EvictionPolicy):
 
     def priority(self, key) -> float:
         meta = self._meta.get(key) or _Meta()
+        if meta.speculative:
+            return self.clock
         return self.clock + max(1, meta.frequency) * meta.avg_cost(self._default_cost())
 
     def _reprioritise(self, key) -> None:
@@ -154,13 +166,15 @@ class PGDSFPolicy(EvictionPolicy):
             self._heap = [(p, s, k) for p, s, k in self._heap if self._prio.get(k) == p]
             heapq.heapify(self._heap)
 
-    def insert(self, key, size: int) -> None:
-        self._touch(key)
+    def insert(self, key, size: int, speculative: bool = False) -> None:
+        self._touch(key).speculative = speculative
         self._reprioritise(key)
 
     def access(self, key, hit: bool) -> None:
-        self._touch(key).frequency += 1
+        meta = self._touch(key)
+        meta.frequency += 1
         if hit and key in self._prio:
+            meta.speculative = False
             self._reprioritise(key)
 
     def record_reuse(self, key, cfo: float) -> None:
@@ -209,7 +223,10 @@ class PGDSFPolicy(EvictionPolicy):
         meta = self._meta.get(key)
         if meta is None:
             return 1, None
-        return max(1, round(meta.frequency)), (meta.total_cost / meta.costed if meta.costed else None)
+        cost = meta.total_cost / meta.costed if meta.costed else None
+        if meta.speculative:  # never used (resident or just evicted): the tier below ranks it last too
+            return 0, cost
+        return max(1, round(meta.frequency)), cost
 
     def describe(self) -> dict:
         return {

@@ -355,8 +355,12 @@ class RemoteStore(Bookkeeping, KVStore):
         self._warn_once("damaged", f"remote KV entry {key} is unusable and is treated as a miss: {error}")
         self._try(self._client.delete, rkey)
 
-    def put(self, key: StoreKey, record, *, frequency: int = 1, cost: float | None = None) -> bool:
-        """Write a record unless the key exists; False if it was not written (down, refused)."""
+    def put(
+        self, key: StoreKey, record, *, frequency: int = 1, cost: float | None = None, speculative: bool = False
+    ) -> bool:
+        """Write a record unless the key exists; False if it was not written (down, refused).
+
+        The server evicts by its own policy: ``frequency``, ``cost`` and ``speculative`` are not used."""
         if not self.available:
             self._count("skipped")
             return False

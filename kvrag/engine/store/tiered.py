@@ -163,8 +163,8 @@ class TieredStore(KVStore):
             with self._lock:
                 self._stats["promotions"] += 1
 
-    def _to_memory(self, key: StoreKey, rec: KVRecord) -> bool:
-        evicted = self.memory.put_evicting(key, rec)
+    def _to_memory(self, key: StoreKey, rec: KVRecord, speculative: bool = False) -> bool:
+        evicted = self.memory.put_evicting(key, rec, speculative=speculative)
         if self.disk is not None:
             for old, old_rec in evicted or ():
                 frequency, cost = self.memory.value_of(old)
@@ -178,10 +178,14 @@ class TieredStore(KVStore):
 
     # -- writes -------------------------------------------------------------------------------------
 
-    def put(self, key: StoreKey, record: KVRecord) -> bool:
-        """Keep a record in memory and write it to disk and remote once (skipped where it is already)."""
+    def put(self, key: StoreKey, record: KVRecord, *, speculative: bool = False) -> bool:
+        """Keep a record in memory and write it to disk and remote once (skipped where it is already).
+
+        ``speculative`` (kept ahead of need): memory takes it only into room it has or holds for other
+        such entries; a PGDSF disk ranks it last until it is used (frequency 0).
+        """
         rec = self.at_rest(record.to_record() if isinstance(record, StreamedRecord) else record)
-        kept = self._to_memory(key, rec)
+        kept = self._to_memory(key, rec, speculative)
         for tier, skipped in ((self.disk, "disk_writes_skipped"), (self.remote, "remote_writes_skipped")):
             if tier is None:
                 continue
@@ -191,7 +195,7 @@ class TieredStore(KVStore):
                 kept = True
                 continue
             frequency, cost = self.memory.value_of(key)
-            kept = tier.put(key, rec, frequency=frequency, cost=cost) or kept
+            kept = tier.put(key, rec, frequency=frequency, cost=cost, speculative=speculative) or kept
         return kept
 
     def remove(self, key: StoreKey) -> bool:
