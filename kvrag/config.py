@@ -37,8 +37,9 @@ MODES = ("full", "prefix", "blend", "reuse")
 #: tokens nearest the question (recomputed in full, no check layer); or the chunks the question
 #: attends to, whole, then the probe's blocks (Cache-Craft's focused chunks); or Cache-Craft's own
 #: per-chunk budget from the variants' fix overhead, tokens by their stored inter-attention; or the
-#: first tokens of every cached chunk (EPIC's LegoLink, recomputed in full, no check layer).
-SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft", "epic")
+#: first tokens of every cached chunk (EPIC's LegoLink, recomputed in full, no check layer); or the
+#: probe's blocks in a random order (an ablation: what the probe's ranking buys over chance).
+SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft", "epic", "random")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 #: How chunk KV is held at rest in a tiered store (:mod:`kvrag.engine.store.codec`): ``plain`` in
@@ -94,7 +95,8 @@ class EngineConfig:
             ``recency`` (the cached tokens nearest the question, recomputed in full; no check layer)
             or ``epic`` (EPIC's LegoLink: the budget split evenly over the cached chunks, each
             recomputing its first tokens in full, where a chunk computed elsewhere holds an
-            attention sink of its own; no check layer).
+            attention sink of its own; no check layer). ``random`` is an ablation: the probe's passes
+            and blocks, picked in a random order seeded by the prompt.
         probe_layer: the layer the ``probe`` selection compares; ``None``: a quarter of the depth
             plus one (layer 8 of SmolLM2's 30).
         probe_stride: the block size of the ``probe`` selection (one token sampled per block).

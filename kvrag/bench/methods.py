@@ -341,6 +341,11 @@ register_method(
     description="fusion recomputing each chunk's share by Cache-Craft's fix overhead (CFO); craft@r",
 )
 register_method(
+    "random",
+    _blend("random"),
+    description="ablation: the probe's passes and blocks, picked in a random order (what the ranking buys); random@r",
+)
+register_method(
     "conv",
     _conv,
     description="blend within a conversation (kept KV of earlier turns, dedup); "

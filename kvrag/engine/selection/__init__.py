@@ -8,6 +8,7 @@
 - ``craft`` (:mod:`.craft`): Cache-Craft's per-chunk budget from the fix overhead, tokens ranked
   by the attention statistics stored with the variant.
 - ``epic`` (:mod:`.epic`): the first tokens of every cached chunk (EPIC's LegoLink).
+- ``random`` (:mod:`.random_blocks`): the probe's blocks in a random order (an ablation).
 
 A strategy is a function of a :class:`BlendPass` registered under its name
 (:func:`register_selection`); ``fusion.prefill`` looks it up with :func:`get_selection`.
@@ -18,6 +19,7 @@ from kvrag.engine.selection import epic as _epic  # noqa: F401  (registers "epic
 from kvrag.engine.selection import focus as _focus  # noqa: F401  (registers "focus")
 from kvrag.engine.selection import hkvd as _hkvd  # noqa: F401  (registers "hkvd")
 from kvrag.engine.selection import probe as _probe  # noqa: F401  (registers "probe")
+from kvrag.engine.selection import random_blocks as _random  # noqa: F401  (registers "random")
 from kvrag.engine.selection import recency as _recency  # noqa: F401  (registers "recency")
 from kvrag.engine.selection.base import (
     BlendPass,
