@@ -214,6 +214,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", help="MuSiQue-style JSON (default: ../shared/data/musique_dev.json)")
     ap.add_argument("--n", type=int, default=20, help="questions whose passages form the corpus")
+    ap.add_argument("--skip", type=int, default=0, help="questions skipped first (held-out runs: --skip 20)")
     ap.add_argument("--requests", type=int, default=40, help="stream length (first asks + returns)")
     ap.add_argument("--flows", default=",".join(FLOWS), help=f"comma-separated, of {', '.join(FLOWS)}")
     ap.add_argument("--top-k", type=int, default=6)
@@ -230,9 +231,11 @@ def main() -> None:
     path = dataset_path(args.data)
     if path is None:
         raise SystemExit("the dev set is not there: pass --data path/to/musique_dev.json")
-    items = load_dataset(path, args.n)
+    if args.skip < 0:
+        raise SystemExit("--skip must be >= 0")
+    items = load_dataset(path, args.skip + args.n)[args.skip :]
     asks = question_stream(items, args.requests, args.zipf, args.seed)
-    print(f"{len(asks)} requests over {args.n} questions; embedding their passages with MiniLM...", flush=True)
+    print(f"{len(asks)} requests over {len(items)} questions (from {args.skip}); embedding their passages with MiniLM...", flush=True)
     corpus = Corpus(items, make_embedder("minilm"))
     print(f"{len(corpus.passages)} passages pooled", flush=True)
     builders = {
