@@ -235,7 +235,10 @@ def main() -> None:
         raise SystemExit("--skip must be >= 0")
     items = load_dataset(path, args.skip + args.n)[args.skip :]
     asks = question_stream(items, args.requests, args.zipf, args.seed)
-    print(f"{len(asks)} requests over {len(items)} questions (from {args.skip}); embedding their passages with MiniLM...", flush=True)
+    print(
+        f"{len(asks)} requests over {len(items)} questions (from {args.skip}); embedding their passages with MiniLM...",
+        flush=True,
+    )
     corpus = Corpus(items, make_embedder("minilm"))
     print(f"{len(corpus.passages)} passages pooled", flush=True)
     builders = {
