@@ -380,9 +380,6 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(_postfix(outcomes))
         ctx.extras["stream"]["refresh"] = {name: dict(e.writeback.refresh_counts) for name, e in owned.items()}
-        ctx.extras["stream"]["speculative_refused"] = {
-            name: store_usage(e.store.stats()).get("speculative_refused") for name, e in owned.items()
-        }
         ctx.records.extend(out)
         return out
     finally:
