@@ -155,6 +155,9 @@ class EngineConfig:
             ones before it in ``warm``'s list, its real context when a request computes it) or
             ``sink`` (alone behind the attention-sink token, as CacheBlend does). See
             :mod:`kvrag.engine.chunks`.
+        warm_window_tokens: most tokens ``warm()`` computes in one pass, chunks and the context
+            behind them (3/8 of it at most); a chunk is computed behind the window's chunks before it,
+            so this bounds how deep in a stream a warmed chunk sits.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         max_variants: most variants of one chunk's KV kept, each computed in another context
             (Cache-Craft); a request uses the one whose context fits it best, an exact one when the
@@ -228,6 +231,7 @@ class EngineConfig:
     eviction_policy: str = "pgdsf"
     namespace: str = "default"
     chunk_context: str = "neighbor"
+    warm_window_tokens: int = 4096
     chunk_min_tokens: int = 1
     max_variants: int = 4
     write_back: bool = True
@@ -261,6 +265,12 @@ class EngineConfig:
             raise InvalidRequestError(f"auto_threshold must be a number >= 0 or None, got {self.auto_threshold!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {self.chunk_context!r}")
+        if (
+            isinstance(self.warm_window_tokens, bool)
+            or not isinstance(self.warm_window_tokens, int)
+            or self.warm_window_tokens < 256
+        ):
+            raise InvalidRequestError(f"warm_window_tokens must be an int >= 256, got {self.warm_window_tokens!r}")
         if self.selection not in SELECTIONS:
             raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.deviation not in _DEVIATIONS:

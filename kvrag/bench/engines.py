@@ -92,6 +92,13 @@ class MethodEngines:
         self._spare.append(engine)
         return engine
 
+    def discard(self, engine) -> None:
+        """Close a :meth:`scratch` engine now, its store emptied (memory and disk): a warm's copy
+        source is not held through the run beside the stores it filled."""
+        self._spare.remove(engine)
+        engine.store.clear()
+        engine.close()
+
     def runners(self, methods: list[Method], settings: dict[str, dict]) -> list[tuple[str, Method, object]]:
         """``(row name, method, engine)`` per method, in order, for workloads of stores of their own.
 

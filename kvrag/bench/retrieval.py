@@ -155,16 +155,17 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
     """Warm the pool into every method's store: computed once per kind of chunk KV, then copied.
 
     The methods' engines differ in how they *use* chunk KV, not in how a warm computes it, except
-    through ``chunk_context``: engines alike in it get the records of one warm (on a scratch engine
-    with the run's store settings, so no method's store is read or promoted by the copying), each
-    record put as the warm itself puts it (the chunk's first variant, with its context).
+    through ``chunk_context`` and ``warm_window_tokens``: engines alike in them get the records of
+    one warm (on a scratch engine with the run's store settings, so no method's store is read or
+    promoted by the copying), each record put as the warm itself puts it (the chunk's first
+    variant, with its context).
     """
-    groups: dict[str, list[str]] = {}
+    groups: dict[tuple[str, int], list[str]] = {}
     for name, eng in owned.items():
-        groups.setdefault(eng.config.chunk_context, []).append(name)
+        groups.setdefault((eng.config.chunk_context, eng.config.warm_window_tokens), []).append(name)
     out = {}
-    for context, names in groups.items():
-        src = engines.scratch(**store, chunk_context=context)
+    for (context, window), names in groups.items():
+        src = engines.scratch(**store, chunk_context=context, warm_window_tokens=window)
         res = src.warm(texts, progress=progress, **how)
         src.flush()
         for name in names:
@@ -179,6 +180,7 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
                 "copy_seconds": time.perf_counter() - t0,
                 "shared_with": [n for n in names if n != name],
             }
+        engines.discard(src)
     return out
 
 

@@ -111,19 +111,20 @@ class ChunkComputer:
         self._recent = recent
 
     def context_ids(
-        self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = ()
+        self, before: Sequence[list[int]] | None = None, exclude: Sequence[list[int]] = (), room: int | None = None
     ) -> tuple[list[int], list[tuple[str, int]]]:
         """Tokens a chunk is computed behind (their KV is dropped), and the documents they come
         from as (content id, tokens in the context): the sink, then the tail of the documents
         ``before`` it (none given: the documents computed last that are not in ``exclude``, the
         chunks about to be computed, so that no chunk goes behind a copy of itself; or a built-in
-        passage)."""
+        passage); at most ``room`` tokens of them (default :attr:`context_tokens`)."""
         if self.context == "sink":
             return list(self.sink_ids), []
         docs = [doc for doc in before or () if doc]
         if not docs:
             docs = [doc for doc in self._recent if doc not in exclude] or [self._builtin_doc()]
-        tail, used, room = [], [], self.context_tokens
+        tail, used = [], []
+        room = self.context_tokens if room is None else min(room, self.context_tokens)
         for doc in reversed(docs):  # the last documents, as many as fill the context (the first cut)
             if room <= 0:
                 break
@@ -141,13 +142,18 @@ class ChunkComputer:
         """KV record of a chunk computed behind its context (on the engine thread)."""
         return self.compute_window([ids], before, pause=pause)[0]
 
+    def window_context_tokens(self, max_tokens: int) -> int:
+        """Most context tokens behind a window of ``max_tokens``: 3/8 of it, within the computer's
+        own bound (a window about a prompt's size puts its chunks at about a prompt's depth)."""
+        return min(self.context_tokens, 3 * max_tokens // 8)
+
     def windows(self, docs: Sequence[list[int]], max_tokens: int = MAX_STREAM_TOKENS) -> list[list[int]]:
         """Indices of ``docs`` computed together: consecutive runs of at most ``max_tokens`` tokens
-        behind their context (a chunk longer than that is a window on its own); with
-        ``chunk_context="sink"``, one chunk each."""
+        behind their context of :meth:`window_context_tokens` (a chunk longer than that is a window
+        on its own); with ``chunk_context="sink"``, one chunk each."""
         if self.context == "sink":
             return [[i] for i in range(len(docs))]
-        head = len(self.sink_ids) + self.context_tokens
+        head = len(self.sink_ids) + self.window_context_tokens(max_tokens)
         out: list[list[int]] = []
         total = 0
         for i, ids in enumerate(docs):
@@ -160,16 +166,22 @@ class ChunkComputer:
         return out
 
     def compute_window(
-        self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None, *, pause=None
+        self,
+        docs: Sequence[list[int]],
+        before: Sequence[list[int]] | None = None,
+        *,
+        context_tokens: int | None = None,
+        pause=None,
     ) -> list[KVRecord]:
         """KV records of chunks computed in one pass, each behind the ones before it in ``docs``, the
-        first behind :meth:`context_ids` of ``before``; each record's ``meta["context"]`` names the
+        first behind :meth:`context_ids` of ``before`` (at most ``context_tokens`` of them, default
+        the computer's bound); each record's ``meta["context"]`` names the
         documents it was computed behind, with Cache-Craft's attention statistics of the chunk
         (:func:`attach_statistics`). Runs on the engine thread, ``pause`` its hook between slices
         of the pass."""
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
-        ids, used = self.context_ids(before, exclude=docs)
+        ids, used = self.context_ids(before, exclude=docs, room=context_tokens)
         segments, pos = [], len(ids) - sum(n for _, n in used)
         for cid, n in used:  # the context documents' positions
             segments.append(Segment(pos, pos + n, cid))
@@ -298,6 +310,7 @@ def warm_list(
             seen.add(key)
             unique.append(i)
     computed = 0
+    context_tokens = computer.window_context_tokens(window_tokens)
     with store.pinned(keys):  # a batch never evicts its own members
         windows = computer.windows([docs[i] for i in unique], window_tokens)
         for done, window in enumerate(windows, 1):
@@ -309,7 +322,9 @@ def warm_list(
                 before = [docs[j] for j in ring if keys[j] not in inside]
                 inner = [docs[i] for i in members]
                 records = run(
-                    lambda pause, inner=inner, before=before: computer.compute_window(inner, before, pause=pause),
+                    lambda pause, inner=inner, before=before: computer.compute_window(
+                        inner, before, context_tokens=context_tokens, pause=pause
+                    ),
                     sum(map(len, inner)),
                 )
                 for i, record in zip(members, records):

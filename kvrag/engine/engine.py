@@ -14,7 +14,7 @@ from typing_extensions import Unpack
 from kvrag.config import AUTO, EngineConfig
 from kvrag.engine import calibration, loading
 from kvrag.engine.batch import DecodeRow, decode_step
-from kvrag.engine.chunks import MAX_STREAM_TOKENS, ChunkComputer, context_label, similarity_order, warm_list
+from kvrag.engine.chunks import ChunkComputer, context_label, similarity_order, warm_list
 from kvrag.engine.conversations import Conversations, check_conversation_id
 from kvrag.engine.costs import CostFeedback
 from kvrag.engine.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
@@ -236,7 +236,7 @@ class Engine:
         """Precompute and store the KV of chunks that are not cached yet (for tenant ``namespace``).
 
         With ``chunk_context="neighbor"`` (default) the list is computed as one stream (windows of
-        up to ``MAX_STREAM_TOKENS``; a window is skipped when all its chunks are cached), each chunk
+        up to ``config.warm_window_tokens``; a window is skipped when all its chunks are cached), each chunk
         behind the documents before it, the first behind the list's last ones: closer to how they
         will appear inside prompts. Each window is one job for the engine thread, queued like a
         request (running streams go on decoding while it computes; a full queue raises
@@ -283,7 +283,7 @@ class Engine:
                 docs,
                 keys,
                 run=self._run_job,  # bounded: a full queue refuses the window (OverloadedError)
-                window_tokens=min(MAX_STREAM_TOKENS, self.context_window),
+                window_tokens=min(self.config.warm_window_tokens, self.context_window),
                 keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
                 progress=report,
             )

@@ -81,7 +81,7 @@ def test_minilm_embeds_to_unit_vectors_that_rank_the_paraphrase_first():
 def test_retrieval_workload_both_store_modes(tmp_path, tiny_engine):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(make_synthetic_dataset(4, passages=3, words=6)))
-    methods = "full,probe@0.5,epic@0.5+chunk_context=sink"
+    methods = "full,probe@0.5,epic@0.5+chunk_context=sink,probe@0.5+warm_window_tokens=512"
     res = run_bench(
         BenchOptions(
             dataset=str(data),
@@ -127,7 +127,8 @@ def test_retrieval_workload_both_store_modes(tmp_path, tiny_engine):
     assert all(r["chunk_hits"] == 3 for r in corpus)  # the whole pool was warmed
     facts = res["extras"]["retrieval/corpus"]
     assert facts["corpus_order"] == "similar" and set(facts["warmed"]) == set(names[1:])
-    # one warm per kind of chunk KV (neighbor, sink), copied whole into each method's store
+    # one warm per kind of chunk KV (neighbor, sink; another warm window), copied whole into each
+    # method's store (each warm's source engine closed once copied)
     assert all(w["computed"] == w["copied"] == facts["pool_passages"] for w in facts["warmed"].values())
     assert all(w["shared_with"] == [] for w in facts["warmed"].values())
     md = (tmp_path / "o" / "results.md").read_text()

@@ -208,25 +208,38 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
 
 
-def test_warm_splits_long_lists_into_windows(tiny_engine, docs, monkeypatch):
-    cc = tiny_engine.chunk_computer
-    ids = [tiny_engine.planner.tokenize(d) for d in docs]
-    head = len(cc.sink_ids) + cc.context_tokens
-    two = head + len(ids[0]) + len(ids[1])
-    assert cc.windows(ids, two) == [[0, 1], [2, 3]]
-    assert cc.windows(ids, 1) == [[0], [1], [2], [3]]  # a chunk longer than the window is alone
-    assert cc.windows(ids, 10**6) == [[0, 1, 2, 3]]
-    # a window goes behind the other documents of the list, round it, ending just before the window
-    import kvrag.engine.engine as engine_module
+def test_warm_splits_long_lists_into_windows(tiny_model, tiny_tokenizer, docs):
+    two = 280  # room for two of these documents behind 3/8 of it in context, not for three
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, warm_window_tokens=two)
+    try:
+        cc = engine.chunk_computer
+        ids = [engine.planner.tokenize(d) for d in docs]
+        room = cc.window_context_tokens(two)
+        assert room == 3 * two // 8 < cc.context_tokens
+        assert (
+            len(cc.sink_ids) + room + sum(map(len, ids[:2])) <= two < len(cc.sink_ids) + room + sum(map(len, ids[:3]))
+        )
+        assert cc.windows(ids, two) == [[0, 1], [2, 3]]
+        assert cc.windows(ids, 1) == [[0], [1], [2], [3]]  # a chunk longer than the window is alone
+        assert cc.windows(ids, 10**6) == [[0, 1, 2, 3]]
+        # a window goes behind the other documents of the list, round it, ending just before the
+        # window, as many of their last tokens as 3/8 of the window holds
+        engine.warm(docs)
+        for members, others in (([0, 1], [2, 3]), ([2, 3], [0, 1])):
+            context = [engine.tokenizer.bos_token_id] + flat(ids[j] for j in others)[-room:]
+            want = chunk_kv_in_stream(engine, context, [ids[j] for j in members])
+            torch.testing.assert_close(stored(engine, docs[members[-1]]).k, want.k, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
 
-    monkeypatch.setattr(engine_module, "MAX_STREAM_TOKENS", two)  # the window size warm() passes
-    tiny_engine.warm(docs)
-    for members, others in (([0, 1], [2, 3]), ([2, 3], [0, 1])):
-        context = [tiny_engine.tokenizer.bos_token_id] + flat(ids[j] for j in others)[
-            -(tiny_engine.context_window // 4) :
-        ]
-        want = chunk_kv_in_stream(tiny_engine, context, [ids[j] for j in members])
-        torch.testing.assert_close(stored(tiny_engine, docs[members[-1]]).k, want.k, rtol=1e-5, atol=1e-5)
+
+def test_default_warm_window_keeps_the_full_context(tiny_engine):
+    cc = tiny_engine.chunk_computer
+    assert tiny_engine.config.warm_window_tokens == 4096
+    assert cc.window_context_tokens(4096) == cc.context_tokens  # 1536 of 4096: the bound, unchanged
+    for bad in (100, 1024.0, True):
+        with pytest.raises(InvalidRequestError, match="warm_window_tokens"):
+            tiny_engine.config.replace(warm_window_tokens=bad)
 
 
 def test_sink_context_computes_each_chunk_alone(tiny_model, tiny_tokenizer, docs):
