@@ -265,12 +265,6 @@ class EngineConfig:
             raise InvalidRequestError(f"auto_threshold must be a number >= 0 or None, got {self.auto_threshold!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {self.chunk_context!r}")
-        if (
-            isinstance(self.warm_window_tokens, bool)
-            or not isinstance(self.warm_window_tokens, int)
-            or self.warm_window_tokens < 256
-        ):
-            raise InvalidRequestError(f"warm_window_tokens must be an int >= 256, got {self.warm_window_tokens!r}")
         if self.selection not in SELECTIONS:
             raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.deviation not in _DEVIATIONS:
@@ -337,6 +331,7 @@ class EngineConfig:
             ("max_queued_tokens", 1),
             ("starvation_window", 0),
             ("decode_group", 1),
+            ("warm_window_tokens", 256),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:

@@ -117,14 +117,15 @@ class ChunkComputer:
         from as (content id, tokens in the context): the sink, then the tail of the documents
         ``before`` it (none given: the documents computed last that are not in ``exclude``, the
         chunks about to be computed, so that no chunk goes behind a copy of itself; or a built-in
-        passage); at most ``room`` tokens of them (default :attr:`context_tokens`)."""
+        passage); at most ``room`` tokens of them (default :attr:`context_tokens`, never more:
+        :meth:`window_context_tokens`)."""
         if self.context == "sink":
             return list(self.sink_ids), []
         docs = [doc for doc in before or () if doc]
         if not docs:
             docs = [doc for doc in self._recent if doc not in exclude] or [self._builtin_doc()]
         tail, used = [], []
-        room = self.context_tokens if room is None else min(room, self.context_tokens)
+        room = self.context_tokens if room is None else room
         for doc in reversed(docs):  # the last documents, as many as fill the context (the first cut)
             if room <= 0:
                 break

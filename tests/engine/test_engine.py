@@ -236,7 +236,7 @@ def test_warm_splits_long_lists_into_windows(tiny_model, tiny_tokenizer, docs):
 def test_default_warm_window_keeps_the_full_context(tiny_engine):
     cc = tiny_engine.chunk_computer
     assert tiny_engine.config.warm_window_tokens == 4096
-    assert cc.window_context_tokens(4096) == cc.context_tokens  # 1536 of 4096: the bound, unchanged
+    assert cc.window_context_tokens(4096) == cc.context_tokens  # the bound (<= 1536, 3/8 of 4096): unchanged
     for bad in (100, 1024.0, True):
         with pytest.raises(InvalidRequestError, match="warm_window_tokens"):
             tiny_engine.config.replace(warm_window_tokens=bad)
