@@ -155,17 +155,18 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
     """Warm the pool into every method's store: computed once per kind of chunk KV, then copied.
 
     The methods' engines differ in how they *use* chunk KV, not in how a warm computes it, except
-    through ``chunk_context`` and ``warm_window_tokens``: engines alike in them get the records of
-    one warm (on a scratch engine with the run's store settings, so no method's store is read or
-    promoted by the copying), each record put as the warm itself puts it (the chunk's first
-    variant, with its context).
+    through ``chunk_context``, ``warm_window_tokens`` and ``warm_variants``: engines alike in them
+    get the records of one warm (on a scratch engine with the run's store settings, so no method's
+    store is read or promoted by the copying), each record put as the warm itself puts it (the
+    chunk's variants, each with its context).
     """
-    groups: dict[tuple[str, int], list[str]] = {}
+    groups: dict[tuple[str, int, int], list[str]] = {}
     for name, eng in owned.items():
-        groups.setdefault((eng.config.chunk_context, eng.config.warm_window_tokens), []).append(name)
+        cfg = eng.config
+        groups.setdefault((cfg.chunk_context, cfg.warm_window_tokens, cfg.warm_variants), []).append(name)
     out = {}
-    for (context, window), names in groups.items():
-        src = engines.scratch(**store, chunk_context=context, warm_window_tokens=window)
+    for (context, window, variants), names in groups.items():
+        src = engines.scratch(**store, chunk_context=context, warm_window_tokens=window, warm_variants=variants)
         res = src.warm(texts, progress=progress, **how)
         src.flush()
         for name in names:
@@ -174,6 +175,7 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
             owned[name].flush()
             out[name] = {
                 "computed": res.computed,
+                "variants": res.variants,
                 "tokens": res.tokens,
                 "seconds": res.seconds,
                 "copied": copied,
@@ -185,24 +187,26 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
 
 
 def _copy_records(src, dst, texts: list[str]) -> int:
-    """Put each text's stored chunk KV from ``src`` into ``dst`` as its first variant; returns how many."""
+    """Put each text's stored chunk KV from ``src`` into ``dst``, its variants in the order they
+    were kept; returns how many records."""
     copied = 0
-    for text in texts:
+    for text in dict.fromkeys(texts):
         ids = src.planner.tokenize(text)
         key = src.planner.chunk_key(ids)
-        rec = src.store.get(key, ids)
-        if rec is None:
-            continue
-        twin = KVRecord(
-            token_ids=rec.token_ids.clone(),
-            k=rec.k.clone(),
-            v=rec.v.clone(),
-            kind=rec.kind,
-            context=rec.context,
-            meta=dict(rec.meta),
-            stats={n: t.clone() for n, t in rec.stats.items()},
-        )
-        copied += dst.planner.keep_variant(key, twin, tuple(rec.meta.get("context", ())))
+        for slot in src.planner.variants.keys(key) or [key]:
+            rec = src.store.get(slot, ids)
+            if rec is None:
+                continue
+            twin = KVRecord(
+                token_ids=rec.token_ids.clone(),
+                k=rec.k.clone(),
+                v=rec.v.clone(),
+                kind=rec.kind,
+                context=rec.context,
+                meta=dict(rec.meta),
+                stats={n: t.clone() for n, t in rec.stats.items()},
+            )
+            copied += dst.planner.keep_variant(key, twin, tuple(rec.meta.get("context", ())), rec.meta.get("exact"))
     return copied
 
 

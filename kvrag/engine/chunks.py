@@ -294,8 +294,10 @@ def warm_list(
     window_tokens: int,
     keep: Callable[[StoreKey, KVRecord], bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> int:
-    """Compute and store the KV of the chunks of a list that are not cached; returns how many.
+    reverse: Callable[[StoreKey], bool] | None = None,
+) -> tuple[int, int]:
+    """Compute and store the KV of the chunks of a list that are not cached; returns how many, and
+    how many second variants the reverse pass computed.
 
     The list is cut into windows of at most ``window_tokens`` (cached chunks included: what was
     cached never moves the others); a window with a missing chunk is computed as one stream behind
@@ -303,35 +305,46 @@ def warm_list(
     copy of a member). Each window's pass is one job for the engine thread: ``run(job, tokens)``
     calls ``job(pause)`` there and returns its records. ``keep(key, record)`` stores a record (the
     planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
-    ``progress(windows done, windows)`` is called after each window.
+    ``reverse(key)``: after the pass in list order, a second pass computes the list in reverse order
+    for the chunks it says still need a variant (each then also has one behind the documents after
+    it in the list; ``keep`` stores it beside the first). ``progress(windows done, windows)`` is
+    called after each window.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
     for i, key in enumerate(keys):
         if key not in seen:
             seen.add(key)
             unique.append(i)
-    computed = 0
+    passes = [(unique, lambda key: not store.contains(key))]
+    if reverse is not None and computer.context != "sink" and len(unique) > 1:
+        passes.append((unique[::-1], reverse))
     context_tokens = computer.window_context_tokens(window_tokens)
+    computed, done = [0, 0], 0
     with store.pinned(keys):  # a batch never evicts its own members
-        windows = computer.windows([docs[i] for i in unique], window_tokens)
-        for done, window in enumerate(windows, 1):
-            members = [unique[w] for w in window]
-            missing = {i for i in members if not store.contains(keys[i])}
-            if missing:
-                first, inside = members[0], {keys[i] for i in members}
-                ring = [*range(first + 1, len(docs)), *range(first)]  # round the list, ending just before it
-                before = [docs[j] for j in ring if keys[j] not in inside]
-                inner = [docs[i] for i in members]
-                records = run(
-                    lambda pause, inner=inner, before=before: computer.compute_window(
-                        inner, before, context_tokens=context_tokens, pause=pause
-                    ),
-                    sum(map(len, inner)),
-                )
-                for i, record in zip(members, records):
-                    if i in missing:
-                        (keep or store.put)(keys[i], record)
-                computed += len(missing)
-            if progress is not None:
-                progress(done, len(windows))
-    return computed
+        plans = [
+            (order, missing, computer.windows([docs[i] for i in order], window_tokens)) for order, missing in passes
+        ]
+        total = sum(len(windows) for _, _, windows in plans)
+        for n_pass, (order, needed, windows) in enumerate(plans):
+            for window in windows:
+                members = [order[w] for w in window]
+                missing = {i for i in members if needed(keys[i])}
+                if missing:
+                    first, inside = window[0], {keys[i] for i in members}
+                    ring = [*order[first + 1 :], *order[:first]]  # round the list, ending just before it
+                    before = [docs[j] for j in ring if keys[j] not in inside]
+                    inner = [docs[i] for i in members]
+                    records = run(
+                        lambda pause, inner=inner, before=before: computer.compute_window(
+                            inner, before, context_tokens=context_tokens, pause=pause
+                        ),
+                        sum(map(len, inner)),
+                    )
+                    for i, record in zip(members, records):
+                        if i in missing:
+                            (keep or store.put)(keys[i], record)
+                    computed[n_pass] += len(missing)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+    return computed[0], computed[1]

@@ -277,7 +277,7 @@ class Engine:
             docs = [docs[i] for i in similarity_order(docs, vectors)]
         keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
         with progress_reporter(progress, "kvrag warm") as report:
-            computed = warm_list(
+            computed, variants = warm_list(
                 self.chunk_computer,
                 self.store,
                 docs,
@@ -286,8 +286,13 @@ class Engine:
                 window_tokens=min(self.config.warm_window_tokens, self.context_window),
                 keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
                 progress=report,
+                reverse=(lambda key: len(self.planner.variants.keys(key)) < 2)
+                if self.config.warm_variants > 1
+                else None,
             )
-        return WarmResult(computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0)
+        return WarmResult(
+            computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0, variants=variants
+        )
 
     def generate(
         self, chunks: Sequence[str] | None = None, prefix: str = "", suffix: str = "", **request: Unpack[RequestArgs]

@@ -259,7 +259,7 @@ class Planner:
             slot = variant_key(key, tag)
             if self.store.contains(slot):
                 return False
-            if speculative and not self._room_for_variant(key):
+            if speculative and not self.room_for_variant(key):
                 return False  # a variant kept ahead of need never pushes out one a request kept
         if not self.store.put(slot, record, speculative=speculative):
             return False
@@ -267,7 +267,7 @@ class Planner:
             self.store.remove(old)
         return True
 
-    def _room_for_variant(self, key: StoreKey) -> bool:
+    def room_for_variant(self, key: StoreKey) -> bool:
         """Whether the chunk has fewer variants than the cap (those the store lost are forgotten first)."""
         for k in self.variants.keys(key):
             if not self.store.contains(k):

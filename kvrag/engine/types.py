@@ -133,12 +133,14 @@ class GenerationStream:
 
 @dataclass(slots=True)
 class WarmResult:
-    """What ``Engine.warm`` did: chunks newly computed, chunks already cached, tokens covered."""
+    """What ``Engine.warm`` did: chunks newly computed, chunks already cached, tokens covered, and
+    second variants computed (``warm_variants=2``)."""
 
     computed: int
     cached: int
     tokens: int
     seconds: float
+    variants: int = 0
 
 
 @dataclass(slots=True)

@@ -126,12 +126,15 @@ class WriteBack:
         self._refresh_cond = threading.Condition()
         self._closing = False
         #: knowledge-tree refreshes: ``runs`` done, ``chunks`` kept, ``not_kept`` (the store had no
-        #: spare room, or holds that variant already), ``preempted`` (started over), ``dropped`` (too
-        #: many waiting, or given way too often), ``seconds`` of engine time spent
+        #: spare room, or holds that variant already), ``at_cap`` (chunks not computed: they hold
+        #: ``max_variants`` already, which a refreshed variant never pushes out), ``preempted``
+        #: (started over), ``dropped`` (too many waiting, or given way too often), ``seconds`` of
+        #: engine time spent
         self.refresh_counts = {
             "runs": 0,
             "chunks": 0,
             "not_kept": 0,
+            "at_cap": 0,
             "preempted": 0,
             "dropped": 0,
             "seconds": 0.0,
@@ -239,6 +242,14 @@ class WriteBack:
         """On the engine thread: compute ``ids`` exactly (reusing only exact KV) and keep the targets."""
         again, t0 = False, time.perf_counter()
         try:
+            room = [u for u in targets if self.planner.room_for_variant(u.key)]
+            self.refresh_counts["at_cap"] += len(targets) - len(room)
+            if not room:  # kept ahead of need, a refreshed variant would push out none: not computed
+                return
+            if room[-1].index < targets[-1].index:  # the sequence up to the last chunk with room
+                segments = segments[: room[-1].index + 1]
+                ids = ids[: segments[-1].end]
+            targets = room
             plan = self.planner.plan(
                 segments,
                 ids,

@@ -233,6 +233,37 @@ def test_warm_splits_long_lists_into_windows(tiny_model, tiny_tokenizer, docs):
         engine.close()
 
 
+def test_warm_variants_adds_a_reverse_pass(tiny_model, tiny_tokenizer, docs):
+    """warm_variants=2: the list is computed again in reverse, each chunk kept as a second variant
+    behind the documents after it; a second warm computes nothing."""
+    two = 280
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, warm_window_tokens=two, warm_variants=2)
+    try:
+        ids = [engine.planner.tokenize(d) for d in docs]
+        room = engine.chunk_computer.window_context_tokens(two)
+        res = engine.warm(docs)
+        assert (res.computed, res.variants) == (4, 4)
+        keys = [engine.planner.chunk_key(i) for i in ids]
+        assert all(len(engine.planner.variants.keys(k)) == 2 for k in keys)
+        # reversed list [3, 2, 1, 0] in windows [3, 2] and [1, 0]; [3, 2] goes behind 1, 0 (round it)
+        for members, others in (([3, 2], [1, 0]), ([1, 0], [3, 2])):
+            context = [engine.tokenizer.bos_token_id] + flat(ids[j] for j in others)[-room:]
+            want = chunk_kv_in_stream(engine, context, [ids[j] for j in members])
+            last = keys[members[-1]]
+            second = engine.planner.variants.keys(last)[1]
+            got = engine.store.get(second, ids[members[-1]])
+            torch.testing.assert_close(got.k, want.k, rtol=1e-5, atol=1e-5)
+            assert got.meta["context"] != stored(engine, docs[members[-1]]).meta["context"]
+        again = engine.warm(docs)
+        assert (again.computed, again.cached, again.variants) == (0, 4, 0)
+        with pytest.raises(InvalidRequestError, match="warm_variants"):
+            engine.config.replace(warm_variants=2, max_variants=1)
+        with pytest.raises(InvalidRequestError, match="warm_variants"):
+            engine.config.replace(warm_variants=3)
+    finally:
+        engine.close()
+
+
 def test_default_warm_window_keeps_the_full_context(tiny_engine):
     cc = tiny_engine.chunk_computer
     assert tiny_engine.config.warm_window_tokens == 4096

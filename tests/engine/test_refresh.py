@@ -63,6 +63,22 @@ def test_only_the_chunks_after_the_exact_part_are_refreshed(engine):
     assert sources(engine.generate(docs[:3] + [docs[1]], PREFIX, SUFFIX))[:3] == ["tree"] * 3
 
 
+def test_chunks_at_the_variant_cap_are_not_refreshed(tiny_model, tiny_tokenizer):
+    """A refreshed variant never pushes out another, so chunks holding ``max_variants`` are left
+    out of the refresh, and the sequence computed ends at the last chunk that has room."""
+    docs = make_docs(3, seed=44)
+    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, max_variants=2, warm_variants=2) as engine:
+        engine.warm(docs[1:])  # two variants each: at the cap
+        engine.warm(docs[:1])  # alone: one variant, room for another
+        engine.generate(docs, PREFIX, SUFFIX)
+        engine.flush()
+        counts = engine.writeback.refresh_counts
+        assert (counts["runs"], counts["chunks"], counts["at_cap"]) == (1, 1, 2)
+        assert sources(engine.generate(docs, PREFIX, SUFFIX)) == ["tree", "store", "store"]
+        engine.flush()  # chunk 0 exact now: the other two at the cap, nothing left to compute
+        assert (counts["runs"], counts["at_cap"]) == (1, 4)
+
+
 def test_without_tree_refresh_a_blended_sequence_stays_blended(tiny_model, tiny_tokenizer):
     docs = make_docs(3, seed=43)
     with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, tree_refresh=False) as engine:
@@ -168,7 +184,8 @@ def wait_until(condition, timeout: float = 30.0) -> None:
 
 def test_a_refresh_takes_no_room_from_what_requests_kept(tiny_model, tiny_tokenizer):
     """In a full store the refresh's exact variants are not kept (counted), and every entry the warm
-    and the request kept stays; with one variant per chunk a refresh never replaces a chunk's KV."""
+    and the request kept stays; with one variant per chunk a refresh never replaces a chunk's KV
+    (nor computes one: every chunk is at the cap)."""
     docs = make_docs(3, seed=44)
     with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, tree_refresh=False) as probe:
         probe.warm(docs[::-1])
@@ -182,8 +199,9 @@ def test_a_refresh_takes_no_room_from_what_requests_kept(tiny_model, tiny_tokeni
             engine.generate(docs, PREFIX, SUFFIX)
             engine.flush()
             counts = engine.writeback.refresh_counts
-            assert (counts["runs"], counts["chunks"], counts["not_kept"]) == (1, 0, 3), settings
+            full = "memory_budget_bytes" in settings
+            want = (1, 0, 3, 0) if full else (0, 0, 0, 3)
+            assert (counts["runs"], counts["chunks"], counts["not_kept"], counts["at_cap"]) == want, settings
             assert before <= set(engine.store._items)
-            refused = engine.store.stats()["speculative_refused"]
-            assert refused == (3 if "memory_budget_bytes" in settings else 0)  # else: the cap refused
+            assert engine.store.stats()["speculative_refused"] == (3 if full else 0)
             assert sources(engine.generate(docs, PREFIX, SUFFIX)) == ["store"] * 3
