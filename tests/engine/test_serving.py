@@ -68,7 +68,8 @@ def test_concurrent_greedy_streams_equal_each_alone(serving, events):
     serving.flush()
     alone = [serving.generate(chunks, PREFIX, SUFFIX, **args).token_ids for chunks, args in REQUESTS]
     events.clear()
-    streams = [serving.stream(chunks, PREFIX, SUFFIX, **args) for chunks, args in REQUESTS]  # all queued at once
+    gate = hold_engine_thread(serving)  # all queued before the engine takes the first (a busy machine is slow to queue)
+    streams = [serving.stream(chunks, PREFIX, SUFFIX, **args) for chunks, args in REQUESTS]
     results: dict[int, list[int]] = {}
 
     def consume(i):
@@ -77,6 +78,7 @@ def test_concurrent_greedy_streams_equal_each_alone(serving, events):
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
     for t in threads:
         t.start()
+    gate.set()
     for t in threads:
         t.join()
     assert [results[i] for i in range(len(REQUESTS))] == alone
