@@ -236,12 +236,15 @@ class Engine:
         """Precompute and store the KV of chunks that are not cached yet (for tenant ``namespace``).
 
         With ``chunk_context="neighbor"`` (default) the list is computed as one stream (windows of
-        up to ``config.warm_window_tokens``; a window is skipped when all its chunks are cached), each chunk
-        behind the documents before it, the first behind the list's last ones: closer to how they
-        will appear inside prompts. Each window is one job for the engine thread, queued like a
-        request (running streams go on decoding while it computes; a full queue raises
-        :class:`~kvrag.errors.OverloadedError`, the windows computed before stay stored). With
-        ``"sink"`` each chunk is computed alone behind the attention-sink token (CacheBlend).
+        up to ``config.warm_window_tokens``; a window is skipped when all its chunks are cached),
+        each chunk behind the documents before it, the first behind the list's last ones: closer to
+        how they will appear inside prompts. With ``config.warm_variants=2`` the list is computed
+        again in reverse order, and each chunk keeps a second variant, behind the documents after
+        it; a request uses the one whose context it shares more (Cache-Craft's CFO). Each window is
+        one job for the engine thread, queued like a request (running streams go on decoding while
+        it computes; a full queue raises :class:`~kvrag.errors.OverloadedError`, the windows
+        computed before stay stored). With ``"sink"`` each chunk is computed alone behind the
+        attention-sink token (CacheBlend).
 
         Args:
             chunks: document texts.
