@@ -106,7 +106,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         warm = None
         if body.warm:
             res = await asyncio.to_thread(engine.warm, body.documents, order=body.order, namespace=namespace)
-            warm = {"computed": res.computed, "cached": res.cached, "tokens": res.tokens, "seconds": res.seconds}
+            warm = {
+                "computed": res.computed,
+                "cached": res.cached,
+                "tokens": res.tokens,
+                "seconds": res.seconds,
+                "variants": res.variants,
+            }
         return {"object": "documents", "ids": ids, "warm": warm}
 
     @app.delete("/v1/conversations/{conversation_id}")

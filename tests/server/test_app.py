@@ -87,7 +87,7 @@ def test_documents_endpoint_lets_plain_openai_requests_hit(serve_tiny):
     engine, url = serve_tiny()
     docs = make_docs(3, seed=4)
     answer = httpx.post(f"{url}/v1/documents", json={"documents": docs, "warm": True}, timeout=60).json()
-    assert answer["warm"]["computed"] == 3 and len(answer["ids"]) == 3
+    assert answer["warm"]["computed"] == 3 and answer["warm"]["variants"] == 0 and len(answer["ids"]) == 3
     plain = {"model": engine.model_name, "messages": rag_messages(docs), "max_tokens": 4}  # no kvrag field at all
     data = httpx.post(f"{url}/v1/chat/completions", json=plain, timeout=60).json()
     assert data["kvrag"]["chunk_hits"] == 3 and data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
