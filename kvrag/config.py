@@ -161,7 +161,7 @@ class EngineConfig:
         warm_variants: variants of each chunk ``warm()`` computes: 1, or 2 (the list is computed
             again in reverse order, so each chunk also has a variant behind the documents after it:
             a request picks the one whose context it shares more, Cache-Craft's CFO). At most
-            ``max_variants``; 2 costs twice the warm and the store bytes.
+            ``max_variants``; 2 costs 1.5-2x the warm's time and twice the warmed chunks' bytes.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         max_variants: most variants of one chunk's KV kept, each computed in another context
             (Cache-Craft); a request uses the one whose context fits it best, an exact one when the
