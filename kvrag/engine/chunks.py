@@ -321,9 +321,7 @@ def warm_list(
     context_tokens = computer.window_context_tokens(window_tokens)
     computed, done = [0, 0], 0
     with store.pinned(keys):  # a batch never evicts its own members
-        plans = [
-            (order, missing, computer.windows([docs[i] for i in order], window_tokens)) for order, missing in passes
-        ]
+        plans = [(order, needed, computer.windows([docs[i] for i in order], window_tokens)) for order, needed in passes]
         total = sum(len(windows) for _, _, windows in plans)
         for n_pass, (order, needed, windows) in enumerate(plans):
             for window in windows:

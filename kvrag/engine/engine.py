@@ -289,7 +289,7 @@ class Engine:
                 window_tokens=min(self.config.warm_window_tokens, self.context_window),
                 keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
                 progress=report,
-                reverse=(lambda key: len(self.planner.variants.keys(key)) < 2)
+                reverse=(lambda key: len(self.planner.variants.keys(key)) < self.config.warm_variants)
                 if self.config.warm_variants > 1
                 else None,
             )

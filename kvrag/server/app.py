@@ -21,6 +21,7 @@ engine stream after the token it is computing, which frees the request's KV.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -106,13 +107,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         warm = None
         if body.warm:
             res = await asyncio.to_thread(engine.warm, body.documents, order=body.order, namespace=namespace)
-            warm = {
-                "computed": res.computed,
-                "cached": res.cached,
-                "tokens": res.tokens,
-                "seconds": res.seconds,
-                "variants": res.variants,
-            }
+            warm = dataclasses.asdict(res)  # every WarmResult field: the client builds one from it
         return {"object": "documents", "ids": ids, "warm": warm}
 
     @app.delete("/v1/conversations/{conversation_id}")
