@@ -292,7 +292,7 @@ def warm_list(
     *,
     run: Callable[[Callable, int], list[KVRecord]],
     window_tokens: int,
-    keep: Callable[[StoreKey, KVRecord], bool] | None = None,
+    keep: Callable[..., bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
     reverse: Callable[[StoreKey], bool] | None = None,
 ) -> tuple[int, int]:
@@ -303,11 +303,12 @@ def warm_list(
     cached never moves the others); a window with a missing chunk is computed as one stream behind
     the list's other documents, taken round the list and ending just before the window (never a
     copy of a member). Each window's pass is one job for the engine thread: ``run(job, tokens)``
-    calls ``job(pause)`` there and returns its records. ``keep(key, record)`` stores a record (the
-    planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
+    calls ``job(pause)`` there and returns its records. ``keep(key, record, speculative=)`` stores a
+    record (the planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
     ``reverse(key)``: after the pass in list order, a second pass computes the list in reverse order
     for the chunks it says still need a variant (each then also has one behind the documents after
-    it in the list; ``keep`` stores it beside the first). ``progress(windows done, windows)`` is
+    it in the list; ``keep`` stores it beside the first, ``speculative``: kept ahead of need, it
+    takes no room a first variant holds). ``progress(windows done, windows)`` is
     called after each window.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
@@ -340,7 +341,7 @@ def warm_list(
                     )
                     for i, record in zip(members, records):
                         if i in missing:
-                            (keep or store.put)(keys[i], record)
+                            (keep or store.put)(keys[i], record, speculative=n_pass > 0)
                     computed[n_pass] += len(missing)
                 done += 1
                 if progress is not None:

@@ -287,7 +287,9 @@ class Engine:
                 keys,
                 run=self._run_job,  # bounded: a full queue refuses the window (OverloadedError)
                 window_tokens=min(self.config.warm_window_tokens, self.context_window),
-                keep=lambda key, record: self.planner.keep_variant(key, record, tuple(record.meta.get("context", ()))),
+                keep=lambda key, record, speculative: self.planner.keep_variant(
+                    key, record, tuple(record.meta.get("context", ())), speculative=speculative
+                ),
                 progress=report,
                 reverse=(lambda key: len(self.planner.variants.keys(key)) < self.config.warm_variants)
                 if self.config.warm_variants > 1

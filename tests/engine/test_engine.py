@@ -264,6 +264,23 @@ def test_warm_variants_adds_a_reverse_pass(tiny_model, tiny_tokenizer, docs):
         engine.close()
 
 
+def test_second_variants_take_no_room_from_first_ones(tiny_model, tiny_tokenizer, docs):
+    """In a store that holds the list once, the reverse pass keeps nothing: its variants are kept
+    ahead of need and never push out a chunk's first variant (the hit rate of one variant stays)."""
+    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, warm_variants=1) as probe:
+        probe.warm(docs)
+        held = probe.store.stats()["bytes"]
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, max_new_tokens=2, warm_variants=2, memory_budget_bytes=held + 64
+    ) as engine:
+        res = engine.warm(docs)
+        assert (res.computed, res.variants) == (4, 4)  # computed, then refused
+        keys = [engine.planner.chunk_key(engine.planner.tokenize(d)) for d in docs]
+        assert all(engine.store.contains(k) for k in keys)
+        assert all(engine.planner.variants.keys(k) == [k] for k in keys)
+        assert engine.store.stats()["speculative_refused"] == 4
+
+
 def test_default_warm_window_keeps_the_full_context(tiny_engine):
     cc = tiny_engine.chunk_computer
     assert tiny_engine.config.warm_window_tokens == 4096
