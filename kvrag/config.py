@@ -160,8 +160,10 @@ class EngineConfig:
             so this bounds how deep in a stream a warmed chunk sits.
         warm_variants: variants of each chunk ``warm()`` computes: 1, or 2 (the list is computed
             again in reverse order, so each chunk also has a variant behind the documents after it:
-            a request picks the one whose context it shares more, Cache-Craft's CFO). At most
-            ``max_variants``; 2 costs 1.5-2x the warm's time and twice the warmed chunks' bytes.
+            a request picks the one whose context it shares more, Cache-Craft's CFO; the second is
+            kept ahead of need, in room no first variant holds). ``None`` (default): 2 for a corpus
+            warmed with ``order="similar"``, 1 for ``order="given"``; never more than
+            ``max_variants``. 2 costs 1.5-2x the warm's time and twice the warmed chunks' bytes.
         chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
         max_variants: most variants of one chunk's KV kept, each computed in another context
             (Cache-Craft); a request uses the one whose context fits it best, an exact one when the
@@ -236,7 +238,7 @@ class EngineConfig:
     namespace: str = "default"
     chunk_context: str = "neighbor"
     warm_window_tokens: int = 4096
-    warm_variants: int = 1
+    warm_variants: int | None = None
     chunk_min_tokens: int = 1
     max_variants: int = 4
     write_back: bool = True
@@ -316,7 +318,7 @@ class EngineConfig:
         if isinstance(self.max_variants, bool) or not isinstance(self.max_variants, int) or self.max_variants < 1:
             raise InvalidRequestError("max_variants must be an integer >= 1")
         w = self.warm_variants
-        if isinstance(w, bool) or w not in (1, 2) or w > self.max_variants:
+        if w is not None and (isinstance(w, bool) or w not in (1, 2) or w > self.max_variants):
             raise InvalidRequestError(f"warm_variants must be 1 or 2 and at most max_variants, got {w!r}")
         for name in ("write_back", "tree_refresh"):
             if not isinstance(getattr(self, name), bool):

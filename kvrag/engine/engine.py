@@ -238,9 +238,10 @@ class Engine:
         With ``chunk_context="neighbor"`` (default) the list is computed as one stream (windows of
         up to ``config.warm_window_tokens``; a window is skipped when all its chunks are cached),
         each chunk behind the documents before it, the first behind the list's last ones: closer to
-        how they will appear inside prompts. With ``config.warm_variants=2`` the list is computed
-        again in reverse order, and each chunk keeps a second variant, behind the documents after
-        it; a request uses the one whose context it shares more (Cache-Craft's CFO). Each window is
+        how they will appear inside prompts. With ``config.warm_variants=2`` (the default for
+        ``order="similar"``) the list is computed again in reverse order, and each chunk keeps a
+        second variant, behind the documents after it; a request uses the one whose context it
+        shares more (Cache-Craft's CFO). Each window is
         one job for the engine thread, queued like a request (running streams go on decoding while
         it computes; a full queue raises :class:`~kvrag.errors.OverloadedError`, the windows
         computed before stay stored). With ``"sink"`` each chunk is computed alone behind the
@@ -279,6 +280,7 @@ class Engine:
             vectors = None if embeddings is None else [embeddings[i] for i in kept]
             docs = [docs[i] for i in similarity_order(docs, vectors)]
         keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
+        wanted = self.config.warm_variants or min(2 if order == "similar" else 1, self.config.max_variants)
         with progress_reporter(progress, "kvrag warm") as report:
             computed, variants = warm_list(
                 self.chunk_computer,
@@ -291,9 +293,7 @@ class Engine:
                     key, record, tuple(record.meta.get("context", ())), speculative=speculative
                 ),
                 progress=report,
-                reverse=(lambda key: len(self.planner.variants.keys(key)) < self.config.warm_variants)
-                if self.config.warm_variants > 1
-                else None,
+                reverse=(lambda key: len(self.planner.variants.keys(key)) < wanted) if wanted > 1 else None,
             )
         return WarmResult(
             computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0, variants=variants

@@ -264,6 +264,16 @@ def test_warm_variants_adds_a_reverse_pass(tiny_model, tiny_tokenizer, docs):
         engine.close()
 
 
+def test_default_warm_variants_follow_the_order(tiny_model, tiny_tokenizer, docs):
+    """By default a corpus warmed by similarity gets two variants per chunk, a given list one; with
+    max_variants=1 the default asks for no second one (and is no error)."""
+    for order, settings, want in (("similar", {}, 4), ("given", {}, 0), ("similar", {"max_variants": 1}, 0)):
+        with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, **settings) as engine:
+            assert engine.config.warm_variants is None
+            res = engine.warm(docs, order=order)
+            assert (res.computed, res.variants) == (4, want), (order, settings)
+
+
 def test_second_variants_take_no_room_from_first_ones(tiny_model, tiny_tokenizer, docs):
     """In a store that holds the list once, the reverse pass keeps nothing: its variants are kept
     ahead of need and never push out a chunk's first variant (the hit rate of one variant stays)."""
