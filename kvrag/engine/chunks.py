@@ -208,6 +208,16 @@ class ChunkComputer:
             segments.append(Segment(a, b, context_id(doc)))
         return records
 
+    def window_contexts(
+        self, docs: Sequence[list[int]], before: Sequence[list[int]] | None = None, *, context_tokens: int | None = None
+    ) -> list[tuple[str, ...]]:
+        """The ``meta["context"]`` :meth:`compute_window` gives each of ``docs`` (no compute)."""
+        if self.context == "sink":
+            return [()] * len(docs)
+        _, used = self.context_ids(before, exclude=docs, room=context_tokens)
+        head = [cid for cid, _ in used]
+        return [tuple(head + [context_id(d) for d in docs[:j]]) for j in range(len(docs))]
+
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""
         self._remember(ids)
@@ -294,7 +304,7 @@ def warm_list(
     window_tokens: int,
     keep: Callable[..., bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
-    reverse: Callable[[StoreKey], bool] | None = None,
+    reverse: Callable[[StoreKey, tuple[str, ...]], bool] | None = None,
 ) -> tuple[int, int]:
     """Compute and store the KV of the chunks of a list that are not cached; returns how many, and
     how many second variants the reverse pass computed.
@@ -305,10 +315,11 @@ def warm_list(
     copy of a member). Each window's pass is one job for the engine thread: ``run(job, tokens)``
     calls ``job(pause)`` there and returns its records. ``keep(key, record, speculative=)`` stores a
     record (the planner's :meth:`~kvrag.engine.planner.Planner.keep_variant`); default ``store.put``.
-    ``reverse(key)``: after the pass in list order, a second pass computes the list in reverse order
-    for the chunks it says still need a variant (each then also has one behind the documents after
-    it in the list; ``keep`` stores it beside the first, ``speculative``: kept ahead of need, it
-    takes no room a first variant holds). ``progress(windows done, windows)`` is
+    ``reverse(key, context)``: after the pass in list order, a second pass computes the list in
+    reverse order for the chunks it says still need their variant behind ``context`` (the content
+    ids that pass would compute it behind): each then also has one behind the documents after it in
+    the list; ``keep`` stores it beside the first, ``speculative``: kept ahead of need, it takes no
+    room a first variant holds. ``progress(windows done, windows)`` is
     called after each window.
     """
     unique, seen = [], set()  # the first occurrence of each chunk
@@ -316,7 +327,7 @@ def warm_list(
         if key not in seen:
             seen.add(key)
             unique.append(i)
-    passes = [(unique, lambda key: not store.contains(key))]
+    passes = [(unique, lambda key, context: not store.contains(key))]
     if reverse is not None and computer.context != "sink" and len(unique) > 1:
         passes.append((unique[::-1], reverse))
     context_tokens = computer.window_context_tokens(window_tokens)
@@ -327,12 +338,13 @@ def warm_list(
         for n_pass, (order, needed, windows) in enumerate(plans):
             for window in windows:
                 members = [order[w] for w in window]
-                missing = {i for i in members if needed(keys[i])}
+                first, inside = window[0], {keys[i] for i in members}
+                ring = [*order[first + 1 :], *order[:first]]  # round the list, ending just before it
+                before = [docs[j] for j in ring if keys[j] not in inside]
+                inner = [docs[i] for i in members]
+                contexts = computer.window_contexts(inner, before, context_tokens=context_tokens)
+                missing = {i for i, context in zip(members, contexts) if needed(keys[i], context)}
                 if missing:
-                    first, inside = window[0], {keys[i] for i in members}
-                    ring = [*order[first + 1 :], *order[:first]]  # round the list, ending just before it
-                    before = [docs[j] for j in ring if keys[j] not in inside]
-                    inner = [docs[i] for i in members]
                     records = run(
                         lambda pause, inner=inner, before=before: computer.compute_window(
                             inner, before, context_tokens=context_tokens, pause=pause

@@ -293,7 +293,7 @@ class Engine:
                     key, record, tuple(record.meta.get("context", ())), speculative=speculative
                 ),
                 progress=report,
-                reverse=(lambda key: len(self.planner.variants.keys(key)) < wanted) if wanted > 1 else None,
+                reverse=(lambda key, context: self.planner.wants_variant(key, context, wanted)) if wanted > 1 else None,
             )
         return WarmResult(
             computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0, variants=variants

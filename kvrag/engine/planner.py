@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -251,12 +252,8 @@ class Planner:
             record.meta["exact"] = exact
         slot = key
         if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
-            if not any(v.key == key for v in self.variants.variants(key)):
-                held = self.store.get(key)
-                if held is not None:
-                    self.variants.add(key, VariantInfo.from_record(key, held))
-            tag = f"exact:{exact}" if exact is not None else "context:" + ",".join(context)
-            slot = variant_key(key, tag)
+            self._index_first(key)
+            slot = _slot(key, context, exact)
             if self.store.contains(slot):
                 return False
             if speculative and not self.room_for_variant(key):
@@ -266,6 +263,31 @@ class Planner:
         for old in self.variants.add(key, VariantInfo.from_record(slot, record)):
             self.store.remove(old)
         return True
+
+    def _index_first(self, key: StoreKey) -> None:
+        """Index the chunk's first variant (under its own key) when the index does not know it."""
+        if not any(v.key == key for v in self.variants.variants(key)):
+            held = self.store.get(key)
+            if held is not None and self._fits(held):
+                self.variants.add(key, VariantInfo.from_record(key, held))
+
+    def wants_variant(self, key: StoreKey, context: Sequence[str], wanted: int) -> bool:
+        """Whether a warm should compute the chunk's variant behind ``context``: the chunk has fewer
+        than ``wanted`` variants and none stored behind that context. One the store holds but the
+        index does not know (kept by an earlier process: a disk or shared tier) is indexed instead,
+        with the first variant, so a restarted engine's warm finds its variants again unrecomputed."""
+        if len(self.variants.keys(key)) >= wanted:
+            return False
+        slot = _slot(key, tuple(context), None)
+        if not (self.store.contains(key) and self.store.contains(slot)):
+            return True
+        self._index_first(key)
+        if not any(v.key == slot for v in self.variants.variants(key)):
+            held = self.store.get(slot)  # a read, not a compute: its context and statistics
+            if held is None or not self._fits(held):
+                return True
+            self.variants.add(key, VariantInfo.from_record(slot, held))
+        return False
 
     def room_for_variant(self, key: StoreKey) -> bool:
         """Whether the chunk has fewer variants than the cap (those the store lost are forgotten first)."""
@@ -375,3 +397,8 @@ class Planner:
                 self.variants.used(info)
                 self.store.record_reuse(info.key, use.fix)
         return plan
+
+
+def _slot(key: StoreKey, context: tuple[str, ...], exact: str | None) -> StoreKey:
+    """Where a variant other than the chunk's first is stored: named by its exact digest or its context."""
+    return variant_key(key, f"exact:{exact}" if exact is not None else "context:" + ",".join(context))

@@ -256,6 +256,11 @@ def test_warm_variants_adds_a_reverse_pass(tiny_model, tiny_tokenizer, docs):
             assert got.meta["context"] != stored(engine, docs[members[-1]]).meta["context"]
         again = engine.warm(docs)
         assert (again.computed, again.cached, again.variants) == (0, 4, 0)
+        # the contexts the warm names before computing are the ones its records carry
+        cc = engine.chunk_computer
+        got = cc.compute_window([ids[2], ids[3]], [ids[0], ids[1]], context_tokens=room)
+        named = cc.window_contexts([ids[2], ids[3]], [ids[0], ids[1]], context_tokens=room)
+        assert [tuple(r.meta["context"]) for r in got] == named
         with pytest.raises(InvalidRequestError, match="warm_variants"):
             engine.config.replace(warm_variants=2, max_variants=1)
         with pytest.raises(InvalidRequestError, match="warm_variants"):

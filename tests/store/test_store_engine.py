@@ -252,6 +252,29 @@ def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tok
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
 
 
+def test_a_restarted_engine_finds_the_warms_second_variants(tiny_model, tiny_tokenizer, tmp_path):
+    """A corpus warmed by similarity keeps two variants per chunk on disk; a new engine over the
+    same directory warms it again computing nothing (it indexes the stored variants, reading them)
+    and answers a reordered prompt as the first engine does."""
+    docs = make_docs(4, seed=21)
+    prompt = [docs[i] for i in (3, 1, 0, 2)]
+    first = engine(tiny_model, tiny_tokenizer, tmp_path, write_back=False)
+    assert first.warm(docs, order="similar").variants == 4
+    want = first.generate(prompt, PREFIX, SUFFIX, mode="blend", recompute_ratio=0.15)
+    first.close()
+    again = engine(tiny_model, tiny_tokenizer, tmp_path, write_back=False)
+    try:
+        res = again.warm(docs, order="similar")
+        assert (res.computed, res.variants) == (0, 0)
+        keys = [again.planner.chunk_key(again.planner.tokenize(d)) for d in docs]
+        assert all(len(again.planner.variants.keys(k)) == 2 for k in keys)
+        got = again.generate(prompt, PREFIX, SUFFIX, mode="blend", recompute_ratio=0.15)
+        assert got.token_ids == want.token_ids
+        assert [c.fix for c in got.stats.chunks] == [c.fix for c in want.stats.chunks]
+    finally:
+        again.close()
+
+
 def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(tiny_model, tiny_tokenizer, tmp_path):
     docs = make_docs(4, seed=9)
     eng = engine(tiny_model, tiny_tokenizer, tmp_path, loading_controller=True)
