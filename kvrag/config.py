@@ -350,6 +350,10 @@ class EngineConfig:
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
             raise InvalidRequestError(f"prefill_slice_s must be a number of seconds >= 0, got {s!r}")
 
+    def warm_variants_for(self, order: str) -> int:
+        """Variants of each chunk ``warm(order=...)`` computes (``warm_variants``, or its default)."""
+        return self.warm_variants or min(2 if order == "similar" else 1, self.max_variants)
+
     def replace(self, **changes) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

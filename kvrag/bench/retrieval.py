@@ -163,7 +163,8 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
     groups: dict[tuple[str, int, int], list[str]] = {}
     for name, eng in owned.items():
         cfg = eng.config
-        groups.setdefault((cfg.chunk_context, cfg.warm_window_tokens, cfg.warm_variants), []).append(name)
+        variants = cfg.warm_variants_for(how.get("order", "given"))
+        groups.setdefault((cfg.chunk_context, cfg.warm_window_tokens, variants), []).append(name)
     out = {}
     for (context, window, variants), names in groups.items():
         src = engines.scratch(**store, chunk_context=context, warm_window_tokens=window, warm_variants=variants)
@@ -187,13 +188,17 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
 
 
 def _copy_records(src, dst, texts: list[str]) -> int:
-    """Put each text's stored chunk KV from ``src`` into ``dst``, its variants in the order they
-    were kept; returns how many records."""
-    copied = 0
+    """Put each text's stored chunk KV from ``src`` into ``dst`` as the warm put it: every chunk's
+    first variant, then the second ones, kept ahead of need (speculative); returns how many records."""
+    firsts, seconds = [], []
     for text in dict.fromkeys(texts):
         ids = src.planner.tokenize(text)
         key = src.planner.chunk_key(ids)
         for slot in src.planner.variants.keys(key) or [key]:
+            (firsts if slot == key else seconds).append((key, slot, ids))
+    copied = 0
+    for speculative, batch in ((False, firsts), (True, seconds)):
+        for key, slot, ids in batch:
             rec = src.store.get(slot, ids)
             if rec is None:
                 continue
@@ -206,7 +211,8 @@ def _copy_records(src, dst, texts: list[str]) -> int:
                 meta=dict(rec.meta),
                 stats={n: t.clone() for n, t in rec.stats.items()},
             )
-            copied += dst.planner.keep_variant(key, twin, tuple(rec.meta.get("context", ())), rec.meta.get("exact"))
+            context, exact = tuple(rec.meta.get("context", ())), rec.meta.get("exact")
+            copied += dst.planner.keep_variant(key, twin, context, exact, speculative=speculative)
     return copied
 
 

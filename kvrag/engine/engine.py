@@ -280,7 +280,7 @@ class Engine:
             vectors = None if embeddings is None else [embeddings[i] for i in kept]
             docs = [docs[i] for i in similarity_order(docs, vectors)]
         keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
-        wanted = self.config.warm_variants or min(2 if order == "similar" else 1, self.config.max_variants)
+        wanted = self.config.warm_variants_for(order)
         with progress_reporter(progress, "kvrag warm") as report:
             computed, variants = warm_list(
                 self.chunk_computer,

@@ -265,11 +265,12 @@ class Planner:
         return True
 
     def _index_first(self, key: StoreKey) -> None:
-        """Index the chunk's first variant (under its own key) when the index does not know it."""
+        """Index the chunk's first variant (under its own key) when the index does not know it
+        (from the record's header: a look, not a use)."""
         if not any(v.key == key for v in self.variants.variants(key)):
-            held = self.store.get(key)
-            if held is not None and self._fits(held):
-                self.variants.add(key, VariantInfo.from_record(key, held))
+            meta = self.store.meta(key)
+            if meta is not None:
+                self.variants.add(key, VariantInfo.from_meta(key, meta))
 
     def wants_variant(self, key: StoreKey, context: Sequence[str], wanted: int) -> bool:
         """Whether a warm should compute the chunk's variant behind ``context``: the chunk has fewer
@@ -283,10 +284,10 @@ class Planner:
             return True
         self._index_first(key)
         if not any(v.key == slot for v in self.variants.variants(key)):
-            held = self.store.get(slot)  # a read, not a compute: its context and statistics
-            if held is None or not self._fits(held):
+            meta = self.store.meta(slot)  # its header, not its KV: context and statistics
+            if meta is None:
                 return True
-            self.variants.add(key, VariantInfo.from_record(slot, held))
+            self.variants.add(key, VariantInfo.from_meta(slot, meta))
         return False
 
     def room_for_variant(self, key: StoreKey) -> bool:

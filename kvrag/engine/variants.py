@@ -112,7 +112,12 @@ class VariantInfo:
     @classmethod
     def from_record(cls, key: StoreKey, record: KVRecord) -> VariantInfo:
         """The info a stored record carries (records from older versions carry none: an unknown context)."""
-        meta = record.meta or {}
+        return cls.from_meta(key, record.meta)
+
+    @classmethod
+    def from_meta(cls, key: StoreKey, meta: dict | None) -> VariantInfo:
+        """The info a record's ``meta`` carries (read from its header: :meth:`KVStore.meta`)."""
+        meta = meta or {}
         context = meta.get("context")
         context = tuple(str(c) for c in context) if isinstance(context, list) else ()
         exact = meta.get("exact") if isinstance(meta.get("exact"), str) else None

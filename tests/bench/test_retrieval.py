@@ -128,8 +128,12 @@ def test_retrieval_workload_both_store_modes(tmp_path, tiny_engine):
     facts = res["extras"]["retrieval/corpus"]
     assert facts["corpus_order"] == "similar" and set(facts["warmed"]) == set(names[1:])
     # one warm per kind of chunk KV (neighbor, sink; another warm window), copied whole into each
-    # method's store (each warm's source engine closed once copied)
-    assert all(w["computed"] == w["copied"] == facts["pool_passages"] for w in facts["warmed"].values())
+    # method's store, second variants included (each warm's source engine closed once copied);
+    # warmed by similarity, a neighbor warm keeps two variants per chunk (sink: one)
+    warmed = facts["warmed"].values()
+    assert all(w["computed"] == facts["pool_passages"] for w in warmed)
+    assert all(w["copied"] == w["computed"] + w["variants"] for w in warmed)
+    assert any(w["variants"] == facts["pool_passages"] for w in warmed)
     assert all(w["shared_with"] == [] for w in facts["warmed"].values())
     md = (tmp_path / "o" / "results.md").read_text()
     assert "(r) retrieval corpus, the store filled by write-back" in md and "at least 2 of 3 chunk hits" in md
@@ -163,9 +167,14 @@ def test_a_copied_warm_is_the_warm_itself(tiny_engine):
     with MethodEngines(tiny_engine) as engines:
         own = engines.own("own", Method("own"))
         own.warm(texts, **how)
-        owned = {"a": engines.own("a", Method("a")), "b": engines.own("b", Method("b", {"max_variants": 1}))}
+        owned = {
+            "a": engines.own("a", Method("a")),
+            "b": engines.own("b", Method("b", {"max_variants": 2})),  # the same warm (two variants)
+            "c": engines.own("c", Method("c", {"max_variants": 1})),  # one variant: a warm of its own
+        }
         facts = _warm_stores(engines, owned, texts, how, {}, progress=False)
-        assert facts["a"]["shared_with"] == ["b"] and facts["b"]["copied"] == 5
+        assert facts["a"]["shared_with"] == ["b"] and facts["b"]["copied"] == 10
+        assert facts["c"]["shared_with"] == [] and facts["c"]["copied"] == 5
         for text in texts:
             ids = own.planner.tokenize(text)
             key = own.planner.chunk_key(ids)
@@ -174,4 +183,6 @@ def test_a_copied_warm_is_the_warm_itself(tiny_engine):
                 got = eng.store.get(key, ids)
                 assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
                 assert got.meta["context"] == want.meta["context"]
-                assert [v.key for v in eng.planner.variants.variants(key)] == [key]
+                want_keys = [key] if eng is owned["c"] else own.planner.variants.keys(key)
+                assert [v.key for v in eng.planner.variants.variants(key)] == want_keys
+                assert len(want_keys) == (1 if eng is owned["c"] else 2)

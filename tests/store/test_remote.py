@@ -69,6 +69,9 @@ def test_round_trip_parts_ttl_and_key_layout(remote_server):
     assert store.get(key(1, tokens=100), token_ids(2, 100)) is None  # tokens verify every hit
     assert store.put(key(1, tokens=100), record(3, tokens=100))  # the key exists: never overwritten
     assert same(store.get(key(1, tokens=100)), rec)
+    hits = store.stats()["hits"]
+    assert store.meta(key(1, tokens=100)) == {"i": 1} and store.meta(key(9, tokens=100)) is None
+    assert store.stats()["hits"] == hits  # a look at the header is not a use
     # the layers are byte ranges of the value: a streamed read asks for one layer at a time
     entry = store.open(key(1, tokens=100))
     assert entry.tier == "remote"

@@ -135,6 +135,21 @@ def test_tiers_promote_on_hit_and_swap_out_only_once(tmp_path, prefetch):
     store.close()
 
 
+def test_meta_reads_a_header_alone_and_counts_no_use(tmp_path):
+    """``meta`` is a look, not a use: memory, disk and the tiers above them give a record's meta
+    without counting a hit or promoting it into memory."""
+    store = tiered(tmp_path, prefetch=False)
+    assert store.put(key(1), record(1))
+    store.memory.clear()
+    assert store.meta(key(1)) == {"i": 1} and store.meta(key(2)) is None
+    assert not store.memory.contains(key(1))
+    st = store.stats()
+    assert st["hits"] == 0 and st["disk"]["hits"] == 0
+    assert store.memory.put(key(3), record(3)) and store.memory.meta(key(3)) == {"i": 3}
+    assert store.memory.stats()["hits"] == 0
+    store.close()
+
+
 def test_namespaces_never_see_each_other(tmp_path):
     a = tiered(tmp_path)
     a.put(key(1, "alice"), record(1))

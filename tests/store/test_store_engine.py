@@ -266,6 +266,7 @@ def test_a_restarted_engine_finds_the_warms_second_variants(tiny_model, tiny_tok
     try:
         res = again.warm(docs, order="similar")
         assert (res.computed, res.variants) == (0, 0)
+        assert again.store.stats()["hits"] == 0 and len(again.store.memory) == 0  # headers read, no KV
         keys = [again.planner.chunk_key(again.planner.tokenize(d)) for d in docs]
         assert all(len(again.planner.variants.keys(k)) == 2 for k in keys)
         got = again.generate(prompt, PREFIX, SUFFIX, mode="blend", recompute_ratio=0.15)

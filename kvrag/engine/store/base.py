@@ -143,6 +143,12 @@ class KVStore(ABC):
     @abstractmethod
     def remove(self, key: StoreKey) -> bool: ...
 
+    def meta(self, key: StoreKey) -> dict | None:
+        """The ``meta`` of the record under ``key`` (what its header carries), or ``None``: a look,
+        not a use (tiers that can read a header alone count no hit and promote nothing)."""
+        rec = self.get(key)
+        return None if rec is None else dict(rec.meta)
+
     def stats(self) -> dict:
         return {}
 

@@ -28,6 +28,16 @@ class Bookkeeping:
         finally:
             entry.close()
 
+    def meta(self, key):
+        """The record's ``meta`` from its verified header alone (no hit counted), or ``None``."""
+        entry = self.open(key, quiet=True)
+        if entry is None:
+            return None
+        try:
+            return dict(entry.header.meta)
+        finally:
+            entry.close()
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._stats[name] += n

@@ -190,22 +190,28 @@ class DiskStore(Bookkeeping, KVStore):
         except (sqlite3.Error, diskcache.Timeout):
             return False
 
-    def open(self, key: StoreKey, token_ids=None) -> DiskEntry | None:
-        """The entry's verified header and an open file, or ``None`` (miss, or damaged: dropped)."""
+    def open(self, key: StoreKey, token_ids=None, *, quiet: bool = False) -> DiskEntry | None:
+        """The entry's verified header and an open file, or ``None`` (miss, or damaged: dropped).
+        ``quiet``: a look at the header, not a use (no hit or miss counted, its rank untouched)."""
+        entry = self._open(key, token_ids)
+        if not quiet:
+            self._count("hits" if entry is not None else "misses")
+            if entry is not None:
+                self._rank(key, hit=True)
+        return entry
+
+    def _open(self, key: StoreKey, token_ids=None) -> DiskEntry | None:
         try:
             fh = self._cache.get(self._name(key), read=True)
         except (sqlite3.Error, diskcache.Timeout, OSError) as e:
-            self._count("misses")
             self._warn_once("io", f"disk KV tier lookup failed ({e}); treated as a miss")
             return None
         except DamagedEntryError as e:  # refused by SafeDisk (pickled key or value in the index)
             self.discard(key, str(e))
-            self._count("misses")
             return None
         if fh is None:
             if self.contains(key):  # a row whose file vanished: drop the row, or it misses forever
                 self.discard(key, "its file is missing")
-            self._count("misses")
             return None
         try:
             fd = fh.fileno()
@@ -216,16 +222,12 @@ class DiskStore(Bookkeeping, KVStore):
         except (DamagedEntryError, OSError) as e:
             fh.close()
             self.discard(key, str(e))
-            self._count("misses")
             return None
         if token_ids is not None:
             want = torch.as_tensor(token_ids, dtype=torch.long)
             if want.shape != ids.shape or not torch.equal(want, ids):
                 fh.close()  # a hash collision or another variant: a miss, not damage
-                self._count("misses")
                 return None
-        self._count("hits")
-        self._rank(key, hit=True)
         return DiskEntry(key, fh, header, ids)
 
     def put(

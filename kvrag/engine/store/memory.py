@@ -67,6 +67,12 @@ class MemoryStore(KVStore):
             self._stats["hits" if hit else "misses"] += 1
             return rec if hit else None
 
+    def meta(self, key: StoreKey) -> dict | None:
+        """A resident record's ``meta`` (a look: no hit counted, the policy untouched)."""
+        with self._lock:
+            rec = self._items.get(key)
+            return None if rec is None else dict(rec.meta)
+
     def put(self, key: StoreKey, record: KVRecord, *, speculative: bool = False) -> bool:
         """Keep a record, evicting by the policy; ``speculative``: only in free room or in place of
         other speculative entries (see the class)."""

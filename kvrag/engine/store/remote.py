@@ -290,8 +290,15 @@ class RemoteStore(Bookkeeping, KVStore):
             self._seen(rkey)
         return found
 
-    def open(self, key: StoreKey, token_ids=None) -> serial.Entry | None:
-        """The entry's verified header and token ids, or ``None`` (miss, down, or damaged: dropped)."""
+    def open(self, key: StoreKey, token_ids=None, *, quiet: bool = False) -> serial.Entry | None:
+        """The entry's verified header and token ids, or ``None`` (miss, down, or damaged: dropped).
+        ``quiet``: a look at the header, not a use (no hit or miss counted)."""
+        entry = self._open(key, token_ids)
+        if not quiet:
+            self._count("hits" if entry is not None else "misses")
+        return entry
+
+    def _open(self, key: StoreKey, token_ids=None) -> serial.Entry | None:
         rkey = self.rkey(key)
         pipe = self._client.pipeline(transaction=False)
         pipe.getrange(rkey, 0, _HEAD_BYTES - 1)
@@ -301,15 +308,12 @@ class RemoteStore(Bookkeeping, KVStore):
         try:
             head, length = self._call(pipe.execute)[:2]
         except RemoteUnavailableError:
-            self._count("misses")
             return None
         except self._refused as e:  # WRONGTYPE: a foreign value under a kvrag key
             self.discard(key, DamagedEntryError(f"damaged KV entry: not a string value ({e})"))
-            self._count("misses")
             return None
         if not head:
             self._forget(rkey)
-            self._count("misses")
             return None
         src = _Source(self, rkey, bytes(head), self.part_bytes, int(length))
         try:
@@ -320,16 +324,13 @@ class RemoteStore(Bookkeeping, KVStore):
                 raise DamagedEntryError("damaged KV entry: it belongs to another key")
             ids = serial.read_tokens(src, h)
         except RemoteUnavailableError:
-            self._count("misses")
             return None
         except DamagedEntryError as e:
             self.discard(key, e)
-            self._count("misses")
             return None
         if token_ids is not None:
             want = torch.as_tensor(token_ids, dtype=torch.long)
             if want.shape != ids.shape or not torch.equal(want, ids):  # a collision or another variant
-                self._count("misses")
                 return None
         if self.ttl_ms and h.size > self.part_bytes:
             pipe = self._client.pipeline(transaction=False)
@@ -337,7 +338,6 @@ class RemoteStore(Bookkeeping, KVStore):
                 pipe.pexpire(src.part_key(i), self.ttl_ms)
             self._try(pipe.execute)
         self._seen(rkey)
-        self._count("hits")
         return serial.Entry(key, src, h, ids, "remote")
 
     def discard(self, key: StoreKey, error) -> None:

@@ -111,6 +111,19 @@ class TieredStore(KVStore):
             self._stats["hits" if rec is not None else "misses"] += 1
         return rec
 
+    def meta(self, key: StoreKey) -> dict | None:
+        """The record's ``meta`` from the first tier holding it, by its header alone: no hit
+        counted, nothing promoted."""
+        found = self.memory.meta(key)
+        if found is None:
+            inflight = self._inflight_record(key, None)
+            found = None if inflight is None else dict(inflight.meta)
+        for tier in self._lower:
+            if found is not None:
+                break
+            found = tier.meta(key)
+        return found
+
     def _inflight_record(self, key: StoreKey, token_ids):
         with self._lock:
             inflight = self._inflight.get(key)
