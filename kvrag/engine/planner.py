@@ -252,7 +252,7 @@ class Planner:
             record.meta["exact"] = exact
         slot = key
         if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
-            self._index_first(key)
+            self._indexed(key, key)
             slot = _slot(key, context, exact)
             if self.store.contains(slot):
                 return False
@@ -264,31 +264,27 @@ class Planner:
             self.store.remove(old)
         return True
 
-    def _index_first(self, key: StoreKey) -> None:
-        """Index the chunk's first variant (under its own key) when the index does not know it
-        (from the record's header: a look, not a use)."""
-        if not any(v.key == key for v in self.variants.variants(key)):
-            meta = self.store.meta(key)
-            if meta is not None:
-                self.variants.add(key, VariantInfo.from_meta(key, meta))
+    def _indexed(self, key: StoreKey, slot: StoreKey) -> bool:
+        """Whether the index knows variant ``slot`` of the chunk whose own key is ``key``; one the
+        store holds but the index does not know (kept by an earlier process: a disk or shared tier)
+        is indexed from its header (a look, not a use)."""
+        if any(v.key == slot for v in self.variants.variants(key)):
+            return True
+        meta = self.store.meta(slot)
+        if meta is None:
+            return False
+        self.variants.add(key, VariantInfo.from_meta(slot, meta))
+        return True
 
     def wants_variant(self, key: StoreKey, context: Sequence[str], wanted: int) -> bool:
         """Whether a warm should compute the chunk's variant behind ``context``: the chunk has fewer
         than ``wanted`` variants and none stored behind that context. One the store holds but the
-        index does not know (kept by an earlier process: a disk or shared tier) is indexed instead,
-        with the first variant, so a restarted engine's warm finds its variants again unrecomputed."""
+        index does not know is indexed instead, after the first variant, so a restarted engine's
+        warm finds its variants again unrecomputed."""
         if len(self.variants.keys(key)) >= wanted:
             return False
-        slot = _slot(key, tuple(context), None)
-        if not (self.store.contains(key) and self.store.contains(slot)):
-            return True
-        self._index_first(key)
-        if not any(v.key == slot for v in self.variants.variants(key)):
-            meta = self.store.meta(slot)  # its header, not its KV: context and statistics
-            if meta is None:
-                return True
-            self.variants.add(key, VariantInfo.from_meta(slot, meta))
-        return False
+        self._indexed(key, key)
+        return not self._indexed(key, _slot(key, tuple(context), None))
 
     def room_for_variant(self, key: StoreKey) -> bool:
         """Whether the chunk has fewer variants than the cap (those the store lost are forgotten first)."""
