@@ -215,14 +215,18 @@ class Planner:
 
     def _exact_variant(self, key: StoreKey, ids: list[int], digest: str) -> tuple[VariantInfo | None, KVRecord | None]:
         """The chunk's variant computed exactly behind the tokens ``digest`` names, if stored."""
-        return self._first_stored(key, ids, [v for v in self.variants.variants(key) if v.exact == digest])
+        return self._first_stored(
+            key, ids, [v for v in self.variants.variants(key) if v.exact == digest], fetch=self.store.peek
+        )
 
     def _first_stored(
-        self, key: StoreKey, ids: list[int], ranked: list[VariantInfo]
+        self, key: StoreKey, ids: list[int], ranked: list[VariantInfo], fetch=None
     ) -> tuple[VariantInfo | None, KVRecord | None]:
-        """The first of ``ranked`` whose record the store still has (the others are dropped from the index)."""
+        """The first of ``ranked`` whose record the store still has (the others are dropped from the
+        index), read by ``fetch`` (default ``store.get``)."""
+        fetch = fetch or self.store.get
         for info in ranked:
-            rec = self.store.get(info.key, ids)
+            rec = fetch(info.key, ids)
             if rec is not None and self._fits(rec):
                 return info, rec
             self.variants.drop(key, info.key)
@@ -340,7 +344,9 @@ class Planner:
         """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt.
 
         ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
-        its prefill computes exactly what a full prefill does (the knowledge tree's refresh).
+        its prefill computes exactly what a full prefill does (the knowledge tree's refresh). Its
+        lookups are looks, not uses (:meth:`~kvrag.engine.store.base.KVStore.peek`): no hit counted,
+        no rank touched, a speculative entry still unused.
         """
         namespace = namespace or self.namespace
         plan = Plan(mode=mode, ratio=ratio, segments=segments, ids=ids, namespace=namespace, auto=auto)
@@ -354,7 +360,7 @@ class Planner:
         limit = len(id_list) - 1  # the last token is always computed: its logits start decoding
         if use_prefix:
             plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(
-                id_list, plan.boundaries, limit, namespace=namespace
+                id_list, plan.boundaries, limit, namespace=namespace, quiet=exact_only
             )
             bad = next((i for i, (_, r) in enumerate(plan.prefix_records) if not self._fits(r)), None)
             if bad is not None:

@@ -38,19 +38,21 @@ class PrefixCache:
         return h.hexdigest()
 
     def lookup(
-        self, ids: list[int], boundaries: list[int], limit: int, *, namespace: str
+        self, ids: list[int], boundaries: list[int], limit: int, *, namespace: str, quiet: bool = False
     ) -> tuple[int, list[tuple[int, KVRecord]]]:
-        """Longest cached exact prefix of ``ids``, at most ``limit`` tokens.
+        """Longest cached exact prefix of ``ids``, at most ``limit`` tokens (``quiet``: looks, not
+        uses: :meth:`~kvrag.engine.store.base.KVStore.peek`).
 
         Returns:
             (length, [(start, record), ...]) with records covering [0, length) in order.
         """
+        fetch = self.store.peek if quiet else self.store.get
         found: list[tuple[int, KVRecord]] = []
         parent, pos = self._root(namespace), 0
         while pos + self.block <= limit:
             tokens = ids[pos : pos + self.block]
             digest = self._child(parent, tokens)
-            rec = self.store.get(StoreKey(namespace, digest), tokens)
+            rec = fetch(StoreKey(namespace, digest), tokens)
             if rec is None or rec.meta.get("parent") != parent:
                 break
             found.append((pos, rec))
@@ -59,7 +61,7 @@ class PrefixCache:
         for b in sorted((b for b in boundaries if pos < b < pos + self.block and b <= limit), reverse=True):
             tokens = ids[pos:b]
             digest = self._child(parent, tokens)
-            rec = self.store.get(StoreKey(namespace, digest), tokens)
+            rec = fetch(StoreKey(namespace, digest), tokens)
             if rec is not None and rec.meta.get("parent") == parent:
                 found.append((pos, rec))
                 pos = b

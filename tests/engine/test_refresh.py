@@ -48,6 +48,25 @@ def test_a_blended_sequence_comes_back_exact_with_the_full_prefills_output(engin
     assert engine.writeback.refresh_counts["runs"] == 1  # nothing blended: nothing to refresh
 
 
+def test_a_refresh_reads_the_store_without_counting_uses(engine):
+    """The refresh's lookups (the exact prefix, exact variants) are looks, not uses: the store's
+    hit and miss counters stay where the request left them, and the refreshed variants it keeps
+    speculative stay "not used yet" until a request reuses them."""
+    docs = make_docs(3, seed=45)
+    engine.generate(docs[:1], PREFIX, SUFFIX)  # the lead and docs[0] kept exact: the refresh reuses them
+    engine.flush()
+    engine.warm(docs[1:][::-1])
+    engine.generate(docs, PREFIX, SUFFIX)
+    before = engine.store.stats()
+    engine.flush()
+    after = engine.store.stats()
+    assert engine.writeback.refresh_counts["chunks"] == 2
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+    assert len(engine.store._speculative) == 2
+    assert sources(engine.generate(docs, PREFIX, "tell me, " + SUFFIX)) == ["tree"] * 3
+    assert not engine.store._speculative  # used now
+
+
 def test_only_the_chunks_after_the_exact_part_are_refreshed(engine):
     """A prompt whose first chunks are already exact (a stored path) refreshes the rest only, reusing
     the exact KV before it; chunks in another order later find the exact path as far as it goes."""

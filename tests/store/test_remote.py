@@ -71,7 +71,8 @@ def test_round_trip_parts_ttl_and_key_layout(remote_server):
     assert same(store.get(key(1, tokens=100)), rec)
     hits = store.stats()["hits"]
     assert store.meta(key(1, tokens=100)) == {"i": 1} and store.meta(key(9, tokens=100)) is None
-    assert store.stats()["hits"] == hits  # a look at the header is not a use
+    assert same(store.peek(key(1, tokens=100), token_ids(1, 100)), rec) and store.peek(key(9, tokens=100)) is None
+    assert store.stats()["hits"] == hits and store.stats()["misses"] == 1  # looks are not uses
     # the layers are byte ranges of the value: a streamed read asks for one layer at a time
     entry = store.open(key(1, tokens=100))
     assert entry.tier == "remote"

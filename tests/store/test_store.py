@@ -150,6 +150,24 @@ def test_meta_reads_a_header_alone_and_counts_no_use(tmp_path):
     store.close()
 
 
+def test_peek_reads_a_record_and_counts_no_use(tmp_path):
+    """``peek`` reads the whole record as a look: no hit counted on any tier, nothing promoted into
+    memory, and a speculative entry stays "not used yet" (still the first to go)."""
+    store = tiered(tmp_path, prefetch=False)
+    assert store.put(key(1), record(1))
+    store.memory.clear()
+    got = store.peek(key(1), token_ids(1))
+    assert same(got, record(1)) and got.tier == "disk"
+    assert store.peek(key(1), token_ids(1) + 1) is None and store.peek(key(2)) is None
+    assert not store.memory.contains(key(1))
+    st = store.stats()
+    assert (st["hits"], st["misses"], st["promotions"], st["disk"]["hits"], st["disk"]["misses"]) == (0, 0, 0, 0, 0)
+    assert store.memory.put(key(3), record(3), speculative=True)
+    assert same(store.memory.peek(key(3), token_ids(3)), record(3))
+    assert store.memory.stats()["hits"] == 0 and key(3) in store.memory._speculative
+    store.close()
+
+
 def test_namespaces_never_see_each_other(tmp_path):
     a = tiered(tmp_path)
     a.put(key(1, "alice"), record(1))

@@ -143,6 +143,12 @@ class KVStore(ABC):
     @abstractmethod
     def remove(self, key: StoreKey) -> bool: ...
 
+    def peek(self, key: StoreKey, token_ids=None) -> KVRecord | None:
+        """The record under ``key``, read as a look, not a use: for background work that reads KV no
+        request asked for (the knowledge tree's refresh). Tiers that can count no hit, leave ranks
+        (and a speculative entry's "not used yet") alone and promote nothing; by default a ``get``."""
+        return self.get(key, token_ids)
+
     def meta(self, key: StoreKey) -> dict | None:
         """The ``meta`` of the record under ``key`` (what its header carries), or ``None``: a look,
         not a use (tiers that can read a header alone count no hit and promote nothing)."""

@@ -17,7 +17,13 @@ class Bookkeeping:
 
     def get(self, key, token_ids=None):
         """The whole record (every layer read and verified), or ``None`` (a miss or damage: dropped)."""
-        entry = self.open(key, token_ids)
+        return self._read(key, self.open(key, token_ids))
+
+    def peek(self, key, token_ids=None):
+        """``get`` as a look: no hit or miss counted, the entry's rank untouched."""
+        return self._read(key, self.open(key, token_ids, quiet=True))
+
+    def _read(self, key, entry):
         if entry is None:
             return None
         try:

@@ -67,6 +67,13 @@ class MemoryStore(KVStore):
             self._stats["hits" if hit else "misses"] += 1
             return rec if hit else None
 
+    def peek(self, key: StoreKey, token_ids=None) -> KVRecord | None:
+        """A resident record, as a look (no hit counted, the policy untouched, a speculative entry
+        still not used)."""
+        with self._lock:
+            rec = self._items.get(key)
+            return rec if rec is not None and (token_ids is None or rec.matches(token_ids)) else None
+
     def meta(self, key: StoreKey) -> dict | None:
         """A resident record's ``meta`` (a look: no hit counted, the policy untouched)."""
         with self._lock:

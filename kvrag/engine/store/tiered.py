@@ -111,6 +111,18 @@ class TieredStore(KVStore):
             self._stats["hits" if rec is not None else "misses"] += 1
         return rec
 
+    def peek(self, key: StoreKey, token_ids=None):
+        """A record from the first tier holding it, as a look: no hit counted, no rank touched,
+        nothing promoted (a lower tier's record is read whole)."""
+        rec = self.memory.peek(key, token_ids)
+        if rec is None:
+            rec = self._inflight_record(key, token_ids)
+        for tier in self._lower:
+            if rec is not None:
+                break
+            rec = tier.peek(key, token_ids)
+        return rec
+
     def meta(self, key: StoreKey) -> dict | None:
         """The record's ``meta`` from the first tier holding it, by its header alone: no hit
         counted, nothing promoted."""
