@@ -100,13 +100,7 @@ class TieredStore(KVStore):
 
     def get(self, key: StoreKey, token_ids=None):
         """A record (memory hit, or a whole lower-tier read) or a :class:`StreamedRecord`, or ``None``."""
-        rec = self.memory.get(key, token_ids)
-        if rec is None:
-            rec = self._inflight_record(key, token_ids)
-        for tier in self._lower:
-            if rec is not None:
-                break
-            rec = self._from_tier(tier, key, token_ids)
+        rec = self._first(key, token_ids, self.memory.get, lambda tier: self._from_tier(tier, key, token_ids))
         with self._lock:
             self._stats["hits" if rec is not None else "misses"] += 1
         return rec
@@ -114,13 +108,17 @@ class TieredStore(KVStore):
     def peek(self, key: StoreKey, token_ids=None):
         """A record from the first tier holding it, as a look: no hit counted, no rank touched,
         nothing promoted (a lower tier's record is read whole)."""
-        rec = self.memory.peek(key, token_ids)
+        return self._first(key, token_ids, self.memory.peek, lambda tier: tier.peek(key, token_ids))
+
+    def _first(self, key: StoreKey, token_ids, from_memory, from_tier):
+        """The record from memory, a read in flight, or the first lower tier that has it."""
+        rec = from_memory(key, token_ids)
         if rec is None:
             rec = self._inflight_record(key, token_ids)
         for tier in self._lower:
             if rec is not None:
                 break
-            rec = tier.peek(key, token_ids)
+            rec = from_tier(tier)
         return rec
 
     def meta(self, key: StoreKey) -> dict | None:
