@@ -214,7 +214,8 @@ class Planner:
         return info, rec
 
     def _exact_variant(self, key: StoreKey, ids: list[int], digest: str) -> tuple[VariantInfo | None, KVRecord | None]:
-        """The chunk's variant computed exactly behind the tokens ``digest`` names, if stored."""
+        """The chunk's variant computed exactly behind the tokens ``digest`` names, if stored, read as
+        a look (``store.peek``): only the refresh's plans (``exact_only``) ask for it."""
         return self._first_stored(
             key, ids, [v for v in self.variants.variants(key) if v.exact == digest], fetch=self.store.peek
         )
