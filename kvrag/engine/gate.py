@@ -77,8 +77,6 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @torch.inference_mode()
 def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResult:
     """Run both checks (module docstring) on random token ids; the first failure is the verdict."""
-    from transformers import DynamicCache
-
     vocab = int(adapter.embed_weight.shape[0])
     g = torch.Generator().manual_seed(GATE_VERSION)
     sink = list(sink_ids) or [0]
@@ -105,8 +103,9 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
     plan = Plan(mode="reuse", ratio=0.0, segments=segments, ids=ids.cpu(), chunk_records=[(start, record)])
     placed = prefill(adapter, plan, n, options=PrefillOptions()).buf
     shifted = torch.arange(start - len(sink), end, device=device)[None]
-    out = hf_model(alone[None], position_ids=shifted, past_key_values=DynamicCache(), use_cache=True)
-    for layer, theirs in enumerate(out.past_key_values.layers):
+    out = hf_model(alone[None], position_ids=shifted, use_cache=True)  # transformers makes the cache itself
+    cache = out["cache"] if "cache" in out else out["past_key_values"]  # the key's name since transformers 5.x
+    for layer, theirs in enumerate(cache.layers):
         for name, ours, want in (
             ("keys", placed.k[layer, :, start:end], theirs.keys[0, :, len(sink) :]),
             ("values", placed.v[layer, :, start:end], theirs.values[0, :, len(sink) :]),
