@@ -74,6 +74,18 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
+def plain_cache(hf_model) -> dict:
+    """A fresh ``DynamicCache`` as the keyword ``hf_model``'s forward takes it (``cache`` since
+    transformers 5.x, ``past_key_values`` before). A plain cache keeps every position, also on
+    sliding-window layers; the forward fills it in place, so read it back from the dict."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    return {name: DynamicCache()}
+
+
 @torch.inference_mode()
 def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResult:
     """Run both checks (module docstring) on random token ids; the first failure is the verdict."""
@@ -103,9 +115,9 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
     plan = Plan(mode="reuse", ratio=0.0, segments=segments, ids=ids.cpu(), chunk_records=[(start, record)])
     placed = prefill(adapter, plan, n, options=PrefillOptions()).buf
     shifted = torch.arange(start - len(sink), end, device=device)[None]
-    out = hf_model(alone[None], position_ids=shifted, use_cache=True)  # transformers makes the cache itself
-    cache = out["cache"] if "cache" in out else out["past_key_values"]  # the key's name since transformers 5.x
-    for layer, theirs in enumerate(cache.layers):
+    cache = plain_cache(hf_model)
+    hf_model(alone[None], position_ids=shifted, use_cache=True, **cache)
+    for layer, theirs in enumerate(next(iter(cache.values())).layers):
         for name, ours, want in (
             ("keys", placed.k[layer, :, start:end], theirs.keys[0, :, len(sink) :]),
             ("values", placed.v[layer, :, start:end], theirs.values[0, :, len(sink) :]),

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams
 from kvrag.engine.fusion import PrefillOptions, prefill
+from kvrag.engine.gate import plain_cache
 from kvrag.engine.runner import KVBuffer, forward
 from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs, prompt_ids
 
@@ -32,10 +32,11 @@ def test_all_positions_match_transformers(family_engine, docs):
     buf = KVBuffer(ad, n)
     h, _ = forward(ad, buf, ids, torch.arange(n), n)
     with torch.inference_mode():  # a plain cache keeps every position of sliding-window layers too
-        out = family_engine.hf_model(ids[None], past_key_values=DynamicCache(), use_cache=True)
+        kw = plain_cache(family_engine.hf_model)
+        out = family_engine.hf_model(ids[None], use_cache=True, **kw)
     torch.testing.assert_close(ad.logits(h), out.logits[0].float(), rtol=1e-4, atol=1e-4)
     # the KV buffer equals transformers' cache (keys with RoPE applied)
-    cache = out.past_key_values
+    (cache,) = kw.values()
     for layer in range(ad.n_layers):
         torch.testing.assert_close(buf.k[layer, :, :n], cache.layers[layer].keys[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(buf.v[layer, :, :n], cache.layers[layer].values[0], rtol=1e-4, atol=1e-5)
@@ -84,10 +85,9 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(family_mod
             assert start > 1  # not where they were computed
             alone = torch.tensor([engine.sink_ids + rec.token_ids.tolist()])
             with torch.inference_mode():
-                out = engine.hf_model(
-                    alone, position_ids=torch.arange(start - 1, end)[None], past_key_values=DynamicCache()
-                )
-            for layer, theirs in enumerate(out.past_key_values.layers):
+                kw = plain_cache(engine.hf_model)
+                engine.hf_model(alone, position_ids=torch.arange(start - 1, end)[None], **kw)
+            for layer, theirs in enumerate(next(iter(kw.values())).layers):
                 torch.testing.assert_close(res.buf.k[layer, :, start:end], theirs.keys[0, :, 1:], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(
                     res.buf.v[layer, :, start:end], theirs.values[0, :, 1:], rtol=1e-4, atol=1e-4
