@@ -1,6 +1,6 @@
 """Would a temperature on the cached chunks' keys bring their KV closer? A research harness for ``kvrag.bench``.
 
-Not a kvrag feature. Training-free parallel-context methods (APE, arXiv 2502.05431) rescale the
+Not a kvrag feature. Training-free parallel-context methods (APE: Adaptive Parallel Encoding, ICLR 2025) rescale the
 attention a prompt's later tokens pay to independently computed context. Here each selection
 ``ksNNN`` reuses every cached chunk as is (nothing recomputed, like ``reuse``) with its keys
 multiplied by NNN/100 on every layer, i.e. the attention logits on cached chunk keys divided by a
