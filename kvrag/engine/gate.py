@@ -21,6 +21,7 @@ refuse ``blend`` and ``reuse`` with an error naming the model and the check; ``f
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import threading
@@ -74,16 +75,15 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-def plain_cache(hf_model) -> dict:
-    """A fresh ``DynamicCache`` as the keyword ``hf_model``'s forward takes it (``cache`` since
-    transformers 5.x, ``past_key_values`` before). A plain cache keeps every position, also on
-    sliding-window layers; the forward fills it in place, so read it back from the dict."""
-    import inspect
-
+def plain_cache(hf_model):
+    """A fresh ``DynamicCache`` and the keyword arguments that hand it to ``hf_model``'s forward
+    (``cache=`` since transformers 5.x, ``past_key_values=`` before). A plain cache keeps every
+    position, also on sliding-window layers; the forward fills it in place."""
     from transformers import DynamicCache
 
+    cache = DynamicCache()
     name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
-    return {name: DynamicCache()}
+    return {name: cache}, cache
 
 
 @torch.inference_mode()
@@ -115,9 +115,9 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
     plan = Plan(mode="reuse", ratio=0.0, segments=segments, ids=ids.cpu(), chunk_records=[(start, record)])
     placed = prefill(adapter, plan, n, options=PrefillOptions()).buf
     shifted = torch.arange(start - len(sink), end, device=device)[None]
-    cache = plain_cache(hf_model)
-    hf_model(alone[None], position_ids=shifted, use_cache=True, **cache)
-    for layer, theirs in enumerate(next(iter(cache.values())).layers):
+    kw, cache = plain_cache(hf_model)
+    hf_model(alone[None], position_ids=shifted, use_cache=True, **kw)
+    for layer, theirs in enumerate(cache.layers):
         for name, ours, want in (
             ("keys", placed.k[layer, :, start:end], theirs.keys[0, :, len(sink) :]),
             ("values", placed.v[layer, :, start:end], theirs.values[0, :, len(sink) :]),

@@ -32,11 +32,10 @@ def test_all_positions_match_transformers(family_engine, docs):
     buf = KVBuffer(ad, n)
     h, _ = forward(ad, buf, ids, torch.arange(n), n)
     with torch.inference_mode():  # a plain cache keeps every position of sliding-window layers too
-        kw = plain_cache(family_engine.hf_model)
+        kw, cache = plain_cache(family_engine.hf_model)
         out = family_engine.hf_model(ids[None], use_cache=True, **kw)
     torch.testing.assert_close(ad.logits(h), out.logits[0].float(), rtol=1e-4, atol=1e-4)
     # the KV buffer equals transformers' cache (keys with RoPE applied)
-    (cache,) = kw.values()
     for layer in range(ad.n_layers):
         torch.testing.assert_close(buf.k[layer, :, :n], cache.layers[layer].keys[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(buf.v[layer, :, :n], cache.layers[layer].values[0], rtol=1e-4, atol=1e-5)
@@ -85,9 +84,9 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(family_mod
             assert start > 1  # not where they were computed
             alone = torch.tensor([engine.sink_ids + rec.token_ids.tolist()])
             with torch.inference_mode():
-                kw = plain_cache(engine.hf_model)
+                kw, cache = plain_cache(engine.hf_model)
                 engine.hf_model(alone, position_ids=torch.arange(start - 1, end)[None], **kw)
-            for layer, theirs in enumerate(next(iter(kw.values())).layers):
+            for layer, theirs in enumerate(cache.layers):
                 torch.testing.assert_close(res.buf.k[layer, :, start:end], theirs.keys[0, :, 1:], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(
                     res.buf.v[layer, :, start:end], theirs.values[0, :, 1:], rtol=1e-4, atol=1e-4
