@@ -8,13 +8,14 @@ import json
 import logging
 import pickle
 import random
+import threading
 
 import pytest
 import torch
 
 from kvrag import Engine
 from kvrag.engine.store import serial
-from kvrag.engine.store.remote import KEY_PREFIX, RemoteStore
+from kvrag.engine.store.remote import KEY_PREFIX, RemoteStore, RemoteUnavailableError
 from tests.helpers import make_docs
 from tests.store.helpers import Payload, engine_job, key, record, run_engine_job, same, token_ids
 
@@ -194,6 +195,34 @@ def test_server_killed_mid_stream_then_restarted(tiny_model, tiny_tokenizer, rem
     hits = ask(eng, docs, requests[:2])
     assert all(tiers == ["remote"] * 4 for _, tiers in hits)  # hits resume
     eng.close()
+
+
+def test_a_call_that_began_before_an_outage_does_not_end_it(remote_server, caplog):
+    """A read in flight when another thread finds the server gone may still return what it had
+    received; that says nothing of the server now: it stays down, and no recovery is logged."""
+    store = RemoteStore(remote_server.url)
+    started, release = threading.Event(), threading.Event()
+
+    def in_flight():
+        started.set()
+        assert release.wait(10)
+        return b"received before the outage"
+
+    def refused():
+        raise ConnectionError("connection refused")
+
+    with caplog.at_level(logging.WARNING, logger="kvrag"):
+        t = threading.Thread(target=store._call, args=(in_flight,))
+        t.start()
+        assert started.wait(10)
+        with pytest.raises(RemoteUnavailableError):
+            store._call(refused)
+        release.set()
+        t.join(10)
+    assert not store.available
+    assert sum("unreachable" in r.message for r in caplog.records) == 1
+    assert not any("reachable again" in r.message for r in caplog.records)
+    assert store.retry_now() and store.available  # a call made after the outage does end it
 
 
 def test_hung_server_times_out_and_requests_still_succeed(tiny_model, tiny_tokenizer, remote_server):

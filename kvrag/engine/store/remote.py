@@ -165,6 +165,7 @@ class RemoteStore(Bookkeeping, KVStore):
         self._warned: set[str] = set()
         self._down_until: float | None = None
         self._backoff = 0.0
+        self._faults = 0  # faults so far: a call succeeding speaks for the server only if none came meanwhile
         self.backoff = _BACKOFF  # (first, most) seconds between tries while the server is down
         self._index: OrderedDict[str, float] = OrderedDict()  # key -> when it was last known present
         self._stats = {
@@ -193,6 +194,7 @@ class RemoteStore(Bookkeeping, KVStore):
     def _fault(self, e: Exception) -> None:
         with self._lock:
             first = self._down_until is None
+            self._faults += 1
             self._backoff = self.backoff[0] if first else min(self.backoff[1], self._backoff * 2)
             self._down_until = time.monotonic() + self._backoff
             self._stats["errors"] += 1
@@ -222,6 +224,8 @@ class RemoteStore(Bookkeeping, KVStore):
     def _call(self, fn, *args, **kw):
         """Run a client call; raise :class:`RemoteUnavailableError` (after marking the server down)
         if it fails or the server is down."""
+        with self._lock:
+            faults = self._faults
         if not self.available:
             raise RemoteUnavailableError(f"remote KV tier at {redact(self.url)} is down")
         try:
@@ -232,6 +236,8 @@ class RemoteStore(Bookkeeping, KVStore):
             self._fault(e)
             raise RemoteUnavailableError(f"remote KV tier: {type(e).__name__}: {e}") from None
         with self._lock:
+            if self._faults != faults:  # began before another call found the server gone: says nothing of now
+                return out
             was_down = self._down_until is not None
             self._down_until, self._backoff = None, 0.0
         if was_down:
