@@ -165,7 +165,6 @@ class RemoteStore(Bookkeeping, KVStore):
         self._warned: set[str] = set()
         self._down_until: float | None = None
         self._backoff = 0.0
-        self._faults = 0  # faults so far: a call succeeding speaks for the server only if none came meanwhile
         self.backoff = _BACKOFF  # (first, most) seconds between tries while the server is down
         self._index: OrderedDict[str, float] = OrderedDict()  # key -> when it was last known present
         self._stats = {
@@ -194,7 +193,6 @@ class RemoteStore(Bookkeeping, KVStore):
     def _fault(self, e: Exception) -> None:
         with self._lock:
             first = self._down_until is None
-            self._faults += 1
             self._backoff = self.backoff[0] if first else min(self.backoff[1], self._backoff * 2)
             self._down_until = time.monotonic() + self._backoff
             self._stats["errors"] += 1
@@ -225,7 +223,7 @@ class RemoteStore(Bookkeeping, KVStore):
         """Run a client call; raise :class:`RemoteUnavailableError` (after marking the server down)
         if it fails or the server is down."""
         with self._lock:
-            faults = self._faults
+            faults = self._stats["errors"]  # a success speaks for the server only if no fault came meanwhile
         if not self.available:
             raise RemoteUnavailableError(f"remote KV tier at {redact(self.url)} is down")
         try:
@@ -236,7 +234,7 @@ class RemoteStore(Bookkeeping, KVStore):
             self._fault(e)
             raise RemoteUnavailableError(f"remote KV tier: {type(e).__name__}: {e}") from None
         with self._lock:
-            if self._faults != faults:  # began before another call found the server gone: says nothing of now
+            if self._stats["errors"] != faults:  # began before another call found the server gone: says nothing of now
                 return out
             was_down = self._down_until is not None
             self._down_until, self._backoff = None, 0.0
