@@ -15,11 +15,7 @@ Chunks computed in other company (docs/benchmarks.md, "Nor does a temperature on
 
 from __future__ import annotations
 
-import sys
-
-import kvrag.config
-import kvrag.engine.requests
-from kvrag.engine.selection.base import BlendPass, register_selection
+from kvrag.engine.selection.base import BlendPass
 
 SCALES = {"ks080": 0.8, "ks090": 0.9, "ks100": 1.0, "ks110": 1.1, "ks120": 1.2}
 
@@ -47,16 +43,7 @@ def scaled_reuse(scale: float):
     return strategy
 
 
-def install() -> None:
-    """Make the ``ksNNN`` selections selectable in this process."""
-    kvrag.config.SELECTIONS = kvrag.config.SELECTIONS + tuple(n for n in SCALES if n not in kvrag.config.SELECTIONS)
-    kvrag.engine.requests.SELECTIONS = kvrag.config.SELECTIONS
-    for name, scale in SCALES.items():
-        register_selection(name, scaled_reuse(scale))
-
-
 if __name__ == "__main__":
-    install()
-    from kvrag.bench.__main__ import main
+    from scripts.research_selections import run_bench
 
-    sys.exit(main(sys.argv[1:]))
+    run_bench({name: scaled_reuse(scale) for name, scale in SCALES.items()})

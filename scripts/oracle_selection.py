@@ -22,14 +22,10 @@ not buy it back"):
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-import kvrag.config
-import kvrag.engine.requests
 from kvrag.engine.runner import KVBuffer, forward
-from kvrag.engine.selection.base import BlendPass, register_selection
+from kvrag.engine.selection.base import BlendPass
 from kvrag.engine.selection.probe import budget_tokens
 from kvrag.kernels import kv_deviation
 
@@ -90,17 +86,7 @@ def oracle(layers: str, blocks: bool):
     return strategy
 
 
-def install() -> None:
-    """Make the oracles selectable (``selection=<name>``) in this process."""
-    names = tuple(n for n in ORACLES if n not in kvrag.config.SELECTIONS)
-    kvrag.config.SELECTIONS = kvrag.config.SELECTIONS + names
-    kvrag.engine.requests.SELECTIONS = kvrag.config.SELECTIONS
-    for name, (layers, blocks) in ORACLES.items():
-        register_selection(name, oracle(layers, blocks))
-
-
 if __name__ == "__main__":
-    install()
-    from kvrag.bench.__main__ import main
+    from scripts.research_selections import run_bench
 
-    sys.exit(main(sys.argv[1:]))
+    run_bench({name: oracle(layers, blocks) for name, (layers, blocks) in ORACLES.items()})
