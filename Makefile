@@ -24,12 +24,14 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) examples/langchain_rag.py
 
-# lint first (ruff: format and check, settings in pyproject), then the whole suite. One torch thread:
+# lint first (ruff: format and check; the engine's layer contracts: lint-imports; settings in pyproject), then the
+# whole suite. One torch thread:
 # the suite runs engine threads and servers beside the test's own thread, and on a small machine two
 # intra-op thread pools spinning on the same cores slow small tensor ops down by up to 50x.
 test: install
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 # The README's benchmark (workload a; ~40 min on 2 cores with answer-drift scoring); DATASET is the MuSiQue dev file.

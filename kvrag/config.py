@@ -47,7 +47,7 @@ CHUNK_CONTEXTS = ("neighbor", "sink")
 KV_CODECS = ("plain", "int8")
 _REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
-#: Dtypes of weights and KV, by name (their torch dtypes: :mod:`kvrag.engine.dtypes`).
+#: Dtypes of weights and KV, by name (their torch dtypes: :mod:`kvrag.engine.model.dtypes`).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DEVIATIONS = ("k", "v", "kv")
 _POLICIES = ("lru", "pgdsf")
@@ -154,7 +154,7 @@ class EngineConfig:
         chunk_context: what a chunk's KV is computed behind: ``neighbor`` (other documents — the
             ones before it in ``warm``'s list, its real context when a request computes it) or
             ``sink`` (alone behind the attention-sink token, as CacheBlend does). See
-            :mod:`kvrag.engine.chunks`.
+            :mod:`kvrag.engine.reuse.chunks`.
         warm_window_tokens: most tokens ``warm()`` computes in one pass, chunks and the context
             behind them (3/8 of it at most); a chunk is computed behind the window's chunks before it,
             so this bounds how deep in a stream a warmed chunk sits.
@@ -199,7 +199,7 @@ class EngineConfig:
             many times starts next. 0 is first come, first served.
         decode_group: rows of one batched decode pass: running requests advance together, padded to
             this many rows (more take several passes), so that a request's tokens do not depend on
-            how many others run (:mod:`kvrag.engine.batch`).
+            how many others run (:mod:`kvrag.engine.model.batch`).
         prefill_slice_s: while requests are decoding, a prefill (or ``warm`` window, or ``score``)
             runs at most about this long (plus half a layer) before their next decode step. Smaller
             keeps inter-token gaps short; larger finishes the prefill sooner.

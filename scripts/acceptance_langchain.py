@@ -45,7 +45,7 @@ def history_coverage(engine, messages, meta) -> tuple[float, int]:
     chat = to_chat_messages(messages)
     last = dict(chat[-1])
     earlier = "".join(m["content"] for m in chat[:-1])
-    for a, b in reversed(engine.registry.find(last["content"])):  # documents dedup drops from the last message
+    for a, b in reversed(engine.documents.find(last["content"])):  # documents dedup drops from the last message
         if last["content"][a:b] in earlier:
             last["content"] = last["content"][:a] + last["content"][b:]
     s = engine.count_tokens(engine.apply_chat_template(chat[:1], add_generation_prompt=False))

@@ -15,7 +15,7 @@ Chunks computed in other company (docs/benchmarks.md, "Nor does a temperature on
 
 from __future__ import annotations
 
-from kvrag.engine.selection.base import BlendPass
+from kvrag.engine.reuse.selection.base import BlendPass
 
 SCALES = {"ks080": 0.8, "ks090": 0.9, "ks100": 1.0, "ks110": 1.1, "ks120": 1.2}
 

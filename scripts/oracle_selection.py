@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.engine.runner import KVBuffer, forward
-from kvrag.engine.selection.base import BlendPass
-from kvrag.engine.selection.probe import budget_tokens
+from kvrag.engine.model.runner import KVBuffer, forward
+from kvrag.engine.reuse.selection.base import BlendPass
+from kvrag.engine.reuse.selection.probe import budget_tokens
 from kvrag.kernels import kv_deviation
 
 ORACLES = {"otok8": ("probe", False), "otokall": ("all", False), "oblkall": ("all", True)}

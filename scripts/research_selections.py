@@ -10,14 +10,14 @@ import sys
 from collections.abc import Callable
 
 import kvrag.config
-import kvrag.engine.requests
-from kvrag.engine.selection.base import register_selection
+import kvrag.engine.serving.requests
+from kvrag.engine.reuse.selection.base import register_selection
 
 
 def install(strategies: dict[str, Callable]) -> None:
     """Make each ``name`` selectable (``blend@r+selection=name``) in this process."""
     kvrag.config.SELECTIONS = kvrag.config.SELECTIONS + tuple(n for n in strategies if n not in kvrag.config.SELECTIONS)
-    kvrag.engine.requests.SELECTIONS = kvrag.config.SELECTIONS  # imported there by value
+    kvrag.engine.serving.requests.SELECTIONS = kvrag.config.SELECTIONS  # imported there by value
     for name, strategy in strategies.items():
         register_selection(name, strategy)
 

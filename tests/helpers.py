@@ -124,7 +124,7 @@ def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
 
 def last_logits(engine, chunks, mode, ratio=None, selection=None):
     """The prompt's last-token logits [V] after a prefill in ``mode`` (the engine's own request path)."""
-    from kvrag.engine.sampling import SamplingParams
+    from kvrag.engine.model.sampling import SamplingParams
 
     req = engine._request(
         chunks=chunks,
@@ -180,7 +180,7 @@ def failing_stream(*args, **kwargs):
 
 def hold_engine_thread(engine) -> threading.Event:
     """Occupy an engine's thread with a job that waits for the event returned (set it to go on)."""
-    from kvrag.engine.scheduler import Ticket
+    from kvrag.engine.serving.scheduler import Ticket
 
     gate, started = threading.Event(), threading.Event()
 

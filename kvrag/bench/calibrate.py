@@ -7,7 +7,7 @@ passages warmed together, in retrieval order, and asked in another order (the be
 workload a) — ``auto`` recomputes ``--target`` of the cached tokens, as the fixed default did;
 where the chunks were computed in foreign company it then measures larger deviations (and fix
 overheads) and spends more, up to ``auto_max_ratio``. The result is written for this model's
-fingerprint (:mod:`kvrag.engine.calibration`) and printed.
+fingerprint (:mod:`kvrag.engine.reuse.calibration`) and printed.
 
     kvrag bench calibrate --dataset ../shared/data/musique_dev.json --n 20 --top-k 6
 """
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvrag import Engine
     from kvrag.bench.data import PromptFormat, load_dataset
     from kvrag.bench.workloads import warm_in_dataset_order
-    from kvrag.engine import calibration
-    from kvrag.engine.sampling import SamplingParams
+    from kvrag.engine.reuse import calibration
+    from kvrag.engine.model.sampling import SamplingParams
 
     p = argparse.ArgumentParser(prog="kvrag bench calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True)

@@ -3,7 +3,7 @@
     kvrag bench registry [--sizes 100 100000] [--reps 30]      (or python -m kvrag.bench registry)
 
 Integrations register every retrieved passage; the engine then splits each prompt string at the
-registered texts (:meth:`kvrag.engine.registry.ChunkRegistry.split`). That split must cost what
+registered texts (:meth:`kvrag.engine.reuse.documents.DocumentFinder.split`). That split must cost what
 the prompt costs, not what the registry holds (100,000 texts by default). The prompt here is a
 realistic RAG prompt: ~16,000 characters (~4K tokens) of text with 6 registered ~500-character
 passages inside, between unregistered passages of the same kind. For each registry size, the
@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from kvrag.engine.registry import ChunkRegistry
+from kvrag.engine.reuse.documents import DocumentFinder
 
 __all__ = ["make_passages", "make_prompt", "time_split", "main"]
 
@@ -68,7 +68,7 @@ def make_prompt(passages: list[str], filler: list[str], *, chars: int = PROMPT_C
     return head + "\n\n".join(docs) + tail
 
 
-def time_split(registry: ChunkRegistry, prompt: str, reps: int) -> float:
+def time_split(registry: DocumentFinder, prompt: str, reps: int) -> float:
     """Median seconds of one ``registry.split(prompt)`` over ``reps`` calls."""
     times = []
     for _ in range(reps):
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     base = None
     for size in args.sizes:
-        registry = ChunkRegistry(max_entries=max(size, IN_PROMPT))
+        registry = DocumentFinder(max_entries=max(size, IN_PROMPT))
         registry.register(registered[IN_PROMPT:size])
         registry.register(in_prompt)
         found = [text for kind, text in registry.split(prompt) if kind == "chunk"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from kvrag.engine.requests import RequestArgs
+from kvrag.engine.serving.requests import RequestArgs
 from kvrag.engine.types import Generation, GenerationStats
 from kvrag.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, ServerError
 

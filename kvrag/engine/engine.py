@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -12,18 +13,23 @@ import torch
 from typing_extensions import Unpack
 
 from kvrag.config import AUTO, EngineConfig
-from kvrag.engine import calibration, loading
-from kvrag.engine.batch import DecodeRow, decode_step
-from kvrag.engine.chunks import ChunkComputer, context_label, similarity_order, warm_list
-from kvrag.engine.conversations import Conversations, check_conversation_id
-from kvrag.engine.costs import CostFeedback
-from kvrag.engine.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
-from kvrag.engine.gate import load_gate
-from kvrag.engine.model import ModelAdapter
-from kvrag.engine.planner import Plan, Planner, reuses_nothing
-from kvrag.engine.progress import progress_reporter
-from kvrag.engine.registry import ChunkRegistry
-from kvrag.engine.requests import (
+from kvrag.engine.model import loading
+from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.batch import DecodeRow, decode_step
+from kvrag.engine.model.bundled import BUNDLED, find_bundled
+from kvrag.engine.model.sampling import SamplingParams, TextStream, sample
+from kvrag.engine.reuse import calibration
+from kvrag.engine.reuse.chunks import ChunkComputer, context_label, similarity_order, warm_list
+from kvrag.engine.reuse.conversations import Conversations, check_conversation_id
+from kvrag.engine.reuse.documents import DocumentFinder
+from kvrag.engine.reuse.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
+from kvrag.engine.reuse.gate import load_gate
+from kvrag.engine.reuse.planner import Plan, Planner, reuses_nothing
+from kvrag.engine.reuse.selection import auto_kind
+from kvrag.engine.reuse.variants import VariantIndex
+from kvrag.engine.serving.costs import CostFeedback
+from kvrag.engine.serving.progress import progress_reporter
+from kvrag.engine.serving.requests import (
     Request,
     RequestArgs,
     check_chunks,
@@ -35,21 +41,18 @@ from kvrag.engine.requests import (
     check_text,
     request_parts,
 )
-from kvrag.engine.sampling import SamplingParams, TextStream, sample
-from kvrag.engine.scheduler import Scheduler, Ticket
-from kvrag.engine.selection import auto_kind
-from kvrag.engine.sequence import Sequence as RunningSequence
+from kvrag.engine.serving.scheduler import Scheduler, Ticket
+from kvrag.engine.serving.sequence import RunningSequence
+from kvrag.engine.serving.worker import Pause, StreamJob, Worker
+from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import CacheLookup, Generation, GenerationStream, ScoreResult, WarmResult
-from kvrag.engine.variants import VariantIndex
-from kvrag.engine.worker import Pause, StreamJob, Worker
-from kvrag.engine.writeback import WriteBack
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "get_engine", "drop_engines"]
 
 #: Engines not closed yet: at interpreter exit their threads are let finish first (see _quiesce_at_exit).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -81,11 +84,11 @@ class Engine:
     :meth:`from_model` (transformers objects already in memory).
 
     Calls are thread-safe, and any number of threads may call at once. One engine thread runs all
-    model compute (:mod:`kvrag.engine.worker`): a call validates its request on the caller's
+    model compute (:mod:`kvrag.engine.serving.worker`): a call validates its request on the caller's
     thread, queues it (cache-aware order, bounded: a full queue raises
-    :class:`~kvrag.errors.OverloadedError`; :mod:`kvrag.engine.scheduler`) and waits for its
+    :class:`~kvrag.errors.OverloadedError`; :mod:`kvrag.engine.serving.scheduler`) and waits for its
     result. Running requests decode together, one batched step per token
-    (:mod:`kvrag.engine.batch`), and a long prefill (or a ``warm()`` window) runs in slices
+    (:mod:`kvrag.engine.model.batch`), and a long prefill (or a ``warm()`` window) runs in slices
     between those steps. A request's output does not depend on what else runs.
     """
 
@@ -131,7 +134,7 @@ class Engine:
         )
         self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
-        self.registry = ChunkRegistry()
+        self.documents = DocumentFinder()
         self.conversations = Conversations(self.adapter, config.max_conversations)
         probe = calibration.probe_key(
             config.resolved_probe_layer(self.adapter.n_layers), config.probe_stride, config.deviation
@@ -214,7 +217,7 @@ class Engine:
         Returns the texts' content ids. Texts shorter than 32 characters are not worth caching
         and are not registered.
         """
-        return self.registry.register(check_chunks(texts))
+        return self.documents.register(check_chunks(texts))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages (``[{"role", "content"}]``) with the model's own chat template."""
@@ -222,7 +225,7 @@ class Engine:
 
     def split_prompt(self, prompt: str) -> list[tuple[str, str]]:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
-        return self.registry.split(check_text("prompt", prompt))
+        return self.documents.split(check_text("prompt", prompt))
 
     def warm(
         self,
@@ -252,7 +255,8 @@ class Engine:
             order: ``"given"`` computes the list in its order: give the passages you expect to be
                 retrieved together, in retrieval order. ``"similar"`` (for a whole corpus) first puts
                 each passage next to the ones most like it, so its KV is computed in the company it
-                will keep in prompts (FusionRAG's offline step; see :func:`~kvrag.engine.chunks.similarity_order`).
+                will keep in prompts (FusionRAG's offline step;
+                see :func:`~kvrag.engine.reuse.chunks.similarity_order`).
             embeddings: [n, d] vectors of ``chunks`` for ``order="similar"`` (the retriever's own);
                 default a lexical similarity.
             progress: show a progress bar (tqdm when installed, else log lines), or a callback
@@ -308,7 +312,7 @@ class Engine:
             chunks: document texts, in prompt order; their KV is reused when cached.
             prefix: text before the chunks (system prompt, instructions, chat template head).
             suffix: text after the chunks (the question, the chat template's assistant header).
-            **request: the :class:`~kvrag.engine.requests.RequestArgs` — ``prompt`` (the whole
+            **request: the :class:`~kvrag.engine.serving.requests.RequestArgs` — ``prompt`` (the whole
                 prompt as one string instead), ``sampling`` or its fields (``max_new_tokens``,
                 ``temperature``, ``top_p``, ``stop``, ``seed``), ``mode``, ``recompute_ratio``,
                 ``selection``, ``conversation_id``, ``dedup``.
@@ -665,3 +669,48 @@ class Engine:
         seq.stats.completion_tokens = len(seq.generated)
         seq.stats.decode_s = total - seq.ttft
         return Generation(seq.text.text, seq.generated, seq.finish, seq.ttft, total, seq.stats)
+
+
+# -- process-wide engines, shared by integrations so that constructing an LLM wrapper is cheap ------------
+
+_engines: dict[tuple, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine_key(config: EngineConfig) -> tuple:
+    fields = []
+    for name in config.__slots__:
+        value = getattr(config, name)
+        fields.append((name, repr(value)))
+    return tuple(fields)
+
+
+def get_engine(model: str | None = None, **config) -> Engine:
+    """The engine for this model and configuration, loaded on first use and shared afterwards.
+
+    Args:
+        model: as for :meth:`Engine.from_pretrained` (``None`` = bundled SmolLM2-135M-Instruct).
+        **config: :class:`EngineConfig` fields (dtype, device, recompute_ratio, ...).
+    """
+    bundled = find_bundled(model) if isinstance(model, str) else None
+    if bundled is not None:  # any name of a bundled model: one engine per model
+        model = None if bundled is BUNDLED[0] else bundled.name
+    cfg = EngineConfig(**config).replace(model=model) if model is not None else EngineConfig(**config)
+    key = _engine_key(cfg)
+    engine = _engines.get(key)
+    if engine is not None:
+        return engine
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = Engine.from_pretrained(config=cfg)
+            _engines[key] = engine
+        return engine
+
+
+def drop_engines() -> None:
+    """Close and forget every shared engine (tests, shutdown)."""
+    with _engines_lock:
+        for engine in _engines.values():
+            engine.close()
+        _engines.clear()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvrag.bench.__main__ import main as bench_main
-from kvrag.engine.registry import ChunkRegistry
+from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.store.profile import CostProfile
 
 # -- store-sim ------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def test_registry_benchmark_prompt_holds_its_passages_among_filler():
     assert 15_000 <= len(prompt) <= 17_000
     positions = [prompt.index(p) for p in passages]
     assert positions == sorted(positions) and positions[0] > 1000  # spread out, filler in between
-    reg = ChunkRegistry()
+    reg = DocumentFinder()
     reg.register(passages + make_passages(50, seed=2))  # other registered texts are not in the prompt
     assert [t for kind, t in reg.split(prompt) if kind == "chunk"] == passages
 
@@ -105,7 +105,7 @@ def test_calibration_picks_the_threshold_and_alpha_that_spend_the_target():
 
 def test_a_calibration_is_found_for_its_model_fingerprint(tmp_path, tiny_model, tiny_tokenizer):
     from kvrag import Engine
-    from kvrag.engine import calibration
+    from kvrag.engine.reuse import calibration
 
     engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
     try:

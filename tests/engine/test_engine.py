@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams
-from kvrag.engine.fusion import PrefillOptions, prefill
-from kvrag.engine.gate import plain_cache
-from kvrag.engine.runner import KVBuffer, forward
+from kvrag.engine.model.runner import KVBuffer, forward
+from kvrag.engine.reuse.fusion import PrefillOptions, prefill
+from kvrag.engine.reuse.gate import plain_cache
 from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs, prompt_ids
 
 
@@ -169,7 +169,7 @@ def stored(engine, text):
 
 def builtin_context(engine) -> list[int]:
     """BOS + the last quarter-window of tokens of the built-in passage kvrag ships."""
-    text = resources.files("kvrag.engine").joinpath("data/context.txt").read_text(encoding="utf-8")
+    text = resources.files("kvrag.engine.reuse").joinpath("data/context.txt").read_text(encoding="utf-8")
     passage = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     return [engine.tokenizer.bos_token_id] + passage[-(engine.context_window // 4) :]
 
@@ -440,7 +440,7 @@ def test_unknown_request_arguments_are_named(tiny_engine):
 
 def test_every_selection_has_a_strategy():
     from kvrag.config import SELECTIONS
-    from kvrag.engine.selection import registered_selections
+    from kvrag.engine.reuse.selection import registered_selections
 
     assert sorted(SELECTIONS) == list(registered_selections())
 

@@ -86,11 +86,11 @@ def test_vector_store_wrapper_records_search_results(lc_engine, documents):
     store = KVCachedVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), llm=llm)
     store.add_documents(documents)
     found = store.similarity_search("king", k=3)
-    assert len(found) == 3 and all(d.page_content in lc_engine.registry for d in found)
+    assert len(found) == 3 and all(d.page_content in lc_engine.documents for d in found)
     scored = asyncio.run(store.asimilarity_search_with_score("queen", k=2))
-    assert all(d.page_content in lc_engine.registry for d, _ in scored)
+    assert all(d.page_content in lc_engine.documents for d, _ in scored)
     via_retriever = store.as_retriever(search_kwargs={"k": 2}).invoke("tower")
-    assert all(d.page_content in lc_engine.registry for d in via_retriever)
+    assert all(d.page_content in lc_engine.documents for d in via_retriever)
     with pytest.raises(NotImplementedError):
         KVCachedVectorStore.from_texts(["a"], DeterministicFakeEmbedding(size=4))
 

@@ -18,7 +18,7 @@ pytest.importorskip("pydantic")  # the LLM fields are pydantic models (both inte
 import kvrag.engine
 from kvrag.config import MODES, SELECTIONS, EngineConfig
 from kvrag.engine import Engine, Generation, GenerationStats, GenerationStream
-from kvrag.engine.requests import RequestArgs
+from kvrag.engine.serving.requests import RequestArgs
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import (
     CALL_ARGUMENTS,

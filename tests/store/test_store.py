@@ -437,7 +437,7 @@ def test_chunks_hot_in_memory_keep_their_disk_copy(tmp_path, policy):
 def test_background_writer_runs_every_job_and_leaves_no_idle_thread():
     """An idle worker that has run torch ops slows the request thread down (its own OpenMP team):
     the writer's worker exits when the queue is empty, and no job is stranded by that."""
-    from kvrag.engine.writeback import BackgroundWriter
+    from kvrag.engine.serving.writeback import BackgroundWriter
 
     w = BackgroundWriter()
     done: list[int] = []

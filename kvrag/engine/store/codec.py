@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.config import KV_CODECS as CODECS
-from kvrag.engine.dtypes import FLOAT_DTYPES
+from kvrag.engine.model.dtypes import FLOAT_DTYPES
 from kvrag.engine.store.base import KVRecord
 
 __all__ = [

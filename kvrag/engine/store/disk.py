@@ -26,7 +26,7 @@ from pathlib import Path
 import diskcache
 import torch
 
-from kvrag.engine.dtypes import torch_dtype
+from kvrag.engine.model.dtypes import torch_dtype
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey
 from kvrag.engine.store.bookkeeping import Bookkeeping

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.engine.dtypes import STORED_DTYPES, dtype_name
+from kvrag.engine.model.dtypes import STORED_DTYPES, dtype_name
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, StoreKey
 from kvrag.engine.store.codec import Codec, PlainCodec, codec_from_header
 

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvrag.engine.dtypes import dtype_name, torch_dtype
+from kvrag.engine.model.dtypes import dtype_name, torch_dtype
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.engine.store.codec import AtRest
 from kvrag.engine.store.disk import DiskStore

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvrag.engine.registry import ChunkRegistry
-from kvrag.engine.requests import check_chunks
+from kvrag.engine.reuse.documents import DocumentFinder
+from kvrag.engine.serving.requests import check_chunks
 from kvrag.engine.types import GenerationStream, WarmResult
 
 if TYPE_CHECKING:
@@ -67,11 +67,11 @@ class ServerDocuments:
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.registry = ChunkRegistry()  # the engine's own matcher: the same texts count as documents
+        self.documents = DocumentFinder()  # the engine's own matcher: the same texts count as documents
 
     def register(self, texts: Sequence[str]) -> list[str]:
         """Record texts, sent later with the requests whose prompt holds them; their content ids."""
-        return self.registry.register(check_chunks(texts))
+        return self.documents.register(check_chunks(texts))
 
     def warm(self, texts: Sequence[str], *, order: str = "given", embeddings=None) -> WarmResult:
         """Record texts and have the server register them and compute their KV now (``order`` as
@@ -84,7 +84,7 @@ class ServerDocuments:
         """The recorded texts that occur in the prompt, once each, in order."""
         out: dict[str, None] = {}
         for text in prompt.texts():
-            for start, end in self.registry.find(text):
+            for start, end in self.documents.find(text):
                 out.setdefault(text[start:end])
         return list(out)
 

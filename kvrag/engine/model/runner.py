@@ -1,0 +1,210 @@
+"""Layer-wise execution over any subset of a sequence's tokens.
+
+One function, :func:`forward`, serves every path: full prefill (all rows), exact prefix reuse
+(rows after the cached prefix), CacheBlend fusion (cached chunk KV loaded per layer, rows pruned
+by a selector), full reuse (only uncached rows), decoding (one row) and scoring (a few rows).
+A pass can run a range of layers and another resume from its hidden states: the probe selection
+runs some rows to a middle layer, decides, and joins them with the rows it chose.
+
+The KV of a sequence lives in a preallocated :class:`KVBuffer`; keys there carry their layer's
+RoPE for their position. Sliding-window layers attend to the last ``window`` keys only. Cached KV
+enters through a :class:`KVSource`, one layer at a time, just before that layer runs (so a slower
+tier can prefetch layer l+1 while layer l computes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.kernels import attention
+
+__all__ = ["KVBuffer", "KVSource", "Selector", "QueryTap", "KVCapture", "Trace", "forward"]
+
+
+class KVBuffer:
+    """K/V of one sequence, preallocated: ``k``/``v`` [L, Hkv, capacity, D]; keys carry RoPE."""
+
+    def __init__(self, adapter: ModelAdapter, capacity: int) -> None:
+        shape = (adapter.n_layers, adapter.n_kv_heads, capacity, adapter.head_dim)
+        self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.capacity = capacity
+        self.length = 0  # positions [0, length) hold valid KV
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def grow(self, capacity: int) -> None:
+        """Enlarge the buffer (keeps the first ``length`` positions)."""
+        if capacity <= self.capacity:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+
+class KVSource(Protocol):
+    """Supplies cached KV, layer by layer."""
+
+    def fill(self, layer: int, buf: KVBuffer) -> None:
+        """Write this layer's cached K (rotated to its positions) and V into ``buf``."""
+
+
+class Selector(Protocol):
+    """Decides, on some layers, which computed rows go on being computed."""
+
+    def wants(self, layer: int) -> bool:
+        """Whether :meth:`select` runs on this layer."""
+
+    def select(self, layer: int, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
+        """Given this layer's fresh q [H, R, D], k [Hkv, R, D] (both with RoPE) and v [Hkv, R, D]
+        of rows at ``pos`` [R] (the buffer still holds the cached KV there), return the indices of
+        rows to keep, or None."""
+
+
+class QueryTap(Protocol):
+    """Sees every layer's queries (with RoPE) of the rows a pass computes."""
+
+    def observe(self, layer: int, pos: torch.Tensor, q: torch.Tensor) -> None:
+        """q [H, R, D] of rows at ``pos`` [R] on ``layer``."""
+
+
+class KVCapture:
+    """Keeps the fresh pre-RoPE K and V of positions [start, end) as they are computed."""
+
+    def __init__(self, adapter: ModelAdapter, start: int, end: int) -> None:
+        shape = (adapter.n_layers, adapter.n_kv_heads, end - start, adapter.head_dim)
+        self.start, self.end = start, end
+        self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+
+    def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous: bool = False) -> None:
+        if contiguous:  # rows are positions [p0, p0 + R): slice, no masks
+            p0 = int(pos[0])
+            a, b = max(self.start, p0), min(self.end, p0 + pos.numel())
+            if a < b:
+                self.k[layer, :, a - self.start : b - self.start] = k[:, a - p0 : b - p0]
+                self.v[layer, :, a - self.start : b - self.start] = v[:, a - p0 : b - p0]
+            return
+        sel = (pos >= self.start) & (pos < self.end)
+        if bool(sel.all()) and _is_contiguous(pos):
+            a, b = int(pos[0]) - self.start, int(pos[-1]) + 1 - self.start
+            self.k[layer, :, a:b] = k
+            self.v[layer, :, a:b] = v
+        elif bool(sel.any()):
+            idx = pos[sel] - self.start
+            self.k[layer][:, idx] = k[:, sel]
+            self.v[layer][:, idx] = v[:, sel]
+
+
+@dataclass(slots=True)
+class Trace:
+    """What a forward pass computed: rows per layer."""
+
+    rows_per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def token_layers(self) -> int:
+        return sum(self.rows_per_layer)
+
+
+def _is_contiguous(pos: torch.Tensor) -> bool:
+    return pos.numel() > 0 and int(pos[-1]) - int(pos[0]) + 1 == pos.numel()
+
+
+def _write(dst: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, contiguous: bool) -> None:
+    """dst [Hkv, S, D][:, pos] = src [Hkv, R, D]."""
+    if contiguous:
+        dst[:, int(pos[0]) : int(pos[-1]) + 1] = src
+    else:
+        dst[:, pos] = src
+
+
+@torch.inference_mode()
+def forward(
+    adapter: ModelAdapter,
+    buf: KVBuffer,
+    ids: torch.Tensor | None,
+    pos: torch.Tensor,
+    seq_len: int,
+    *,
+    source: KVSource | None = None,
+    selector: Selector | None = None,
+    capture: list[KVCapture] | tuple = (),
+    taps: list[QueryTap] | tuple = (),
+    trace: Trace | None = None,
+    hidden: torch.Tensor | None = None,
+    layers: tuple[int, int] | None = None,
+    last_row_only: bool = False,
+    pause: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
+
+    Positions [0, seq_len) not among the rows must have their KV in ``buf`` already or be filled
+    by ``source``. Rows attend causally to every position before them.
+
+    A selector that keeps no rows ends the pass after writing that layer's KV (a probe).
+
+    Args:
+        taps: keep the queries (with RoPE) of some positions as they are computed (attention statistics).
+        hidden: [R, E] the rows' hidden state entering the first layer of ``layers``, instead of
+            embedding ``ids`` (a pass that resumes another one).
+        layers: (first, stop) the layers run; all of them by default.
+        last_row_only: on the model's last layer compute every row's KV but only the last row's
+            output (a prefill needs only the last token's logits; nothing reads the other rows').
+        pause: called after each layer's attention and after its MLP: the engine thread runs other
+            requests' decode steps there (:mod:`kvrag.engine.serving.worker`); it may raise to end the pass.
+
+    Returns:
+        (hidden [R', E], pos [R']) of the rows still computed, entering layer ``stop`` (after the
+        model's last layer: its output; with ``last_row_only`` hidden is the last row's [1, E]).
+    """
+    first, stop = layers if layers is not None else (0, adapter.n_layers)
+    h = adapter.embed(ids) if hidden is None else hidden
+    rope = adapter.rope(pos)
+    contiguous = _is_contiguous(pos)
+    masks: dict = {}  # window -> attention masks of the current rows, shared by the layers of that window
+    for layer in range(first, stop):
+        if source is not None:
+            source.fill(layer, buf)
+        q, k, v = adapter.qkv(layer, h)
+        for cap in capture:
+            cap.take(layer, pos, k, v, contiguous)
+        cos, sin = rope.layer(layer)
+        k = adapter.apply_rope(k, cos, sin)
+        q = adapter.apply_rope(q, cos, sin)
+        for tap in taps:
+            tap.observe(layer, pos, q)
+        keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
+        _write(buf.k[layer], pos, k, contiguous)
+        _write(buf.v[layer], pos, v, contiguous)
+        if keep is not None and keep.numel() == 0:  # no row goes on: the pass ends at this layer's KV
+            return h[:0], pos[:0]
+        if keep is not None and keep.numel() != pos.numel():
+            q, h, pos, rope = q[:, keep], h[keep], pos[keep], rope[keep]
+            contiguous, masks = _is_contiguous(pos), {}
+        if trace is not None:
+            trace.rows_per_layer.append(int(pos.numel()))
+        q_pos = pos
+        if last_row_only and layer == adapter.n_layers - 1:
+            q, h, q_pos, masks = q[:, -1:], h[-1:], pos[-1:], {}
+        window = adapter.windows[layer]
+        kv = buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len]
+        out = attention(q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window)
+        if pause is not None:
+            pause()
+        h = adapter.finish_layer(layer, h, out)
+        if pause is not None:
+            pause()
+    if stop == adapter.n_layers:
+        buf.length = max(buf.length, seq_len)
+    return h, pos

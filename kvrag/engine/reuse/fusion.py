@@ -1,0 +1,204 @@
+"""Executing a prefill plan: full, exact-prefix, CacheBlend fusion or full reuse."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.runner import KVBuffer, KVCapture, Trace, forward
+from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Tap, block_middles
+from kvrag.engine.reuse.planner import Plan, SpanSource
+from kvrag.engine.reuse.selection import BlendPass, get_selection
+from kvrag.engine.types import ChunkInfo, GenerationStats
+
+__all__ = ["PrefillOptions", "PrefillResult", "prefill", "extend", "generation_stats"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillOptions:
+    """How one prefill runs, besides its plan: the selection strategy's parameters and what to capture.
+
+    Attributes:
+        selection: the ``blend`` strategy's name (see :mod:`kvrag.engine.reuse.selection`).
+        check_layer, filter_schedule, deviation: HKVD's gradual filtering (``deviation`` also the probe's).
+        probe_layer, probe_stride: the probe's layer and block size.
+        capture_end: > 0 keeps the exact pre-RoPE KV of [aligned prefix_len, capture_end) for the
+            prefix cache.
+        capture_block: the prefix cache's block size (the capture starts on a block boundary).
+        capture_chunks: segment indices of missed chunks whose KV, computed whole in this prompt,
+            is kept (write-back of their real context).
+        auto_threshold: with ``plan.auto``, the deviation from which a measuring strategy recomputes.
+        auto_alpha: with ``plan.auto``, Cache-Craft's alpha (``selection="craft"``).
+        keep_recomputed: keep cached chunks a strategy recomputes whole as new variants.
+    """
+
+    selection: str = "probe"
+    check_layer: int = 1
+    filter_schedule: tuple[float, ...] = (2.0, 1.5)
+    deviation: str = "kv"
+    probe_layer: int = 8
+    probe_stride: int = 16
+    capture_end: int = 0
+    capture_block: int = 16
+    capture_chunks: tuple[int, ...] = ()
+    auto_threshold: float | None = None
+    auto_alpha: float = 1.0
+    keep_recomputed: bool = False
+
+    @classmethod
+    def from_config(cls, config, n_layers: int, **fields) -> PrefillOptions:
+        """Options from an :class:`~kvrag.EngineConfig` for a model of ``n_layers`` layers; ``fields`` override."""
+        base = dict(
+            selection=config.selection,
+            check_layer=config.check_layer,
+            filter_schedule=config.filter_schedule,
+            deviation=config.deviation,
+            probe_layer=config.resolved_probe_layer(n_layers),
+            probe_stride=config.probe_stride,
+            capture_block=config.prefix_block_tokens,
+        )
+        return cls(**{**base, **fields})
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    buf: KVBuffer
+    last_hidden: torch.Tensor  # [1, E] of the prompt's last token
+    trace: Trace
+    recomputed_tokens: int  # cached chunk tokens whose KV was recomputed through the last layer
+    computed_tokens: int  # prompt tokens computed through the last layer (incl. uncached text)
+    capture: KVCapture | None  # exact pre-RoPE KV kept for the prefix cache
+    chunk_captures: dict[int, KVCapture]  # segment index -> KV the request computed for that chunk
+    taps: dict[int, Tap] = field(default_factory=dict)  # segment index -> the tap holding its sampled queries
+    measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
+
+
+def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
+    """The prefix-cache capture (its reused partial block copied in) and the missed chunks' captures."""
+    capture = None
+    if options.capture_end > plan.prefix_len:
+        cap_start = plan.prefix_len - plan.prefix_len % options.capture_block
+        capture = KVCapture(adapter, cap_start, options.capture_end)
+        if cap_start < plan.prefix_len:  # the reused partial block: copy it from its record
+            start, rec = plan.prefix_records[-1]
+            a = cap_start - start
+            capture.k[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
+            capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
+    chunk_caps = {}
+    cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
+    for i in options.capture_chunks:  # only chunks computed whole, on every layer
+        seg = plan.segments[i]
+        if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
+            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end)
+    return capture, chunk_caps
+
+
+def prefill(
+    adapter: ModelAdapter,
+    plan: Plan,
+    capacity: int,
+    *,
+    options: PrefillOptions,
+    pause: Callable[[], None] | None = None,
+) -> PrefillResult:
+    """Compute the KV of a plan's prompt into a new buffer of ``capacity`` positions.
+
+    ``full`` (and ``blend`` at ratio 1.0) computes every row; ``prefix`` and ``reuse`` compute the
+    rows without cached KV; ``blend`` hands the prefill to the selection strategy of
+    ``options.selection`` (:mod:`kvrag.engine.reuse.selection`). ``pause`` reaches every layer pass
+    (:func:`~kvrag.engine.model.runner.forward`).
+    """
+    n = plan.num_tokens
+    buf = KVBuffer(adapter, capacity)
+    trace = Trace()
+    all_pos = torch.arange(n, device=adapter.device)
+    ids = plan.ids.to(adapter.device)
+    capture, chunk_caps = _captures(adapter, plan, options)
+    captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
+    middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
+    tap = Tap(sorted(middles), adapter.n_layers) if middles else None
+    taps = [tap] if tap is not None else []
+
+    if plan.is_full or not plan.cached_spans():
+        h, _ = forward(
+            adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True, pause=pause
+        )
+        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap))
+
+    source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos))
+    candidates = plan.candidates().to(adapter.device)
+    rows = ~plan.reused_exactly().to(adapter.device)
+    measured: dict = {}
+    kept_taps = dict.fromkeys(chunk_caps, tap)
+    if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
+        blend = BlendPass(
+            adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
+            spans=[(s, s + r.num_tokens) for s, r in plan.chunk_records], source=source, captures=captures,
+            taps=taps, trace=trace, options=options, pause=pause,
+        )  # fmt: skip
+        h, pos = get_selection(options.selection)(blend)
+        measured = blend.measured
+        index = {u.start: u.index for u in plan.chunks}
+        for start, (cap, whole_tap) in blend.kept.items():  # cached chunks recomputed whole: new variants
+            chunk_caps[index[start]] = cap
+            kept_taps[index[start]] = whole_tap
+    else:  # prefix mode has no candidates; reuse never recomputes them
+        pos = all_pos[rows & ~candidates]
+        h, pos = forward(
+            adapter,
+            buf,
+            ids[pos],
+            pos,
+            n,
+            source=source,
+            capture=captures,
+            taps=taps,
+            trace=trace,
+            last_row_only=True,
+            pause=pause,
+        )
+    computed = int(pos.numel())
+    recomputed = int(candidates[pos].sum())
+    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, kept_taps, measured)
+
+
+def extend(
+    adapter: ModelAdapter, buf: KVBuffer, ids: torch.Tensor, start: int, *, pause: Callable[[], None] | None = None
+) -> torch.Tensor:
+    """Append tokens at positions [start, start + T) and return their logits [T, V].
+
+    Grows the buffer if needed. Used for scoring continuations (decoding runs batched:
+    :mod:`kvrag.engine.model.batch`).
+    """
+    t = int(ids.shape[0])
+    if start + t > buf.capacity:
+        buf.grow(start + t)
+    pos = torch.arange(start, start + t, device=adapter.device)
+    h, _ = forward(adapter, buf, ids.to(adapter.device), pos, start + t, pause=pause)
+    return adapter.logits(h)
+
+
+def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: float) -> GenerationStats:
+    """What a prefill did, for :attr:`Generation.stats`."""
+    n = plan.num_tokens
+    full_work = n * n_layers
+    blended = sum(r.num_tokens for _, r in plan.chunk_records)
+    return GenerationStats(
+        mode=plan.mode,
+        recompute_ratio=(res.recomputed_tokens / blended if blended else 0.0) if plan.auto else plan.ratio,
+        auto=plan.auto,
+        prompt_tokens=n,
+        cached_tokens=plan.cached_tokens,
+        prefix_tokens=plan.prefix_len,
+        exact_tokens=plan.exact_tokens,
+        recomputed_tokens=res.recomputed_tokens,
+        computed_tokens=res.computed_tokens,
+        compute_fraction=res.trace.token_layers / full_work if full_work else 0.0,
+        chunk_hits=sum(c.hit for c in plan.chunks),
+        chunk_misses=sum(not c.hit for c in plan.chunks),
+        chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier, c.fix) for c in plan.chunks],
+        prefill_s=prefill_s,
+    )

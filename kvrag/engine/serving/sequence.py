@@ -1,0 +1,70 @@
+"""A running request between its prefill and its last token (nano-vllm's ``Sequence``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrag.engine.model.runner import KVBuffer
+from kvrag.engine.model.sampling import TextStream
+from kvrag.engine.reuse.fusion import PrefillResult
+from kvrag.engine.reuse.planner import Plan
+from kvrag.engine.serving.requests import Request
+from kvrag.engine.types import GenerationStats
+
+__all__ = ["RunningSequence"]
+
+
+@dataclass(slots=True, kw_only=True)
+class RunningSequence:
+    """The decoding state of one request.
+
+    Attributes:
+        req: the validated request.
+        plan: what its prefill reused and computed.
+        buf: its KV, positions [0, ``pos``) valid.
+        pos: where the next token's KV goes (the prompt length, then one more per decoded token).
+        token: the next token to emit, sampled but not yet in ``buf``.
+        budget: most tokens it may generate (``max_new_tokens`` within the context window).
+        generated: tokens emitted so far.
+        text: the detokeniser (stop strings).
+        generator: the seeded sampler's generator, if any.
+        stats: what the request did (prefill figures now; completion figures at the end).
+        t0: when the request was made (``time.perf_counter``); TTFT counts from there.
+        ttft: seconds from ``t0`` to the first token.
+        finish: ``length`` until a stop (end of sequence or a stop string) makes it ``stop``.
+        done: no more tokens.
+    """
+
+    req: Request
+    plan: Plan
+    buf: KVBuffer
+    pos: int
+    token: int
+    budget: int
+    text: TextStream
+    generator: torch.Generator | None
+    stats: GenerationStats
+    t0: float
+    ttft: float
+    generated: list[int] = field(default_factory=list)
+    finish: str = "length"
+    done: bool = False
+    result: PrefillResult | None = None
+
+    def accept(self, eos_ids: set[int]) -> str:
+        """Emit ``token`` (or stop on end of sequence); returns the text that became safe to show."""
+        if self.done or len(self.generated) >= self.budget:
+            self.done = True
+            return ""
+        if self.token in eos_ids:
+            self.finish, self.done = "stop", True
+            return ""
+        self.generated.append(self.token)
+        piece = self.text.push(self.token)
+        if self.text.stopped:
+            self.finish, self.done = "stop", True
+        elif len(self.generated) >= self.budget:
+            self.done = True
+        return piece

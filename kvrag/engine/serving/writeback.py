@@ -1,0 +1,350 @@
+"""Write-back off the critical path: what a request computed is stored after its first token.
+
+Two kinds of entries: exact-prefix blocks (the system prompt and instructions every request
+repeats) and the KV of chunks a request missed — taken from the request's own prefill when the
+chunk context is ``neighbor`` (captured in place, no extra compute), computed alone otherwise.
+What needs torch compute (a chunk computed alone, Cache-Craft's attention statistics over the
+request's queries and KV) runs on the engine thread, queued like other work. Jobs run in one
+daemon thread, in order; a failed job costs only a future hit.
+
+A third kind, the knowledge tree's refresh (``tree_refresh``): a request that blended chunk KV
+computed in other company leaves its chunk sequence to be computed exactly, as background work
+on the engine thread (it starts only when the engine is idle and gives way to the next request,
+:mod:`kvrag.engine.serving.scheduler`); each of those chunks is kept as an exact variant, so the same lead
+and chunks asked again (reworded, or by another user) are reused exactly. Those variants are kept
+``speculative``: a bounded store takes them only into room that no request's entry holds and
+evicts them first until a request uses one, so refreshing never costs the hit rate of what
+requests keep. At most
+:data:`MAX_REFRESHES` wait at once; past that a new one is dropped (counted), never queued without
+bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvrag.engine.model.runner import KVCapture
+from kvrag.engine.reuse.attention_stats import Segment
+from kvrag.engine.reuse.chunks import ChunkComputer, attach_statistics
+from kvrag.engine.reuse.fusion import PrefillOptions, prefill
+from kvrag.engine.reuse.planner import ChunkUse, Plan, Planner
+from kvrag.engine.reuse.variants import context_id
+from kvrag.engine.serving.scheduler import Ticket
+from kvrag.engine.serving.worker import Preempted, Worker
+from kvrag.engine.store.base import KVRecord, KVStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BackgroundWriter", "WriteBack", "MAX_REFRESHES", "MAX_REFRESH_TRIES"]
+
+#: Most knowledge-tree refreshes waiting for an idle engine at once (one more is dropped).
+MAX_REFRESHES = 4
+
+#: Times a refresh starts over after giving way to other work before it is dropped.
+MAX_REFRESH_TRIES = 3
+
+
+class BackgroundWriter:
+    """Runs write-back jobs in a daemon thread, in submission order.
+
+    The thread exits as soon as the queue is empty and a new one starts with the next job: a
+    thread that has run torch ops and stays alive, even idle, slowed the next prefills on the
+    request thread by ~20% here (2 cores); one that has exited does not. So no worker outlives
+    its work.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _thread against a job stranded by an exiting worker
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._queue.put(job)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="kvrag-writeback", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    self._thread = None
+                    return
+            try:
+                job()
+            except Exception:  # a failed write-back only costs a future hit
+                log.warning("kvrag: write-back failed", exc_info=True)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every submitted job has run (and the worker that ran them has exited)."""
+        self._queue.join()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+
+    def close(self) -> None:
+        self.flush()
+
+
+class WriteBack:
+    """Schedules a request's write-back jobs on a :class:`BackgroundWriter`.
+
+    Args:
+        config: the engine's config (``write_back``: keep the KV of missed chunks; chunks shorter than
+            ``chunk_min_tokens`` are not kept; ``tree_refresh``: compute blended sequences exactly).
+        run: ``run(job, tokens)`` calls ``job(pause)`` on the engine thread and returns its result
+            (for a chunk that has to be computed afresh).
+        worker: the engine thread, for the refreshes' background work.
+    """
+
+    def __init__(
+        self,
+        config,
+        store: KVStore,
+        planner: Planner,
+        computer: ChunkComputer,
+        *,
+        run: Callable[[Callable, int], Any],
+        worker: Worker,
+    ) -> None:
+        self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
+        self._worker = worker
+        self._writer = BackgroundWriter()
+        self._pending: set = set()
+        self._refreshing: dict[tuple, Ticket] = {}  # a refresh's path -> its ticket (waiting or running)
+        self._refresh_cond = threading.Condition()
+        self._closing = False
+        #: knowledge-tree refreshes: ``runs`` done, ``chunks`` kept, ``not_kept`` (the store had no
+        #: spare room, or holds that variant already), ``at_cap`` (chunks not computed: they hold
+        #: ``max_variants`` already, which a refreshed variant never pushes out), ``preempted``
+        #: (started over), ``dropped`` (too many waiting, or given way too often), ``seconds`` of
+        #: engine time spent
+        self.refresh_counts = {
+            "runs": 0,
+            "chunks": 0,
+            "not_kept": 0,
+            "at_cap": 0,
+            "preempted": 0,
+            "dropped": 0,
+            "seconds": 0.0,
+        }
+
+    def _kept_misses(self, plan: Plan) -> list:
+        """The plan's missed chunks whose KV is worth keeping."""
+        if not self.keeps(plan):
+            return []
+        return [u for u in plan.chunks if not u.hit and u.length >= self.config.chunk_min_tokens]
+
+    def keeps(self, plan: Plan) -> bool:
+        """Whether what this request computes of its chunks is kept (write-back, a mode that reuses)."""
+        return self.config.write_back and plan.mode in ("blend", "reuse")
+
+    def keeps_recomputed(self, plan: Plan) -> bool:
+        """Whether cached chunks the request recomputes whole are kept as new variants (neighbor context)."""
+        return self.keeps(plan) and self.computer.context == "neighbor" and self.config.max_variants > 1
+
+    def captures(self, plan: Plan) -> tuple[int, ...]:
+        """Segments of missed chunks whose KV the request computes and can keep (neighbor context)."""
+        if self.computer.context != "neighbor":
+            return ()
+        return tuple(u.index for u in self._kept_misses(plan))
+
+    def schedule(self, plan: Plan, res) -> None:
+        """After the first token: keep the exact prefix blocks and the KV of chunks seen first; refresh
+        a blended chunk sequence (``tree_refresh``)."""
+        capture = res.capture
+        if capture is not None:
+            prompt_ids, bounds, namespace = plan.ids.tolist(), plan.boundaries, plan.namespace
+            self._writer.submit(
+                lambda: self.planner.prefix_cache.insert(
+                    prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
+                )
+            )
+        exact_end = plan.exact_end()
+        segments = [Segment(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
+        kept = {u.index for u in self._kept_misses(plan)} | {i for i in res.chunk_captures if self.keeps(plan)}
+        written_exact = set()
+        for n, use in enumerate(plan.chunks):
+            if use.index not in kept:
+                continue
+            cap = res.chunk_captures.get(use.index)
+            # a chunk computed here is a variant computed behind this prompt's chunks; exact if it
+            # was missed and everything before it was exact (the knowledge tree's path)
+            context = use.context if cap is not None else ()
+            exact = use.digest if cap is not None and not use.hit and use.start + use.length <= exact_end else None
+            if exact is not None:
+                written_exact.add(use.index)
+            job = (use.key, context, exact)
+            if job in self._pending:
+                continue
+            self._pending.add(job)
+            ids = list(plan.segments[use.index].ids)
+            tap = res.taps.get(use.index)
+            measured = (tap, res.buf, segments[:n]) if tap is not None else None
+            self._writer.submit(
+                lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
+            )
+        self._schedule_refresh(plan, written_exact)
+
+    # -- the knowledge tree's refresh -----------------------------------------------------------------
+
+    def _schedule_refresh(self, plan: Plan, written_exact: set[int]) -> None:
+        """Post background work that computes a blended request's chunk sequence exactly."""
+        if not (self.config.tree_refresh and self.keeps(plan) and plan.chunk_records):
+            return
+        # chunks whose KV here was not exact and will not be stored exact by the write-back above
+        targets = [
+            u
+            for u in plan.chunks
+            if u.digest is not None
+            and u.source not in ("tree", "prefix")
+            and u.index not in written_exact
+            and u.length >= self.config.chunk_min_tokens
+        ]
+        if not targets:
+            return
+        path = (plan.namespace, targets[-1].key, targets[-1].digest)  # the last chunk's digest names the path
+        segments = plan.segments[: targets[-1].index + 1]
+        ids = plan.ids[: segments[-1].end].clone()
+        with self._refresh_cond:
+            if self._closing or path in self._refreshing:
+                return
+            if len(self._refreshing) >= MAX_REFRESHES:
+                self.refresh_counts["dropped"] += 1
+                return
+            self._refreshing[path] = None  # reserved before the ticket exists: flush() waits for it
+        self._post_refresh(path, segments, ids, plan.namespace, targets, 0)
+
+    def _post_refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int) -> None:
+        # called on the engine thread, so the ticket cannot start before this returns
+        ticket = Ticket(tokens=len(ids), compute=len(ids), bounded=False, background=True)
+        self._worker.post(ticket, lambda pause: self._refresh(path, segments, ids, namespace, targets, tries, pause))
+        with self._refresh_cond:
+            if path in self._refreshing:
+                self._refreshing[path] = ticket
+            closing = self._closing
+        if closing:  # close() began between the reservation and now: it did not see this ticket
+            self._worker.cancel(ticket)
+            self._refresh_done(path)
+
+    def _refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int, pause) -> None:
+        """On the engine thread: compute ``ids`` exactly (reusing only exact KV) and keep the targets."""
+        again, t0 = False, time.perf_counter()
+        try:
+            room = [u for u in targets if self.planner.room_for_variant(u.key)]
+            self.refresh_counts["at_cap"] += len(targets) - len(room)
+            if not room:  # kept ahead of need, a refreshed variant would push out none: not computed
+                return
+            if room[-1].index < targets[-1].index:  # the sequence up to the last chunk with room
+                segments = segments[: room[-1].index + 1]
+                ids = ids[: segments[-1].end]
+            targets = room
+            plan = self.planner.plan(
+                segments,
+                ids,
+                mode="prefix",
+                ratio=0.0,
+                use_prefix=self.config.prefix_cache,
+                namespace=namespace,
+                exact_only=True,
+            )
+            computed = {u.index for u in plan.chunks if u.source == "computed"}
+            targets = [u for u in targets if u.index in computed]  # not those stored exact meanwhile
+            if not targets:
+                return
+            options = PrefillOptions.from_config(
+                self.config, self.computer.adapter.n_layers, capture_chunks=tuple(u.index for u in targets)
+            )
+            try:
+                res = prefill(self.computer.adapter, plan, len(ids), options=options, pause=pause)
+            except Preempted:
+                again = tries + 1 < MAX_REFRESH_TRIES and not self._closing
+                self.refresh_counts["preempted" if again else "dropped"] += 1
+                return
+            self.refresh_counts["runs"] += 1
+            for use in targets:
+                cap = res.chunk_captures.get(use.index)
+                if cap is not None:
+                    ids_ = list(plan.segments[use.index].ids)
+                    self._writer.submit(lambda use=use, ids_=ids_, cap=cap: self._keep_refreshed(use, ids_, cap))
+        finally:
+            self.refresh_counts["seconds"] += time.perf_counter() - t0
+            if again:
+                self._post_refresh(path, segments, ids, namespace, targets, tries + 1)
+            else:
+                self._refresh_done(path)
+
+    def _keep_refreshed(self, use: ChunkUse, ids: list[int], capture: KVCapture) -> None:
+        record = self.computer.record_from_capture(ids, capture)
+        record.meta["computed"] = "refresh"
+        kept = self.planner.keep_variant(use.key, record, use.context, use.digest, speculative=True)
+        self.refresh_counts["chunks" if kept else "not_kept"] += 1
+
+    def _refresh_done(self, path) -> None:
+        with self._refresh_cond:
+            self._refreshing.pop(path, None)
+            self._refresh_cond.notify_all()
+
+    def cancel_refreshes(self) -> None:
+        """Take back the refreshes not started yet, and refuse new ones (the engine is closing)."""
+        with self._refresh_cond:
+            self._closing = True
+            waiting = [t for t in self._refreshing.values() if t is not None]
+        for ticket in waiting:
+            self._worker.cancel(ticket)
+        with self._refresh_cond:
+            for path in [p for p, t in self._refreshing.items() if t is not None and t.cancelled]:
+                del self._refreshing[path]
+            self._refresh_cond.notify_all()
+
+    def _write_chunk(self, job, ids: list[int], capture: KVCapture | None, measured=None) -> None:
+        key, context, exact = job
+        try:
+            if capture is None and self.store.contains(key):
+                return
+            if capture is None or measured is not None:  # model compute: on the engine thread
+                record = self._run(lambda pause: self._record(ids, capture, measured, pause), len(ids))
+            else:
+                record = self._record(ids, capture, None, None)
+            self.planner.keep_variant(key, record, context, exact)
+        finally:
+            self._pending.discard(job)
+
+    def _record(self, ids: list[int], capture: KVCapture | None, measured, pause) -> KVRecord:
+        """A missed chunk's record: from the request's capture (with Cache-Craft's statistics from its
+        own queries and KV, when measured), or computed alone behind its context."""
+        if capture is None:
+            return self.computer.compute(ids, pause=pause)
+        record = self.computer.record_from_capture(ids, capture)
+        if measured is not None:
+            tap, buf, segments = measured
+            attach_statistics(record, tap, buf, (capture.start, capture.end), segments, self.computer.adapter)
+        return record
+
+    def flush(self) -> None:
+        """Wait until every scheduled job has run; refreshes waiting for an idle engine run now, as
+        ordinary work (a request that never ends would otherwise keep them waiting forever)."""
+        with self._refresh_cond:
+            while self._refreshing:
+                for ticket in self._refreshing.values():
+                    if ticket is not None:
+                        self._worker.promote(ticket)
+                self._refresh_cond.wait(timeout=0.05)  # a refresh posted again comes in the background
+        self._writer.flush()
+
+    def close(self) -> None:
+        self.cancel_refreshes()
+        with self._refresh_cond:
+            self._refresh_cond.wait_for(lambda: not self._refreshing)
+        self._writer.close()
