@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvrag import Engine
     from kvrag.bench.data import PromptFormat, load_dataset
     from kvrag.bench.workloads import warm_in_dataset_order
-    from kvrag.engine.reuse import calibration
     from kvrag.engine.model.sampling import SamplingParams
+    from kvrag.engine.reuse import calibration
 
     p = argparse.ArgumentParser(prog="kvrag bench calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True)

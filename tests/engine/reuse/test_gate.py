@@ -7,8 +7,8 @@ import math
 import pytest
 
 from kvrag import Engine, UnsupportedModelError
-from kvrag.engine.reuse import gate
 from kvrag.engine.model.adapter import ModelAdapter, Rotary
+from kvrag.engine.reuse import gate
 from tests.helpers import PREFIX, SUFFIX
 
 
