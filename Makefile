@@ -38,7 +38,7 @@ test: install
 DATASET ?= ../shared/data/musique_dev.json
 BENCH_OUT ?= bench-results
 bench: install
-	$(PY) -m kvrag.bench --dataset $(DATASET) --n 20 --top-k 6 --workloads a --score auto \
+	$(PY) -m benchmarks --dataset $(DATASET) --n 20 --top-k 6 --workloads a --score auto \
 		--methods hf,full,prefix,reuse,probe@0.15,hkvd@0.15,recency@0.15 --out $(BENCH_OUT)
 
 clean:

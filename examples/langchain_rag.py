@@ -24,8 +24,8 @@ from _rag_data import build_index, dataset_path, format_docs, load_passages  # n
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
-from kvrag.bench.data import pick_question_pair  # noqa: E402
-from kvrag.bench.metrics import rouge_l  # noqa: E402
+from benchmarks.data import pick_question_pair  # noqa: E402
+from benchmarks.metrics import rouge_l  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever  # noqa: E402
 
 # LangChain's RAG tutorial prompt.

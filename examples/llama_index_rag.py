@@ -61,8 +61,8 @@ def main() -> None:
     from llama_index.core.schema import TextNode
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    from kvrag.bench.data import pick_question_pair
-    from kvrag.bench.metrics import rouge_l
+    from benchmarks.data import pick_question_pair
+    from benchmarks.metrics import rouge_l
     from kvrag.integrations.llama_index import KVCachedLLM, minilm_embedding, record_stats
 
     passages, questions, source = load_data(args.data)

@@ -1,4 +1,7 @@
-"""The ``kvrag`` command line: ``kvrag bench ...`` and ``kvrag serve ...``."""
+"""The ``kvrag`` command line: ``kvrag serve ...``.
+
+The benchmarks live beside the package, not in it: ``python -m benchmarks`` from a clone.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +11,8 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: kvrag bench [options]   (see `kvrag bench --help`)\n"
-            "       kvrag bench {compare,merge,make-dataset,methods,store-sim,registry,kernels,calibrate,\n"
-            "                    shared-stream,shared-warm,serve-load,serving} ...\n"
-            "       kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]  (`kvrag serve --help`)"
-        )
+        print("usage: kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]  (`kvrag serve --help`)")
         return 0
-    if argv[0] == "bench":
-        from kvrag.bench.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
     if argv[0] == "serve":
         from kvrag.server.cli import main as serve_main
 

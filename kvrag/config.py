@@ -84,7 +84,7 @@ class EngineConfig:
             company. Other selections, and models without a threshold, use ``auto_ratio``.
         auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens).
         auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None`` takes
-            the model's calibrated value (``kvrag bench calibrate``; the bundled model ships one).
+            the model's calibrated value (``python -m benchmarks calibrate``; the bundled model ships one).
         auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
             a selection without a probe).
         selection: which cached tokens ``blend`` recomputes: ``probe`` (default; cached chunks are cut
@@ -149,7 +149,7 @@ class EngineConfig:
         eviction_policy: which entry goes first when a tier is over budget: ``pgdsf`` (RAGCache's
             Greedy-Dual-Size-Frequency, with costs from the engine's own prefill times) or ``lru``.
             PGDSF is the default: on a Zipf stream over the dev passages it keeps more hits than
-            LRU with the same budgets (``kvrag bench store-sim``).
+            LRU with the same budgets (``python -m benchmarks store-sim``).
         namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
         chunk_context: what a chunk's KV is computed behind: ``neighbor`` (other documents — the
             ones before it in ``warm``'s list, its real context when a request computes it) or

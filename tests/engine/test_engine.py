@@ -560,7 +560,7 @@ def test_lookup_counts_what_a_request_would_find_and_changes_nothing(tiny_engine
 
 
 def test_a_request_that_finds_no_chunk_kv_computes_what_full_computes(tiny_engine, docs):
-    # the bench records drift 0 without scoring such a request (kvrag.bench.retrieval): this is why
+    # the bench records drift 0 without scoring such a request (benchmarks.retrieval): this is why
     cont = " the answer is here"
     ref = tiny_engine.score(cont, docs[:2], PREFIX, SUFFIX, mode="full")
     tiny_engine.generate(docs[2:3], PREFIX, SUFFIX)  # the prefix (system text) cached, docs[2] written back

@@ -1,7 +1,7 @@
 """Per-model calibration of ``recompute_ratio="auto"``: the probe deviation from which a block is recomputed.
 
 A probe's KV deviation has a scale of its own for every model (and probe layer, block size and
-deviation kind). ``kvrag bench calibrate`` measures, on dev questions, the threshold that makes
+deviation kind). ``python -m benchmarks calibrate`` measures, on dev questions, the threshold that makes
 ``auto`` recompute what a fixed budget would in the favourable case, and writes it here:
 ``<cache_dir>/calibration/<model fingerprint>.json``. The bundled model's value ships with kvrag
 (``kvrag/engine/reuse/data/calibration.json``), keyed the same way.
@@ -57,7 +57,7 @@ def _entry(data, probe: str) -> dict:
 
 def load(cache_dir: Path, fingerprint: str, probe: str) -> dict:
     """The calibrated ``threshold`` and ``alpha`` for this model and probe (either may be missing):
-    the user's own (``kvrag bench calibrate``) first, then the one shipped with kvrag."""
+    the user's own (``python -m benchmarks calibrate``) first, then the one shipped with kvrag."""
     mine = _entry(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"), probe)
     return mine or _entry(_shipped().get(fingerprint), probe)
 

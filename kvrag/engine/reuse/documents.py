@@ -10,7 +10,7 @@ Matching: every registered text is indexed by a hash of its first ``anchor`` cha
 prompt is scanned with a rolling hash of the same width, and candidate positions are verified
 with a plain string comparison. Leftmost, then longest, non-overlapping matches win. A lookup
 costs O(prompt) whatever the number of texts: it reads the index in place, without copying it
-(``python -m kvrag.bench registry`` measures it at 100 and 100,000 texts).
+(``python -m benchmarks registry`` measures it at 100 and 100,000 texts).
 """
 
 from __future__ import annotations

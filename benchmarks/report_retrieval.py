@@ -1,0 +1,82 @@
+"""Workload (r)'s summary: per method, over all requests and over those with many chunk hits.
+
+The acceptance measure of issue 17 is the median over requests of ``ttft_excess_full`` (TTFT × full
+minus the share of prompt tokens not found in the store), beside the mean answer drift, both over
+the requests with at least ``min_hits`` of k chunk hits (``many_hits`` in the records).
+"""
+
+from __future__ import annotations
+
+from benchmarks.metrics import summarize
+
+__all__ = ["retrieval_figures", "retrieval_summary", "retrieval_table"]
+
+
+def _mean(rs: list[dict], key: str) -> float | None:
+    return summarize(r.get(key) for r in rs)["mean"]
+
+
+def retrieval_figures(rs: list[dict]) -> dict:
+    """Means and summaries of a set of workload (r) records (one method's, or a subset of them)."""
+    ident = [r["identical_full"] for r in rs if "identical_full" in r]
+    return {
+        "n": len(rs),
+        "chunk_hits": _mean(rs, "chunk_hits"),
+        "chunks": _mean(rs, "chunks"),
+        "exact_chunks": _mean(rs, "exact_chunks"),
+        "blended_chunks": _mean(rs, "blended_chunks"),
+        "exact_tokens": _mean(rs, "exact_tokens"),
+        "blended_tokens": _mean(rs, "blended_tokens"),
+        "prompt_tokens": _mean(rs, "prompt_tokens"),
+        "recompute_fraction": _mean(rs, "recompute_fraction"),
+        "uncached_share": _mean(rs, "uncached_share"),
+        "ttft_ratio_full": summarize(r.get("ttft_ratio_full") for r in rs),
+        "ttft_excess_full": summarize(r.get("ttft_excess_full") for r in rs),
+        "answer_drift_full": summarize(r.get("answer_drift_full") for r in rs),
+        "rouge_l_full": _mean(rs, "rouge_l_full"),
+        "identical_full": sum(ident) if ident else None,
+        "identical_of": len(ident),
+    }
+
+
+def retrieval_summary(records: list[dict]) -> dict:
+    """``{method: {"all": figures, "many_hits": figures}}`` of one workload's records (full excluded)."""
+    out = {}
+    for name in dict.fromkeys(r["method"] for r in records if r["method"] != "full"):
+        mine = [r for r in records if r["method"] == name]
+        out[name] = {
+            "all": retrieval_figures(mine),
+            "many_hits": retrieval_figures([r for r in mine if r.get("many_hits")]),
+        }
+    return out
+
+
+def _f(v, spec: str = ".3f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def retrieval_table(per_method: dict, subset: str, min_hits: int | None = None, k: int | None = None) -> str:
+    """One markdown table of :func:`retrieval_summary`'s figures, ``subset`` ``all`` or ``many_hits``."""
+    head = (
+        "| method | requests | chunk hits | exact / blended chunks | recomputed (of blended) | "
+        "not in store | TTFT × full, median (mean) | **TTFT × full − not in store, median** | "
+        "drift, mean (median) | ROUGE-L vs full | identical |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, both in per_method.items():
+        s = both[subset]
+        if not s["n"]:
+            lines.append(f"| {name} | 0 |" + " — |" * (head.count("|") - 3))
+            continue
+        t, e, d = s["ttft_ratio_full"], s["ttft_excess_full"], s["answer_drift_full"]
+        ident = f"{s['identical_full']}/{s['identical_of']}" if s["identical_of"] else "—"
+        lines.append(
+            f"| {name} | {s['n']} | {_f(s['chunk_hits'], '.2f')} of {_f(s['chunks'], '.0f')} | "
+            f"{_f(s['exact_chunks'], '.2f')} / {_f(s['blended_chunks'], '.2f')} | "
+            f"{_f(s['recompute_fraction'], '.1%')} | {_f(s['uncached_share'], '.1%')} | "
+            f"{_f(t['median'])} ({_f(t['mean'])}) | **{_f(e['median'])}** | "
+            f"{_f(d['mean'])} ({_f(d['median'])}) | {_f(s['rouge_l_full'])} | {ident} |"
+        )
+    if subset == "many_hits" and min_hits is not None:
+        lines.insert(0, f"Requests with at least {min_hits}" + (f" of {k}" if k else "") + " chunk hits:\n")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Research harnesses: oracle selections, key temperature (not kvrag features)."""

@@ -1,0 +1,285 @@
+"""Serving benchmark: batched decode, inter-token gaps during a long prefill, sync vs async TTFT.
+
+    python -m benchmarks serving [--dataset QA.json] [--repeat 3] [--only throughput,gaps,ttft]
+                        [--streams 8] [--gap-prompt-tokens 4096] [--slices 0.1,1e9] [--config F=V ...]
+
+Three measurements on one engine, each repeated (medians reported, every run kept in the JSON):
+
+- **throughput**: decode tokens/s of 1 stream, then of ``--streams`` streams started together;
+  counted over the window in which every stream of the run is decoding (from the last first
+  token to the first last token), from the text pieces the consumers receive.
+- **gaps**: a stream decodes while a cold prompt of ``--gap-prompt-tokens`` tokens (fresh passages,
+  nothing cached) is submitted; the gaps between the stream's pieces from that submission to the
+  long request's first token, p50/p99 and max, once per ``prefill_slice_s`` of ``--slices``
+  (``1e9``: the prefill never pauses, as before the engine thread).
+- **ttft**: the same blend request (six passages, warmed), alternately from a plain call
+  (``generate``) and from an asyncio task through the integrations' bridge (one worker thread that
+  iterates ``engine.stream``), TTFT as the engine reports it and as the caller sees its first piece.
+
+The machine may be shared: the load average is recorded before and after each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.data import PromptFormat, QAItem, load_dataset, make_synthetic_dataset, passage_text
+from benchmarks.metrics import percentile
+
+__all__ = ["measure_throughput", "measure_gaps", "measure_ttft", "main"]
+
+_LONG_PROMPT = "Count from 1 to 3000, one number per line, with no other text."
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+class _Timed(threading.Thread):
+    """Consumes a stream in its own thread, noting when each piece arrives."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.times = stream, []
+
+    def run(self) -> None:
+        for _ in self.stream:
+            self.times.append(time.perf_counter())
+
+
+def _counting_prompt(engine, run: int | None = None) -> str:
+    """A prompt the model answers at length, in its chat template (bare, it may end at once)."""
+    text = _LONG_PROMPT if run is None else f"{_LONG_PROMPT} (run {run})"
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _tokens_per_s(engine, n: int, max_new_tokens: int) -> dict:
+    prompts = [_counting_prompt(engine, i) for i in range(n)]
+    streams = [_Timed(engine.stream(prompt=p, max_new_tokens=max_new_tokens, mode="full")) for p in prompts]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.join()
+    begin = max(s.times[0] for s in streams)
+    end = min(s.times[-1] for s in streams)
+    pieces = sum(sum(begin < t <= end for t in s.times) for s in streams)
+    return {"streams": n, "window_s": end - begin, "pieces": pieces, "tokens_per_s": pieces / max(end - begin, 1e-9)}
+
+
+def measure_throughput(engine, *, streams: int = 8, max_new_tokens: int = 96) -> dict:
+    """Decode tokens/s of one stream and of ``streams`` streams together (same engine, same run)."""
+    one = _tokens_per_s(engine, 1, max_new_tokens)
+    many = _tokens_per_s(engine, streams, max_new_tokens)
+    return {"one": one, "many": many, "speedup": many["tokens_per_s"] / one["tokens_per_s"]}
+
+
+def _cold_chunks(tokens: int, seed: int, count) -> list[str]:
+    """Passages of random words, about ``tokens`` tokens in all, never seen before (a fresh seed)."""
+    from benchmarks.registry_lookup import make_passages
+
+    out: list[str] = []
+    total, i = 0, 0
+    while total < tokens:
+        text = make_passages(1, seed=seed * 1000 + i)[0]
+        out.append(text)
+        total += count(text)
+        i += 1
+    return out
+
+
+def measure_gaps(engine, *, prompt_tokens: int = 4096, slice_s: float, seed: int) -> dict:
+    """Gaps between a decoding stream's pieces while a cold ``prompt_tokens`` prefill runs."""
+    engine._worker.slice_s = slice_s  # the engine thread reads it before each decision
+    chunks = _cold_chunks(prompt_tokens - 40, seed, engine.count_tokens)
+    running = _Timed(engine.stream(prompt=_counting_prompt(engine), max_new_tokens=4000, mode="full"))
+    running.start()
+    while not running.times:
+        if not running.is_alive():
+            raise RuntimeError("the decoding stream ended before its first piece")
+        time.sleep(0.01)
+    submitted = time.perf_counter()
+    long = engine.stream(chunks, "Passages:\n", "Which passage mentions a castle?", max_new_tokens=1)
+    first = None
+    for _ in long:
+        first = first or time.perf_counter()
+    first = first or time.perf_counter()
+    running.stream.close()
+    running.join()
+    # the last gap ends at the long prompt's first token: a prefill that never pauses is one long gap
+    marks = [submitted] + [t for t in running.times if submitted < t <= first] + [first]
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    g = long.generation
+    return {
+        "slice_s": slice_s,
+        "prompt_tokens": g.stats.prompt_tokens,
+        "ttft_s": g.ttft_s,
+        "gaps": len(gaps),
+        "gap_p50_s": percentile(gaps, 50),
+        "gap_p99_s": percentile(gaps, 99),
+        "gap_max_s": max(gaps, default=None),
+        "stream_outlived_prefill": running.times[-1] > first if running.times else False,
+    }
+
+
+def _ttft_async(engine, request: dict) -> tuple[float, float]:
+    from kvrag.integrations._shared.threads import open_in_thread
+
+    async def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        box = {}
+
+        def make():
+            box["stream"] = engine.stream(**request)
+            return box["stream"]
+
+        first = None
+        async for _ in await open_in_thread(make):
+            first = first or time.perf_counter() - t0
+        return box["stream"].generation.ttft_s, first
+
+    return asyncio.run(run())
+
+
+def _ttft_sync(engine, request: dict) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    stream = engine.stream(**request)
+    first = None
+    for _ in stream:
+        first = first or time.perf_counter() - t0
+    return stream.generation.ttft_s, first
+
+
+def measure_ttft(engine, request: dict, *, reps: int = 5) -> dict:
+    """The same request, alternately sync and async, ``reps`` times each: median TTFTs."""
+    engine.warm(request["chunks"])
+    engine.flush()
+    _ttft_sync(engine, request)  # settles the prefix cache
+    engine.flush()
+    runs = {"sync": [], "async": []}
+    for _ in range(reps):
+        for name, fn in (("sync", _ttft_sync), ("async", _ttft_async)):
+            runs[name].append(fn(engine, request))
+            engine.flush()
+    out = {
+        name: {"engine_ttft_s": [r[0] for r in rs], "first_piece_s": [r[1] for r in rs]} for name, rs in runs.items()
+    }
+    for name in runs:
+        for key in ("engine_ttft_s", "first_piece_s"):
+            out[name][key + "_median"] = statistics.median(out[name][key])
+    out["async_over_sync"] = out["async"]["engine_ttft_s_median"] / out["sync"]["engine_ttft_s_median"]
+    return out
+
+
+def _ttft_request(engine, dataset: str | None) -> dict:
+    if dataset:
+        item = load_dataset(dataset, 1)[0]
+    else:
+        row = make_synthetic_dataset(1, passages=6, words=90, seed=0)[0]
+        item = QAItem(0, row["question"], row["answers"], [passage_text(c) for c in row["ctxs"]])
+    req = PromptFormat(engine.tokenizer).request(item, list(range(min(6, len(item.passages)))), workload="s", request=0)
+    return dict(chunks=req.chunks, prefix=req.prefix, suffix=req.suffix, mode="blend", max_new_tokens=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.__main__ import _config_overrides
+    from kvrag import Engine
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dataset", default=None, help="QA JSON for the TTFT request (default: a synthetic one)")
+    p.add_argument("--only", default="throughput,gaps,ttft")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per stream (throughput)")
+    p.add_argument("--gap-prompt-tokens", type=int, default=4096)
+    p.add_argument("--slices", default="0.1,1e9", help="prefill_slice_s values of the gaps measurement")
+    p.add_argument("--ttft-reps", type=int, default=5)
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--out", default=None, help="write every run as JSON here")
+    a = p.parse_args(argv)
+    only = set(a.only.split(","))
+    engine = Engine.from_pretrained(a.model, **_config_overrides(a.config))
+    results: dict = {"config": dict(vars(a)), "runs": []}
+    seed = random.Random().randrange(10**6)  # fresh passages every run: the long prompt is cold
+    try:
+        for rep in range(a.repeat):
+            run: dict = {"repeat": rep}
+            if "throughput" in only:
+                run["throughput"] = _throughput_run(engine, a)
+            if "gaps" in only:
+                run["gaps"] = []
+                for s in (float(x) for x in a.slices.split(",")):
+                    run["gaps"].append(_gaps_run(engine, a, s, seed))
+                    seed += 1
+            if "ttft" in only:
+                run["ttft"] = _ttft_run(engine, a)
+            results["runs"].append(run)
+    finally:
+        engine.close()
+    _summary(results)
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _throughput_run(engine, a) -> dict:
+    t = dict(load=_load(), **measure_throughput(engine, streams=a.streams, max_new_tokens=a.max_new_tokens))
+    one, many = t["one"]["tokens_per_s"], t["many"]["tokens_per_s"]
+    print(f"decode: 1 stream {one:.1f} tok/s, {a.streams} streams {many:.1f} tok/s: {t['speedup']:.2f}x", _load_note(t))
+    return t
+
+
+def _gaps_run(engine, a, slice_s: float, seed: int) -> dict:
+    g = dict(load=_load(), **measure_gaps(engine, prompt_tokens=a.gap_prompt_tokens, slice_s=slice_s, seed=seed))
+    print(
+        f"gaps at prefill_slice_s={slice_s:g}: {g['gaps']} gaps,",
+        f"p50 {_s(g['gap_p50_s'])}, p99 {_s(g['gap_p99_s'])}, max {_s(g['gap_max_s'])};",
+        f"the {g['prompt_tokens']}-token prompt's TTFT {_s(g['ttft_s'])}",
+        _load_note(g),
+    )
+    return g
+
+
+def _ttft_run(engine, a) -> dict:
+    t = dict(load=_load(), **measure_ttft(engine, _ttft_request(engine, a.dataset), reps=a.ttft_reps))
+    sync, asyn = t["sync"], t["async"]
+    print(
+        f"TTFT: sync {sync['engine_ttft_s_median']:.3f} s, async {asyn['engine_ttft_s_median']:.3f} s",
+        f"({t['async_over_sync']:.3f}x); first piece {sync['first_piece_s_median']:.3f} s /",
+        f"{asyn['first_piece_s_median']:.3f} s",
+        _load_note(t),
+    )
+    return t
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f} s"
+
+
+def _load_note(figures: dict) -> str:
+    return f"(load average {figures['load']:.1f} before, {_load():.1f} after)"
+
+
+def _summary(results: dict) -> None:
+    runs = results["runs"]
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else float("nan")
+
+    if any("throughput" in r for r in runs):
+        print(f"median decode speedup: {med([r['throughput']['speedup'] for r in runs]):.2f}x")
+    if any("gaps" in r for r in runs):
+        for i, first in enumerate(runs[0]["gaps"]):
+            p99 = med([r["gaps"][i]["gap_p99_s"] for r in runs])
+            print(f"median gap p99 at slice {first['slice_s']:g} s: {p99:.3f} s")
+    if any("ttft" in r for r in runs):
+        print(f"median async/sync TTFT: {med([r['ttft']['async_over_sync'] for r in runs]):.3f}")

@@ -1,0 +1,92 @@
+"""Method specs NAME[@RATIO][+FIELD=VALUE]: parsing, refusals, and overrides that reach the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import BenchOptions, make_synthetic_dataset, parse_methods, run_bench
+from benchmarks.specs import config_overrides, split_specs
+from kvrag import InvalidRequestError
+
+
+def test_specs_carry_a_ratio_and_engine_overrides():
+    ms = parse_methods("probe@0.15,epic@0.15+chunk_context=sink,hkvd@0.2+filter_schedule=[3.0,2.0]+check_layer=2")
+    assert [m.name for m in ms] == [
+        "full",
+        "probe@0.15",
+        "epic@0.15+chunk_context=sink",
+        "hkvd@0.2+filter_schedule=[3.0,2.0]+check_layer=2",
+    ]
+    assert (ms[1].selection, ms[1].ratio, ms[1].overrides) == ("probe", 0.15, {})
+    assert (ms[2].selection, ms[2].ratio, ms[2].overrides) == ("epic", 0.15, {"chunk_context": "sink"})
+    assert ms[3].overrides == {"filter_schedule": (3.0, 2.0), "check_layer": 2}  # JSON values, lists as tuples
+    auto, probe_auto = parse_methods("auto+auto_max_ratio=0.5,probe@auto")[1:]
+    assert (auto.ratio, auto.selection, auto.overrides) == ("auto", None, {"auto_max_ratio": 0.5})
+    assert (probe_auto.ratio, probe_auto.selection) == ("auto", "probe")
+    assert parse_methods("blend+recompute_ratio=0.3+prefix_cache=false")[1].overrides == {
+        "recompute_ratio": 0.3,
+        "prefix_cache": False,
+    }
+
+
+def test_a_list_splits_on_commas_outside_brackets():
+    assert split_specs("full, hkvd@0.15+filter_schedule=[3.0,2.0] ,epic@0.1,") == [
+        "full",
+        "hkvd@0.15+filter_schedule=[3.0,2.0]",
+        "epic@0.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("probe@0.15+nonsense=1", "field of EngineConfig"),
+        ("probe@0.15+probe_stride", "FIELD=VALUE"),
+        ("probe@0.15+probe_stride=0", "probe_stride"),  # EngineConfig's own validation
+        ("probe@0.15+selection=magic", "selection"),
+        ("probe@0.15+dtype=bfloat16", "same weights"),
+        ("probe@0.15+model=x", "same weights"),
+        ("full+recompute_ratio=0.3", "reference"),
+        ("hf+mode=full", "transformers"),
+        ("probe@", "nothing after"),
+        ("probe@x", "not a number"),
+        ("probe@1.5", r"\[0, 1\]"),
+        ("nope@0.1", "unknown method"),
+        ("auto@0.2", "no @ argument"),
+        ("epic@0.1,epic@0.1", "twice"),
+    ],
+)
+def test_bad_specs_are_refused_by_name(spec, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_methods(spec)
+
+
+def test_config_overrides_name_where_they_were_written():
+    assert config_overrides(['cache_dir="/tmp/x"', "disk_tier=true"]) == {"cache_dir": "/tmp/x", "disk_tier": True}
+    with pytest.raises(InvalidRequestError, match="--config"):
+        config_overrides(["memory_budget_bytes=-1"])
+
+
+def test_an_override_runs_on_an_engine_of_its_own_over_the_shared_store(tmp_path, tiny_engine):
+    """Workload (a): ``blend@0.3+selection=recency`` takes its selection from its own engine's config
+    and finds the chunks warmed into the run's store: it does exactly what ``recency@0.3`` does."""
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(1, passages=3, words=12)))
+    opts = dict(dataset=str(data), n=1, top_k=3, max_new_tokens=3, workloads="a", plots=False, progress=False)
+    res = run_bench(
+        BenchOptions(**opts, methods="full,recency@0.3,blend@0.3+selection=recency,blend@0.3", out=str(tmp_path / "o")),
+        engine=tiny_engine,
+    )
+    rows = {(r["request"], r["method"]): r for r in res["records"]}
+    same, over, probe = rows[0, "recency@0.3"], rows[0, "blend@0.3+selection=recency"], rows[0, "blend@0.3"]
+    assert over["chunk_hits"] == 3  # the run's store: warmed there, found here
+    for key in ("text", "recomputed_tokens", "compute_fraction", "answer_drift_full"):
+        assert over[key] == same[key]
+    assert probe["compute_fraction"] != over["compute_fraction"]  # the default selection differs
+    with pytest.raises(InvalidRequestError, match="store"):
+        run_bench(
+            BenchOptions(**opts, methods="full,blend@0.3+memory_budget_bytes=1000", out=str(tmp_path / "x")),
+            engine=tiny_engine,
+        )

@@ -1,0 +1,126 @@
+"""The benchmark commands beside the harness: the store simulator, the registry lookup
+microbenchmark and the GPU kernel benchmark (``python -m benchmarks store-sim | registry | kernels``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from benchmarks.__main__ import main as bench_main
+from kvrag.engine.reuse.documents import DocumentFinder
+from kvrag.engine.store.profile import CostProfile
+
+# -- store-sim ------------------------------------------------------------------------------------
+
+
+def test_steady_state_simulation_stays_within_budgets(tmp_path):
+    from benchmarks.store_sim import simulate, summarize, zipf_stream
+
+    rng = random.Random(0)
+    passages = [[rng.randrange(5000) for _ in range(rng.randint(50, 80))] for _ in range(60)]
+    prof = CostProfile()
+    for a in (0, 200, 400):
+        for b in (20, 200, 500):
+            prof.record(a, b, 0.001 * b + 0.0001 * a)
+    measured = {"profile": prof.to_dict(), "throughput": 1e9, "kv_bytes_per_token": 23040}
+    stream = zipf_stream(60, 120, 5, 1.0, seed=1)
+    out = {}
+    for policy in ("lru", "pgdsf"):
+        res = simulate(
+            passages,
+            stream,
+            policy,
+            measured,
+            memory_fraction=0.2,
+            disk_fraction=0.5,
+            extra_tokens=20,
+            workdir=str(tmp_path),
+        )
+        assert all(r["memory_bytes"] <= r["memory_budget"] and r["disk_bytes"] <= r["disk_budget"] for r in res)
+        out[policy] = summarize(res)
+        assert len(out[policy]) == 5 and all(0 <= w["hit_rate"] <= 1 and w["speedup"] >= 1 for w in out[policy])
+    assert out["pgdsf"][-1]["memory_hit_rate"] >= out["lru"][-1]["memory_hit_rate"]
+
+
+# -- registry ---------------------------------------------------------------------------------------
+
+
+def test_registry_benchmark_prompt_holds_its_passages_among_filler():
+    from benchmarks.registry_lookup import make_passages, make_prompt
+
+    passages, filler = make_passages(6, seed=0), make_passages(40, seed=1)
+    assert len(set(passages)) == 6 and all(480 <= len(p) <= 530 for p in passages)
+    prompt = make_prompt(passages, filler)
+    assert 15_000 <= len(prompt) <= 17_000
+    positions = [prompt.index(p) for p in passages]
+    assert positions == sorted(positions) and positions[0] > 1000  # spread out, filler in between
+    reg = DocumentFinder()
+    reg.register(passages + make_passages(50, seed=2))  # other registered texts are not in the prompt
+    assert [t for kind, t in reg.split(prompt) if kind == "chunk"] == passages
+
+
+def test_registry_command_runs(capsys):
+    assert bench_main(["registry", "--sizes", "10", "300", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "6 registered passages inside" in out
+    assert "300 registered" in out and "s per split()" in out
+
+
+# -- kernels ----------------------------------------------------------------------------------------
+
+
+def test_kernels_command_refuses_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert bench_main(["kernels"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_kernel_cases_check_and_time_on_the_kernels_device(triton_device, capsys):
+    """The GPU benchmark's parity checks and timing loop, at a tiny shape, where the tests run the
+    kernels (the GPU if any, else the CPU in Triton's interpreter)."""
+    from benchmarks import kernels
+
+    cases = kernels.cases(
+        heads=4, kv_heads=2, head_dim=32, seq=40, ratio=0.2, dtype=torch.float16, device=triton_device
+    )
+    rows = kernels.run(cases, triton_device, reps=1, warmup=0)
+    assert [r["case"] for r in rows] == [c.name for c in cases] and all(r["triton_ms"] > 0 for r in rows)
+    assert "attention scattered (Tq=8)" in capsys.readouterr().out
+
+
+def test_calibration_picks_the_threshold_and_alpha_that_spend_the_target():
+    import torch
+
+    from benchmarks.calibrate import alpha_for, threshold_for
+
+    sizes = torch.tensor([10, 10, 10, 10])
+    deviation = torch.tensor([0.1, 0.9, 0.5, 0.3])
+    assert threshold_for(sizes, deviation, 0.5) == 0.5  # the blocks of 0.9 and 0.5 hold half the tokens
+    alpha = alpha_for([(100, 0.5), (100, 0.1)], 0.15)
+    assert abs(sum(min(s, alpha * f * s) for s, f in [(100, 0.5), (100, 0.1)]) / 200 - 0.15) < 1e-6
+
+
+def test_a_calibration_is_found_for_its_model_fingerprint(tmp_path, tiny_model, tiny_tokenizer):
+    from kvrag import Engine
+    from kvrag.engine.reuse import calibration
+
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert engine.auto_threshold is None and engine.auto_alpha == 1.0
+        cfg = engine.config
+        probe = calibration.probe_key(
+            cfg.resolved_probe_layer(engine.adapter.n_layers), cfg.probe_stride, cfg.deviation
+        )
+        calibration.save(tmp_path, engine.fingerprint, probe, 0.25, {"alpha": 2.0})
+    finally:
+        engine.close()
+    again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert (again.auto_threshold, again.auto_alpha) == (0.25, 2.0)
+        g = again.generate(["a document about rivers and castles"] * 1, "x", "y", max_new_tokens=1)
+        assert g.stats.recompute_ratio >= 0.0
+    finally:
+        again.close()
