@@ -32,6 +32,18 @@ settings.register_profile(
 settings.load_profile("kvrag")
 
 
+#: Fixtures that load a real model or start a server: a test that takes one is ``slow``.
+SLOW_FIXTURES = frozenset({"smol_engine", "gemma_engine", "handbook_index", "remote_server"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that loads a real model (the ``model`` marker, or a fixture that loads one)
+    or starts a server; tests that start processes carry the marker themselves."""
+    for item in items:
+        if item.get_closest_marker("model") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", params=["cuda" if torch.cuda.is_available() else "cpu"])
 def triton_device(request) -> torch.device:
     """The device kvrag's Triton kernels run on in tests: the GPU when there is one (kernels compiled

@@ -110,12 +110,13 @@ PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>u
 SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
+def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX, *, bos: tuple[int, ...] = ()) -> torch.Tensor:
     """The token ids kvrag must prefill for ``prefix + chunks + suffix``, built from the tokenizer
-    alone (not the planner): the BOS token if the tokenizer adds one, then each part tokenised on
-    its own (kvrag's rule: a chunk's tokens are the same wherever it appears)."""
+    alone (not the planner): ``bos`` — given by the test, a fact about its tokenizer, not probed the
+    way the planner probes it: none for the tiny test tokenizer (it has no post-processor), ``<bos>``
+    for Gemma 3 —, then each part tokenised on its own (kvrag's rule: a chunk's tokens are the same
+    wherever it appears)."""
     tok = engine.tokenizer
-    bos = tok("a")["input_ids"][:1] if tok("a")["input_ids"][:1] == [tok.bos_token_id] else []
     ids = list(bos)
     for text in [prefix, *chunks, suffix]:
         ids += tok(text, add_special_tokens=False)["input_ids"] if text else []

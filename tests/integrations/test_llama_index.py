@@ -258,8 +258,12 @@ def test_retriever_wrapper_and_register_nodes(llm, tiny_engine, index, nodes):
     assert sum(k == "chunk" for k, _ in tiny_engine.split_prompt(prompts[-1])) == 3
     got = asyncio.run(retriever.aretrieve("harbor museum"))
     assert len(got) == 3
+    texts = [node_texts(n)[0].strip() for n in nodes]  # the form the warm computes (the prompts' own)
+    tiny_engine.flush()  # the queries' write-back has kept the chunks they retrieved
+    before = tiny_engine.lookup(chunks=texts).chunks_stored
     warm = register_nodes(tiny_engine, nodes, warm=True)
-    assert warm.computed + warm.cached == len(nodes)
+    assert (warm.computed, warm.cached) == (len(nodes) - before, before)
+    assert tiny_engine.lookup(chunks=texts).chunks_stored == len(nodes)  # the warm stored every node
     with pytest.raises(InvalidRequestError):
         KVCachedRetriever(index.as_retriever(), "llm")
     with pytest.raises(InvalidRequestError):

@@ -230,6 +230,7 @@ def test_uninterpreted_kernel_on_cpu_is_refused_clearly(tk):
         check_launchable(torch.device("cpu"), object())
 
 
+@pytest.mark.slow
 def test_package_imports_and_runs_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
@@ -290,6 +291,7 @@ def test_engine_outputs_unchanged_through_triton_kernels(tk, family, tiny_tokeni
     assert set(calls) == {"rope_rotate_triton", "attention_triton", "kv_deviation_triton"}
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a_gpu_target(tmp_path):
     """Interpretation checks the arithmetic; this checks the compiler takes the kernels for a real
     GPU (sm_80, down to a cubin with the ptxas inside the triton wheel). A fresh cache forces it."""

@@ -40,6 +40,7 @@ def test_bad_arguments_fail_before_loading_anything(tmp_path, capsys):
     assert cli.main(["--help"]) == 0 and "kvrag serve" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_kvrag_serve_process(tmp_path, tiny_model, tiny_tokenizer):
     model_dir = tmp_path / "tiny-llama"
     tiny_model.save_pretrained(model_dir)

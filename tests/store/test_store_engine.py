@@ -173,6 +173,7 @@ def test_full_disk_skips_writes_and_keeps_serving(tiny_model, tiny_tokenizer, tm
     eng.close()
 
 
+@pytest.mark.slow
 def test_full_disk_in_a_process_with_a_file_size_limit(tmp_path):
     out = run_helper("full_disk", tmp_path / "kv", 90_000, timeout=120)
     res = json.loads(out.stdout)
@@ -180,6 +181,7 @@ def test_full_disk_in_a_process_with_a_file_size_limit(tmp_path):
     assert out.stderr.count("could not write") == 1
 
 
+@pytest.mark.slow
 def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
     from kvrag.engine.store.disk import DiskStore
 
@@ -210,6 +212,7 @@ def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
     store.close()
 
 
+@pytest.mark.slow
 def test_processes_share_one_directory(tmp_path):
     """Two child processes and this one put and get overlapping keys in one small directory."""
     from kvrag.engine.store.disk import DiskStore
@@ -237,6 +240,7 @@ def test_processes_share_one_directory(tmp_path):
     store.close()
 
 
+@pytest.mark.slow
 def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tokenizer, tmp_path):
     """Process A (this one) warms 20 chunks into a disk tier; process B starts empty and gets all 20
     from disk, answering as A did."""

@@ -40,7 +40,8 @@ def test_gemma_3_270m_end_to_end(gemma_engine):
     suffix = "Question: where was the king born?\nAnswer:"
     docs = make_docs(3, words=120, seed=7)
     full = gemma_engine.generate(docs, prefix, suffix, mode="full")
-    ids = prompt_ids(gemma_engine, docs, prefix, suffix)
+    ids = prompt_ids(gemma_engine, docs, prefix, suffix, bos=(2,))  # Gemma's tokenizer adds <bos> (id 2)
+    assert gemma_engine.tokenizer.convert_ids_to_tokens(2) == "<bos>"
     with torch.inference_mode():
         ref = gemma_engine.hf_model.generate(ids[None], max_new_tokens=8, do_sample=False)[0, ids.shape[0] :]
     assert full.token_ids == ref.tolist()[: len(full.token_ids)]
