@@ -303,7 +303,7 @@ def test_kernels_compile_for_a_gpu_target(tmp_path):
         sys.executable,
         "-W",
         "ignore",
-        str(ROOT / "scripts" / "compile_check.py"),
+        str(ROOT / "benchmarks" / "kernels_compile_check.py"),
         "--arch",
         "80",
         "--head-dim",
