@@ -112,8 +112,8 @@ SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 
 def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX) -> torch.Tensor:
     """The token ids kvrag must prefill for ``prefix + chunks + suffix``, built from the tokenizer
-    alone (not the planner): the BOS token if the tokenizer adds one, then each part tokenised on
-    its own (kvrag's rule: a chunk's tokens are the same wherever it appears)."""
+    alone (not kvrag's ``PromptTokenizer``): the BOS token if the tokenizer adds one, then each part
+    tokenised on its own (kvrag's rule: a chunk's tokens are the same wherever it appears)."""
     tok = engine.tokenizer
     bos = tok("a")["input_ids"][:1] if tok("a")["input_ids"][:1] == [tok.bos_token_id] else []
     ids = list(bos)
@@ -135,7 +135,7 @@ def last_logits(engine, chunks, mode, ratio=None, selection=None):
         recompute_ratio=ratio,
         selection=selection,
     )
-    assert torch.equal(req.ids, prompt_ids(engine, chunks)), "the planner's prompt differs from the tokenizer's"
+    assert torch.equal(req.ids, prompt_ids(engine, chunks)), "kvrag's prompt differs from the tokenizer's"
     _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
     return engine.adapter.logits(res.last_hidden)[0]
 
@@ -197,6 +197,6 @@ def stored_contexts(engine, texts: list[str]) -> list[tuple[str, ...]]:
     """Per text, the context (ids of the chunks it was computed behind) of its first stored variant."""
     out = []
     for text in texts:
-        key = engine.planner.chunk_key(engine.planner.tokenize(text))
+        key = engine.planner.chunk_key(engine.prompt_tokenizer.tokenize(text))
         out.append(tuple(engine.store.get(key).meta["context"]))
     return out
