@@ -192,9 +192,9 @@ def _copy_records(src, dst, texts: list[str]) -> int:
     first variant, then the second ones, kept ahead of need (speculative); returns how many records."""
     firsts, seconds = [], []
     for text in dict.fromkeys(texts):
-        ids = src.planner.tokenize(text)
+        ids = src.prompt_tokenizer.tokenize(text)
         key = src.planner.chunk_key(ids)
-        for slot in src.planner.variants.keys(key) or [key]:
+        for slot in src.variants.index.keys(key) or [key]:
             (firsts if slot == key else seconds).append((key, slot, ids))
     copied = 0
     for speculative, batch in ((False, firsts), (True, seconds)):
@@ -212,7 +212,7 @@ def _copy_records(src, dst, texts: list[str]) -> int:
                 stats={n: t.clone() for n, t in rec.stats.items()},
             )
             context, exact = tuple(rec.meta.get("context", ())), rec.meta.get("exact")
-            copied += dst.planner.keep_variant(key, twin, context, exact, speculative=speculative)
+            copied += dst.variants.keep(key, twin, context, exact, speculative=speculative)
     return copied
 
 

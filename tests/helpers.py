@@ -136,7 +136,7 @@ def last_logits(engine, chunks, mode, ratio=None, selection=None):
         recompute_ratio=ratio,
         selection=selection,
     )
-    assert torch.equal(req.ids, prompt_ids(engine, chunks)), "the planner's prompt differs from the tokenizer's"
+    assert torch.equal(req.ids, prompt_ids(engine, chunks)), "kvrag's prompt differs from the tokenizer's"
     _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
     return engine.adapter.logits(res.last_hidden)[0]
 
@@ -198,6 +198,6 @@ def stored_contexts(engine, texts: list[str]) -> list[tuple[str, ...]]:
     """Per text, the context (ids of the chunks it was computed behind) of its first stored variant."""
     out = []
     for text in texts:
-        key = engine.planner.chunk_key(engine.planner.tokenize(text))
+        key = engine.planner.chunk_key(engine.prompt_tokenizer.tokenize(text))
         out.append(tuple(engine.store.get(key).meta["context"]))
     return out

@@ -57,7 +57,7 @@ def ttft(args) -> None:
         conds = list(times)
         for rep in range(args.reps):
             for qi, (chunks, question) in enumerate(qs):
-                keys = [eng.planner.chunk_key(eng.planner.tokenize(c)) for c in chunks]
+                keys = [eng.planner.chunk_key(eng.prompt_tokenizer.tokenize(c)) for c in chunks]
                 shift = (rep * len(qs) + qi) % len(conds)  # rotate the order: no condition always goes first
                 for cond in conds[shift:] + conds[:shift]:
                     eng.store.prefetch = cond != "disk, read whole"

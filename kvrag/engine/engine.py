@@ -25,8 +25,10 @@ from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.reuse.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.reuse.gate import load_gate
 from kvrag.engine.reuse.planner import Plan, Planner, reuses_nothing
+from kvrag.engine.reuse.prefix import PrefixCache
+from kvrag.engine.reuse.segments import PromptTokenizer
 from kvrag.engine.reuse.selection import auto_kind
-from kvrag.engine.reuse.variants import VariantIndex
+from kvrag.engine.reuse.variants import StoredVariants, VariantIndex
 from kvrag.engine.serving.costs import CostFeedback
 from kvrag.engine.serving.progress import progress_reporter
 from kvrag.engine.serving.requests import (
@@ -120,19 +122,20 @@ class Engine:
         self.gate = load_gate(
             self.adapter, hf_model, self.sink_ids, fingerprint=self.fingerprint, cache_dir=config.resolved_cache_dir()
         )
+        self.prompt_tokenizer = PromptTokenizer(tokenizer)
+        kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
+        self.variants = StoredVariants(self.store, VariantIndex(config.max_variants), kv_shape)
         self.planner = Planner(
-            tokenizer,
-            self.store,
-            self.fingerprint,
-            config.namespace,
-            config.prefix_block_tokens,
-            context_label(config.chunk_context, self.sink_ids),
-            VariantIndex(config.max_variants),
+            self.variants,
+            PrefixCache(self.store, self.fingerprint, config.prefix_block_tokens),
+            fingerprint=self.fingerprint,
+            namespace=config.namespace,
+            context_label=context_label(config.chunk_context, self.sink_ids),
+            kv_shape=kv_shape,
         )
         self.chunk_computer = ChunkComputer(
-            self.adapter, self.planner.tokenize, self.sink_ids, config.chunk_context, self.context_window
+            self.adapter, self.prompt_tokenizer.tokenize, self.sink_ids, config.chunk_context, self.context_window
         )
-        self.planner.kv_shape = (self.adapter.n_layers, self.adapter.n_kv_heads, self.adapter.head_dim)
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         self.documents = DocumentFinder()
         self.conversations = Conversations(self.adapter, config.max_conversations)
@@ -161,7 +164,13 @@ class Engine:
             slice_s=config.prefill_slice_s,
         )
         self.writeback = WriteBack(
-            config, self.store, self.planner, self.chunk_computer, run=self._run_internal, worker=self._worker
+            config,
+            self.store,
+            self.planner,
+            self.variants,
+            self.chunk_computer,
+            run=self._run_internal,
+            worker=self._worker,
         )
         self._closed = False
         _LIVE.add(self)
@@ -209,7 +218,7 @@ class Engine:
 
     def count_tokens(self, text: str) -> int:
         """Tokens of a text on its own."""
-        return len(self.planner.tokenize(check_text("text", text)))
+        return len(self.prompt_tokenizer.tokenize(check_text("text", text)))
 
     def register(self, texts: Sequence[str]) -> list[str]:
         """Record document texts so that prompts given as one string are split at them.
@@ -271,7 +280,7 @@ class Engine:
         if embeddings is not None and order != "similar":
             raise InvalidRequestError("embeddings are used with order='similar' only")
         t0 = time.perf_counter()
-        tokenized = [self.planner.tokenize(t) for t in chunks]
+        tokenized = [self.prompt_tokenizer.tokenize(t) for t in chunks]
         kept = [i for i, ids in enumerate(tokenized) if ids]
         docs = [tokenized[i] for i in kept]
         limit = self.chunk_computer.max_chunk_tokens(self.context_window)
@@ -293,11 +302,11 @@ class Engine:
                 keys,
                 run=self._run_job,  # bounded: a full queue refuses the window (OverloadedError)
                 window_tokens=min(self.config.warm_window_tokens, self.context_window),
-                keep=lambda key, record, speculative: self.planner.keep_variant(
+                keep=lambda key, record, speculative: self.variants.keep(
                     key, record, tuple(record.meta.get("context", ())), speculative=speculative
                 ),
                 progress=report,
-                reverse=(lambda key, context: self.planner.wants_variant(key, context, wanted)) if wanted > 1 else None,
+                reverse=(lambda key, context: self.variants.wants(key, context, wanted)) if wanted > 1 else None,
             )
         return WarmResult(
             computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0, variants=variants
@@ -366,7 +375,7 @@ class Engine:
             recompute_ratio=recompute_ratio,
             selection=selection,
         )
-        cont_ids = self.planner.tokenize(cont)
+        cont_ids = self.prompt_tokenizer.tokenize(cont)
         if not cont_ids:
             raise InvalidRequestError("continuation is empty")
         n = int(req.ids.shape[0])
@@ -481,7 +490,7 @@ class Engine:
         mode, ratio = check_mode(cfg, mode, recompute_ratio)
         self.gate.require(self.model_name, mode, ratio)
         selection = check_selection(cfg, selection)
-        segments, ids = self.planner.segment(parts)
+        segments, ids = self.prompt_tokenizer.segment(parts)
         n = int(ids.shape[0])
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
@@ -534,7 +543,7 @@ class Engine:
             for s in req.segments
             if s.kind == "chunk"
             and s.start >= prefix
-            and self.planner.holds(self.planner.chunk_key(s.ids, req.namespace))
+            and self.variants.holds(self.planner.chunk_key(s.ids, req.namespace))
         ]
 
     def _lookup(self, req: Request) -> CacheLookup:
@@ -570,7 +579,6 @@ class Engine:
             ratio, auto, threshold = self._budget(req)
             plan = self.planner.plan(
                 req.segments,
-                req.ids,
                 mode=mode,
                 ratio=ratio,
                 use_prefix=use_prefix and mode != "full",

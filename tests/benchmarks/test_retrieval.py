@@ -176,13 +176,13 @@ def test_a_copied_warm_is_the_warm_itself(tiny_engine):
         assert facts["a"]["shared_with"] == ["b"] and facts["b"]["copied"] == 10
         assert facts["c"]["shared_with"] == [] and facts["c"]["copied"] == 5
         for text in texts:
-            ids = own.planner.tokenize(text)
+            ids = own.prompt_tokenizer.tokenize(text)
             key = own.planner.chunk_key(ids)
             want = own.store.get(key, ids)
             for eng in owned.values():
                 got = eng.store.get(key, ids)
                 assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
                 assert got.meta["context"] == want.meta["context"]
-                want_keys = [key] if eng is owned["c"] else own.planner.variants.keys(key)
-                assert [v.key for v in eng.planner.variants.variants(key)] == want_keys
+                want_keys = [key] if eng is owned["c"] else own.variants.index.keys(key)
+                assert [v.key for v in eng.variants.index.variants(key)] == want_keys
                 assert len(want_keys) == (1 if eng is owned["c"] else 2)

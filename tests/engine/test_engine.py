@@ -76,7 +76,8 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(family_mod
         ids = prompt_ids(engine, docs)
         n = int(ids.shape[0])
         parts = [("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]
-        plan = engine.planner.plan(*engine.planner.segment(parts), mode="reuse", ratio=0.0, use_prefix=False)
+        segments, _ = engine.prompt_tokenizer.segment(parts)
+        plan = engine.planner.plan(segments, mode="reuse", ratio=0.0, use_prefix=False)
         res = prefill(engine.adapter, plan, n, options=PrefillOptions())
         assert len(plan.chunk_records) == len(docs)
         for start, rec in plan.chunk_records:
@@ -127,7 +128,7 @@ def test_warm_then_hits(family_engine, docs):
 def test_warm_computes_what_is_missing(tiny_engine):
     docs = make_docs(3, seed=21)
     assert (tiny_engine.warm(docs).computed, tiny_engine.warm(docs).computed) == (3, 0)
-    tiny_engine.store.remove(tiny_engine.planner.chunk_key(tiny_engine.planner.tokenize(docs[1])))
+    tiny_engine.store.remove(tiny_engine.planner.chunk_key(tiny_engine.prompt_tokenizer.tokenize(docs[1])))
     w = tiny_engine.warm(docs + docs[:1])  # a repeat in the list is one chunk
     assert (w.computed, w.cached) == (1, 3)
 
@@ -163,7 +164,7 @@ def chunk_kv_in_stream(engine, context: list[int], stream: list[list[int]]):
 
 
 def stored(engine, text):
-    ids = engine.planner.tokenize(text)
+    ids = engine.prompt_tokenizer.tokenize(text)
     return engine.store.get(engine.planner.chunk_key(ids), ids)
 
 
@@ -183,7 +184,7 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     w = tiny_engine.warm(docs)
     assert (w.computed, w.cached) == (len(docs), 0)
     cc = tiny_engine.chunk_computer
-    ids = [tiny_engine.planner.tokenize(d) for d in docs]
+    ids = [tiny_engine.prompt_tokenizer.tokenize(d) for d in docs]
     assert cc.windows(ids, tiny_engine.context_window) == [[0, 1, 2, 3]]
     context = builtin_context(tiny_engine)
     for i in (0, len(docs) - 1):
@@ -202,7 +203,7 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
     tiny_engine.warm(others)
     tiny_engine.store.remove(tiny_engine.planner.chunk_key(ids[2]))
     assert tiny_engine.warm(docs).computed == 1
-    recent = flat(tiny_engine.planner.tokenize(d) for d in others)[-(tiny_engine.context_window // 4) :]
+    recent = flat(tiny_engine.prompt_tokenizer.tokenize(d) for d in others)[-(tiny_engine.context_window // 4) :]
     want = chunk_kv_in_stream(tiny_engine, [tiny_engine.tokenizer.bos_token_id] + recent, ids[:3])
     torch.testing.assert_close(stored(tiny_engine, docs[2]).k, want.k, rtol=1e-5, atol=1e-5)
 
@@ -212,7 +213,7 @@ def test_warm_splits_long_lists_into_windows(tiny_model, tiny_tokenizer, docs):
     engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, warm_window_tokens=two)
     try:
         cc = engine.chunk_computer
-        ids = [engine.planner.tokenize(d) for d in docs]
+        ids = [engine.prompt_tokenizer.tokenize(d) for d in docs]
         room = cc.window_context_tokens(two)
         assert room == 3 * two // 8 < cc.context_tokens
         assert (
@@ -238,18 +239,18 @@ def test_warm_variants_adds_a_reverse_pass(tiny_model, tiny_tokenizer, docs):
     two = 280
     engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, warm_window_tokens=two, warm_variants=2)
     try:
-        ids = [engine.planner.tokenize(d) for d in docs]
+        ids = [engine.prompt_tokenizer.tokenize(d) for d in docs]
         room = engine.chunk_computer.window_context_tokens(two)
         res = engine.warm(docs)
         assert (res.computed, res.variants) == (4, 4)
         keys = [engine.planner.chunk_key(i) for i in ids]
-        assert all(len(engine.planner.variants.keys(k)) == 2 for k in keys)
+        assert all(len(engine.variants.index.keys(k)) == 2 for k in keys)
         # reversed list [3, 2, 1, 0] in windows [3, 2] and [1, 0]; [3, 2] goes behind 1, 0 (round it)
         for members, others in (([3, 2], [1, 0]), ([1, 0], [3, 2])):
             context = [engine.tokenizer.bos_token_id] + flat(ids[j] for j in others)[-room:]
             want = chunk_kv_in_stream(engine, context, [ids[j] for j in members])
             last = keys[members[-1]]
-            second = engine.planner.variants.keys(last)[1]
+            second = engine.variants.index.keys(last)[1]
             got = engine.store.get(second, ids[members[-1]])
             torch.testing.assert_close(got.k, want.k, rtol=1e-5, atol=1e-5)
             assert got.meta["context"] != stored(engine, docs[members[-1]]).meta["context"]
@@ -289,9 +290,9 @@ def test_second_variants_take_no_room_from_first_ones(tiny_model, tiny_tokenizer
     ) as engine:
         res = engine.warm(docs)
         assert (res.computed, res.variants) == (4, 4)  # computed, then refused
-        keys = [engine.planner.chunk_key(engine.planner.tokenize(d)) for d in docs]
+        keys = [engine.planner.chunk_key(engine.prompt_tokenizer.tokenize(d)) for d in docs]
         assert all(engine.store.contains(k) for k in keys)
-        assert all(engine.planner.variants.keys(k) == [k] for k in keys)
+        assert all(engine.variants.index.keys(k) == [k] for k in keys)
         assert engine.store.stats()["speculative_refused"] == 4
 
 
@@ -308,7 +309,7 @@ def test_sink_context_computes_each_chunk_alone(tiny_model, tiny_tokenizer, docs
     engine = Engine.from_model(tiny_model, tiny_tokenizer, chunk_context="sink")
     try:
         assert engine.warm(docs).computed == len(docs)
-        ids = engine.planner.tokenize(docs[1])
+        ids = engine.prompt_tokenizer.tokenize(docs[1])
         want = chunk_kv_in_stream(engine, [engine.tokenizer.bos_token_id], [ids])
         torch.testing.assert_close(stored(engine, docs[1]).k, want.k, rtol=1e-5, atol=1e-5)
     finally:

@@ -107,7 +107,7 @@ def test_200_damaged_entries_are_misses_never_crashes_never_wrong(tiny_model, ti
     requests = [order[i : i + 12] for i in range(0, 240, 12)]
     eng = engine(tiny_model, tiny_tokenizer, tmp_path / "damaged")
     eng.warm(docs)
-    keys = [eng.planner.chunk_key(eng.planner.tokenize(d)) for d in docs]
+    keys = [eng.planner.chunk_key(eng.prompt_tokenizer.tokenize(d)) for d in docs]
     eng.close()
     for copy in ("clean", "clean2"):
         shutil.copytree(tmp_path / "damaged", tmp_path / copy)
@@ -271,8 +271,8 @@ def test_a_restarted_engine_finds_the_warms_second_variants(tiny_model, tiny_tok
         res = again.warm(docs, order="similar")
         assert (res.computed, res.variants) == (0, 0)
         assert again.store.stats()["hits"] == 0 and len(again.store.memory) == 0  # headers read, no KV
-        keys = [again.planner.chunk_key(again.planner.tokenize(d)) for d in docs]
-        assert all(len(again.planner.variants.keys(k)) == 2 for k in keys)
+        keys = [again.planner.chunk_key(again.prompt_tokenizer.tokenize(d)) for d in docs]
+        assert all(len(again.variants.index.keys(k)) == 2 for k in keys)
         got = again.generate(prompt, PREFIX, SUFFIX, mode="blend", recompute_ratio=0.15)
         assert got.token_ids == want.token_ids
         assert [c.fix for c in got.stats.chunks] == [c.fix for c in want.stats.chunks]

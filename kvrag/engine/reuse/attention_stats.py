@@ -24,7 +24,7 @@ import torch
 
 from kvrag.engine.model.runner import KVBuffer
 
-__all__ = ["STATS_STRIDE", "Tap", "Segment", "ChunkStatistics", "chunk_statistics", "block_middles"]
+__all__ = ["STATS_STRIDE", "Tap", "ContextSpan", "ChunkStatistics", "chunk_statistics", "block_middles"]
 
 #: One query in this many tokens of a chunk is sampled for its attention statistics.
 STATS_STRIDE = 16
@@ -65,8 +65,9 @@ class Tap:
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
-    """A context chunk of a measured chunk: positions [start, end) and its content id."""
+class ContextSpan:
+    """A chunk in the context a measured chunk was computed behind: positions [start, end) and its
+    content id (what the chunk's variant names as its context)."""
 
     start: int
     end: int
@@ -80,7 +81,7 @@ class ChunkStatistics:
     Attributes:
         cci: Cache-Craft's cache context impact in (0, 1).
         weights: each context chunk's share of the chunk's inter-attention (sums to 1; empty
-            without context chunks), in the order of the segments given.
+            without context chunks), in the order of the ``context`` spans given.
         block_inter: [B] each block's attention to the context chunks (its sampled query's, summed over
             layers and heads): high means shaped by the context.
     """
@@ -94,12 +95,12 @@ def chunk_statistics(
     tap: Tap,
     buf: KVBuffer,
     chunk: tuple[int, int],
-    segments: list[Segment],
+    context: list[ContextSpan],
     scale: float,
     stride: int,
     windows: list[int | None] | None = None,
 ) -> ChunkStatistics | None:
-    """Cache-Craft's statistics of the chunk at positions ``chunk`` behind the context ``segments``.
+    """Cache-Craft's statistics of the chunk at positions ``chunk`` behind the ``context`` spans.
 
     ``tap`` must have observed the chunk's block middles (:func:`block_middles`) on every layer and
     ``buf`` hold the KV of every position up to the chunk's end; ``windows`` are the layers'
@@ -116,7 +117,7 @@ def chunk_statistics(
     keys = torch.arange(end)
     causal = keys[None, :] <= qpos[:, None]  # [S, K]
     inter_layers, intra_layers = [], []
-    per_segment = torch.zeros(len(segments))
+    per_span = torch.zeros(len(context))
     per_block = torch.zeros(len(middles))
     for layer, q in enumerate(tap.q):
         q = q[:, slots].float()  # [H, S, D]
@@ -126,16 +127,16 @@ def chunk_statistics(
         window = windows[layer] if windows else None
         seen = causal if window is None else causal & (keys[None, :] > qpos[:, None] - window)
         weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).mean(dim=0)  # [S, K]
-        seg_mass = torch.stack([weights[:, s.start : s.end].sum(dim=1) for s in segments], dim=1) if segments else None
+        span_mass = torch.stack([weights[:, s.start : s.end].sum(dim=1) for s in context], dim=1) if context else None
         intra = weights[:, start:end].sum(dim=1)  # [S]
         # sums over the chunk's queries, estimated from one query per block
         per_query = size / len(middles)
-        if seg_mass is not None:
-            per_segment += seg_mass.sum(dim=0) * per_query
-            per_block += seg_mass.sum(dim=1)
+        if span_mass is not None:
+            per_span += span_mass.sum(dim=0) * per_query
+            per_block += span_mass.sum(dim=1)
             inter_layers.append(
                 sum(
-                    float(seg_mass[:, j].sum()) * per_query / (size * (s.end - s.start)) for j, s in enumerate(segments)
+                    float(span_mass[:, j].sum()) * per_query / (size * (s.end - s.start)) for j, s in enumerate(context)
                 )
             )
         else:
@@ -143,6 +144,6 @@ def chunk_statistics(
         intra_layers.append(float(intra.sum()) * per_query / (size * size))
     a, b = sum(inter_layers) / len(inter_layers), sum(intra_layers) / len(intra_layers)
     cci = 1.0 / (1.0 + math.exp(-a / b)) if b > 0 else 1.0
-    total = float(per_segment.sum())
-    shares = tuple(float(x) / total for x in per_segment) if total > 0 else tuple(1.0 / len(segments) for _ in segments)
+    total = float(per_span.sum())
+    shares = tuple(float(x) / total for x in per_span) if total > 0 else tuple(1.0 / len(context) for _ in context)
     return ChunkStatistics(cci, shares, per_block.to(torch.float16))

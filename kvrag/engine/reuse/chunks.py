@@ -38,7 +38,7 @@ import torch
 from kvrag.config import CHUNK_CONTEXTS
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.runner import KVBuffer, KVCapture, forward
-from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Segment, Tap, block_middles, chunk_statistics
+from kvrag.engine.reuse.attention_stats import STATS_STRIDE, ContextSpan, Tap, block_middles, chunk_statistics
 from kvrag.engine.reuse.variants import context_id
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.errors import InvalidRequestError
@@ -183,9 +183,9 @@ class ChunkComputer:
         if self.context == "sink" and len(docs) > 1:
             raise ValueError("chunk_context='sink' computes each chunk alone")
         ids, used = self.context_ids(before, exclude=docs, room=context_tokens)
-        segments, pos = [], len(ids) - sum(n for _, n in used)
+        context, pos = [], len(ids) - sum(n for _, n in used)
         for cid, n in used:  # the context documents' positions
-            segments.append(Segment(pos, pos + n, cid))
+            context.append(ContextSpan(pos, pos + n, cid))
             pos += n
         caps, spans = [], []
         for doc in docs:
@@ -203,9 +203,9 @@ class ChunkComputer:
         for doc, cap, (a, b) in zip(docs, caps, spans):
             self._remember(doc)
             rec = KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label)
-            attach_statistics(rec, tap, buf, (a, b), segments, self.adapter, self.stats_stride)
+            attach_statistics(rec, tap, buf, (a, b), context, self.adapter, self.stats_stride)
             records.append(rec)
-            segments.append(Segment(a, b, context_id(doc)))
+            context.append(ContextSpan(a, b, context_id(doc)))
         return records
 
     def window_contexts(
@@ -280,15 +280,15 @@ def attach_statistics(
     tap: Tap,
     buf: KVBuffer,
     span: tuple[int, int],
-    segments: list[Segment],
+    context: list[ContextSpan],
     adapter: ModelAdapter,
     stride: int = STATS_STRIDE,
 ) -> None:
-    """Record where a chunk's KV was computed: ``meta["context"]`` (the context chunks' ids) and,
+    """Record where a chunk's KV was computed: ``meta["context"]`` (the ``context`` chunks' ids) and,
     when the tap saw the chunk, Cache-Craft's ``cci`` and ``weights`` in the meta and the blocks'
     inter-attention in ``stats["block_inter"]``."""
-    record.meta = {**record.meta, "context": [s.id for s in segments]}
-    stats = chunk_statistics(tap, buf, span, segments, adapter.scale, stride, adapter.windows)
+    record.meta = {**record.meta, "context": [s.id for s in context]}
+    stats = chunk_statistics(tap, buf, span, context, adapter.scale, stride, adapter.windows)
     if stats is not None:
         record.meta.update(cci=stats.cci, weights=list(stats.weights))
         record.stats = {**record.stats, "block_inter": stats.block_inter}
@@ -314,7 +314,7 @@ def warm_list(
     the list's other documents, taken round the list and ending just before the window (never a
     copy of a member). Each window's pass is one job for the engine thread: ``run(job, tokens)``
     calls ``job(pause)`` there and returns its records. ``keep(key, record, speculative=)`` stores a
-    record (the planner's :meth:`~kvrag.engine.reuse.planner.Planner.keep_variant`); default ``store.put``.
+    record (:meth:`~kvrag.engine.reuse.variants.StoredVariants.keep`); default ``store.put``.
     ``reverse(key, context)``: after the pass in list order, a second pass computes the list in
     reverse order for the chunks it says still need their variant behind ``context`` (the content
     ids that pass would compute it behind): each then also has one behind the documents after it in

@@ -224,7 +224,7 @@ class Conversations:
         state = self.get(conversation_id)
         if state is None:
             return []
-        new = plan.ids.tolist()
+        new = plan.ids
         limit = len(new) - 1  # the last prompt token is always computed
         spans: list[tuple[int, int]] = []
         prefix = common_prefix(state.ids, new, limit)

@@ -1,4 +1,9 @@
-"""Executing a prefill plan: full, exact-prefix, CacheBlend fusion or full reuse."""
+"""Executing a prefill plan: full, exact-prefix, CacheBlend fusion or full reuse.
+
+The planner (:mod:`kvrag.engine.reuse.planner`) decides over ids and records; here its plan
+becomes tensors: the prompt's ids, the masks of what is reused exactly and what a selection may
+recompute, and the placement of cached KV into the request's buffer (:class:`SpanSource`).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,49 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.adapter import ModelAdapter, RopeTable
 from kvrag.engine.model.runner import KVBuffer, KVCapture, Trace, forward
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Tap, block_middles
-from kvrag.engine.reuse.planner import Plan, SpanSource
+from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, get_selection
+from kvrag.engine.store.base import KVRecord
 from kvrag.engine.types import ChunkInfo, GenerationStats
+from kvrag.kernels import rope_rotate
 
-__all__ = ["PrefillOptions", "PrefillResult", "prefill", "extend", "generation_stats"]
+__all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
+
+
+class SpanSource:
+    """Cached KV of a plan (prefix blocks and chunk hits), placed layer by layer at its positions.
+
+    Stored keys carry no RoPE, so one record serves any position; each layer's keys are rotated
+    with that layer's own RoPE (Gemma 3's local and global layers differ). Placed one layer at a
+    time, just before that layer runs, so a record streaming in from a slower tier is waited for
+    layer by layer (:func:`~kvrag.engine.model.runner.forward` calls :meth:`fill`).
+    """
+
+    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], rope: RopeTable):
+        self.adapter = adapter
+        self.spans = spans
+        self.rope = rope  # cos/sin [N, D] of every position of the prompt, per layer
+
+    def fill(self, layer: int, buf: KVBuffer) -> None:
+        """Write layer ``layer``'s cached K (rotated to the prompt's positions) and V into ``buf``."""
+        dtype = self.adapter.dtype
+        cos, sin = self.rope.layer(layer)
+        for start, rec in self.spans:
+            end = start + rec.num_tokens
+            k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
+            buf.k[layer, :, start:end] = rope_rotate(k.to(dtype), cos[start:end], sin[start:end])
+            buf.v[layer, :, start:end] = v.to(dtype)
+
+
+def span_mask(n: int, spans: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n] bool: True inside any of the [start, end) ``spans`` (a plan's spans as a row mask)."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    for start, end in spans:
+        mask[start:end] = True
+    return mask.to(device)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +155,7 @@ def prefill(
     buf = KVBuffer(adapter, capacity)
     trace = Trace()
     all_pos = torch.arange(n, device=adapter.device)
-    ids = plan.ids.to(adapter.device)
+    ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
     capture, chunk_caps = _captures(adapter, plan, options)
     captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
@@ -129,14 +169,14 @@ def prefill(
         return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap))
 
     source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos))
-    candidates = plan.candidates().to(adapter.device)
-    rows = ~plan.reused_exactly().to(adapter.device)
+    candidates = span_mask(n, plan.blended_spans(), adapter.device)  # [N] blended chunk KV: may be recomputed
+    rows = ~span_mask(n, plan.exact_spans(), adapter.device)  # [N] not reused exactly
     measured: dict = {}
     kept_taps = dict.fromkeys(chunk_caps, tap)
     if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
-            spans=[(s, s + r.num_tokens) for s, r in plan.chunk_records], source=source, captures=captures,
+            spans=plan.blended_spans(), source=source, captures=captures,
             taps=taps, trace=trace, options=options, pause=pause,
         )  # fmt: skip
         h, pos = get_selection(options.selection)(blend)

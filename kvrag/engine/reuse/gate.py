@@ -34,7 +34,8 @@ from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.loading import KV_FORMAT_VERSION, atomic_write_text
 from kvrag.engine.model.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.reuse.fusion import PrefillOptions, prefill
-from kvrag.engine.reuse.planner import Plan, Segment, reuses_nothing
+from kvrag.engine.reuse.planner import Plan, reuses_nothing
+from kvrag.engine.reuse.segments import Segment
 from kvrag.engine.store.base import KVRecord
 from kvrag.errors import UnsupportedModelError
 
@@ -112,7 +113,7 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
     cap = KVCapture(adapter, len(sink), m)
     forward(adapter, KVBuffer(adapter, m), alone, torch.arange(m, device=device), m, capture=[cap])
     record = KVRecord(torch.tensor(chunk), cap.k, cap.v)
-    plan = Plan(mode="reuse", ratio=0.0, segments=segments, ids=ids.cpu(), chunk_records=[(start, record)])
+    plan = Plan(mode="reuse", ratio=0.0, segments=segments, chunk_records=[(start, record)])
     placed = prefill(adapter, plan, n, options=PrefillOptions()).buf
     shifted = torch.arange(start - len(sink), end, device=device)[None]
     kw, cache = plain_cache(hf_model)
@@ -127,7 +128,7 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
                 return GateResult(False, "placement", f"layer {layer} {name} off by {err:.2e} relative (> {tol:g})")
 
     # ratio 1.0: the fused prefill equals transformers' forward
-    plan = Plan(mode="blend", ratio=1.0, segments=segments, ids=ids.cpu())
+    plan = Plan(mode="blend", ratio=1.0, segments=segments)
     ours = adapter.logits(prefill(adapter, plan, n, options=PrefillOptions()).last_hidden)[0]
     theirs = hf_model(ids[None], logits_to_keep=1).logits[0, -1]
     err = _rel_error(ours, theirs)

@@ -19,9 +19,11 @@ Kendall-tau distance between the common chunks' two orders, ``beta' = beta * (1 
 exact variant scores 0. The planner uses the lowest-scoring variant and tells the store
 (``record_reuse``), whose eviction weighs each reuse by ``1 / CFO`` (frequency-reuse).
 
-The index of variants lives in memory. The first variant of a chunk is stored under the chunk's
-own key, so a restarted process (disk tier) still finds that one; later variants under derived
-keys, reached through the index.
+The index of variants lives in memory (:class:`VariantIndex`). The first variant of a chunk is
+stored under the chunk's own key, so a restarted process (disk tier) still finds that one; later
+variants under derived keys, reached through the index. :class:`StoredVariants` keeps the index
+and the store in step: the planner asks it for a chunk's best stored variant, write-back, the warm
+and the knowledge tree's refresh ask it to keep one.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag.engine.store.base import KVRecord, StoreKey, token_bytes
+from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, token_bytes
 
 __all__ = [
     "VariantInfo",
     "VariantIndex",
+    "StoredVariants",
     "ExactDigest",
     "context_id",
     "variant_key",
+    "variant_slot",
     "prefix_overlap",
     "order_penalty",
     "fix_overhead",
@@ -58,6 +62,11 @@ def context_id(token_ids: Sequence[int]) -> str:
 def variant_key(base: StoreKey, tag: str) -> StoreKey:
     """Key of a chunk variant other than the first (which is stored under ``base`` itself)."""
     return StoreKey(base.namespace, hashlib.sha256(f"{base.digest}\0variant\0{tag}".encode()).hexdigest())
+
+
+def variant_slot(key: StoreKey, context: tuple[str, ...], exact: str | None) -> StoreKey:
+    """Where a variant other than the chunk's first is stored: named by its exact digest or its context."""
+    return variant_key(key, f"exact:{exact}" if exact is not None else "context:" + ",".join(context))
 
 
 class ExactDigest:
@@ -235,3 +244,144 @@ class VariantIndex:
     def clear(self) -> None:
         with self._lock:
             self._by_chunk.clear()
+
+
+class StoredVariants:
+    """The variants of each chunk that the store holds, as the index knows them.
+
+    The index is a hint: the store may have evicted a variant it lists (forgotten when met), and
+    may hold variants it does not list (kept by an earlier process on a disk or shared tier; indexed
+    from their headers when met). Every answer here is checked against the store.
+
+    Args:
+        store: where the variants' KV lives.
+        index: what is known of each chunk's variants (context, exact digest, statistics, reuses).
+        kv_shape: (layers, KV heads, head dim) of the model: a record of another shape is refused
+            (only a forged entry has one; its tokens and key match, its KV cannot be placed).
+    """
+
+    def __init__(self, store: KVStore, index: VariantIndex, kv_shape: tuple[int, int, int]) -> None:
+        self.store = store
+        self.index = index
+        self.kv_shape = tuple(kv_shape)
+
+    def fits(self, record: KVRecord) -> bool:
+        """Whether a record's KV has this model's shape."""
+        return record.kv_shape == self.kv_shape
+
+    def best(
+        self, key: StoreKey, ids: list[int], context: tuple[str, ...], digest: str | None
+    ) -> tuple[VariantInfo | None, KVRecord | None]:
+        """The stored variant of a chunk with the lowest fix overhead behind ``context`` (an exact one
+        first), read as a use (``store.get``).
+
+        Variants the store no longer has are dropped from the index on the way; with none indexed,
+        the chunk's own key may still hold its first variant (a disk tier after a restart).
+        """
+        # an exact variant first: one computed behind the same chunks (not exactly the same tokens) scores 0 too
+        ranked = sorted(
+            self.index.variants(key),
+            key=lambda v: (fix_overhead(v, context, digest), v.exact is None or v.exact != digest, -v.reuses),
+        )
+        info, rec = self._first_stored(key, ids, ranked, self.store.get)
+        if rec is not None:
+            return info, rec
+        rec = self.store.get(key, ids)
+        if rec is None or not self.fits(rec):
+            return None, None
+        info = VariantInfo.from_record(key, rec)
+        self.index.add(key, info)
+        return info, rec
+
+    def exact(self, key: StoreKey, ids: list[int], digest: str) -> tuple[VariantInfo | None, KVRecord | None]:
+        """The chunk's variant computed exactly behind the tokens ``digest`` names, if stored, read as
+        a look (``store.peek``): only the refresh's plans (``exact_only``) ask for it."""
+        exact = [v for v in self.index.variants(key) if v.exact == digest]
+        return self._first_stored(key, ids, exact, self.store.peek)
+
+    def _first_stored(
+        self, key: StoreKey, ids: list[int], ranked: list[VariantInfo], fetch
+    ) -> tuple[VariantInfo | None, KVRecord | None]:
+        """The first of ``ranked`` whose record the store still has, read by ``fetch`` (the others are
+        dropped from the index)."""
+        for info in ranked:
+            rec = fetch(info.key, ids)
+            if rec is not None and self.fits(rec):
+                return info, rec
+            self.index.drop(key, info.key)
+        return None, None
+
+    def used(self, info: VariantInfo, fix: float) -> None:
+        """A request reuses the variant at fix overhead ``fix``: counted in the index, and told to the
+        store, whose eviction weighs each reuse by ``1 / fix`` (frequency-reuse)."""
+        self.index.used(info)
+        self.store.record_reuse(info.key, fix)
+
+    def keep(
+        self,
+        key: StoreKey,
+        record: KVRecord,
+        context: tuple[str, ...],
+        exact: str | None = None,
+        *,
+        speculative: bool = False,
+    ) -> bool:
+        """Store ``record`` as a variant of the chunk whose own key is ``key``; False if not kept.
+
+        The first variant goes under ``key`` itself, later ones under keys derived from their
+        context (the same context, or the same exact digest, is kept once). Past the per-chunk cap
+        the least reused variant leaves the store. The record's meta keeps the context (and its
+        attention statistics, when measured) so the variant can be scored again from the record.
+        ``speculative``: kept ahead of any request for it: not kept when the chunk is at the cap (it
+        pushes out no variant), and the store's ``put`` gives it no room a request's entry holds and
+        evicts it first until it is used.
+        """
+        record.meta = {**record.meta, "context": list(context)}
+        if exact is not None:
+            record.meta["exact"] = exact
+        slot = key
+        if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
+            self._indexed(key, key)
+            slot = variant_slot(key, context, exact)
+            if self.store.contains(slot):
+                return False
+            if speculative and not self.room(key):
+                return False  # a variant kept ahead of need never pushes out one a request kept
+        if not self.store.put(slot, record, speculative=speculative):
+            return False
+        for old in self.index.add(key, VariantInfo.from_record(slot, record)):
+            self.store.remove(old)
+        return True
+
+    def _indexed(self, key: StoreKey, slot: StoreKey) -> bool:
+        """Whether the index knows variant ``slot`` of the chunk whose own key is ``key``; one the
+        store holds but the index does not know (kept by an earlier process: a disk or shared tier)
+        is indexed from its header (a look, not a use)."""
+        if any(v.key == slot for v in self.index.variants(key)):
+            return True
+        meta = self.store.meta(slot)
+        if meta is None:
+            return False
+        self.index.add(key, VariantInfo.from_meta(slot, meta))
+        return True
+
+    def wants(self, key: StoreKey, context: Sequence[str], wanted: int) -> bool:
+        """Whether a warm should compute the chunk's variant behind ``context``: the chunk has fewer
+        than ``wanted`` variants and none stored behind that context. One the store holds but the
+        index does not know is indexed instead, after the first variant, so a restarted engine's
+        warm finds its variants again unrecomputed."""
+        if len(self.index.keys(key)) >= wanted:
+            return False
+        self._indexed(key, key)
+        return not self._indexed(key, variant_slot(key, tuple(context), None))
+
+    def room(self, key: StoreKey) -> bool:
+        """Whether the chunk has fewer variants than the cap (those the store lost are forgotten first)."""
+        for k in self.index.keys(key):
+            if not self.store.contains(k):
+                self.index.drop(key, k)
+        return len(self.index.keys(key)) < self.index.max_variants
+
+    def holds(self, key: StoreKey) -> bool:
+        """Whether the store holds a variant of the chunk whose own key is ``key`` (key lookups only)."""
+        return self.store.contains(key) or any(self.store.contains(k) for k in self.index.keys(key))

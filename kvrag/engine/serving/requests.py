@@ -10,7 +10,7 @@ import torch
 
 from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
 from kvrag.engine.model.sampling import SamplingParams
-from kvrag.engine.reuse.planner import Segment
+from kvrag.engine.reuse.segments import Segment
 from kvrag.errors import InvalidRequestError
 
 __all__ = [

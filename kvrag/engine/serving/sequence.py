@@ -8,7 +8,6 @@ import torch
 
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.model.sampling import TextStream
-from kvrag.engine.reuse.fusion import PrefillResult
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.serving.requests import Request
 from kvrag.engine.types import GenerationStats
@@ -51,7 +50,6 @@ class RunningSequence:
     generated: list[int] = field(default_factory=list)
     finish: str = "length"
     done: bool = False
-    result: PrefillResult | None = None
 
     def accept(self, eos_ids: set[int]) -> str:
         """Emit ``token`` (or stop on end of sequence); returns the text that became safe to show."""

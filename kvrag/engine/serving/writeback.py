@@ -29,11 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrag.engine.model.runner import KVCapture
-from kvrag.engine.reuse.attention_stats import Segment
+from kvrag.engine.reuse.attention_stats import ContextSpan
 from kvrag.engine.reuse.chunks import ChunkComputer, attach_statistics
 from kvrag.engine.reuse.fusion import PrefillOptions, prefill
 from kvrag.engine.reuse.planner import ChunkUse, Plan, Planner
-from kvrag.engine.reuse.variants import context_id
+from kvrag.engine.reuse.variants import StoredVariants, context_id
 from kvrag.engine.serving.scheduler import Ticket
 from kvrag.engine.serving.worker import Preempted, Worker
 from kvrag.engine.store.base import KVRecord, KVStore
@@ -103,6 +103,8 @@ class WriteBack:
     Args:
         config: the engine's config (``write_back``: keep the KV of missed chunks; chunks shorter than
             ``chunk_min_tokens`` are not kept; ``tree_refresh``: compute blended sequences exactly).
+        planner: plans the refreshes; its prefix cache keeps exact prefix blocks.
+        variants: where chunk KV is kept, as variants of each chunk.
         run: ``run(job, tokens)`` calls ``job(pause)`` on the engine thread and returns its result
             (for a chunk that has to be computed afresh).
         worker: the engine thread, for the refreshes' background work.
@@ -113,12 +115,14 @@ class WriteBack:
         config,
         store: KVStore,
         planner: Planner,
+        variants: StoredVariants,
         computer: ChunkComputer,
         *,
         run: Callable[[Callable, int], Any],
         worker: Worker,
     ) -> None:
         self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
+        self.variants = variants
         self._worker = worker
         self._writer = BackgroundWriter()
         self._pending: set = set()
@@ -165,14 +169,14 @@ class WriteBack:
         a blended chunk sequence (``tree_refresh``)."""
         capture = res.capture
         if capture is not None:
-            prompt_ids, bounds, namespace = plan.ids.tolist(), plan.boundaries, plan.namespace
+            prompt_ids, bounds, namespace = plan.ids, plan.boundaries, plan.namespace
             self._writer.submit(
                 lambda: self.planner.prefix_cache.insert(
                     prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
                 )
             )
         exact_end = plan.exact_end()
-        segments = [Segment(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
+        spans = [ContextSpan(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
         kept = {u.index for u in self._kept_misses(plan)} | {i for i in res.chunk_captures if self.keeps(plan)}
         written_exact = set()
         for n, use in enumerate(plan.chunks):
@@ -191,7 +195,7 @@ class WriteBack:
             self._pending.add(job)
             ids = list(plan.segments[use.index].ids)
             tap = res.taps.get(use.index)
-            measured = (tap, res.buf, segments[:n]) if tap is not None else None
+            measured = (tap, res.buf, spans[:n]) if tap is not None else None
             self._writer.submit(
                 lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
             )
@@ -216,7 +220,6 @@ class WriteBack:
             return
         path = (plan.namespace, targets[-1].key, targets[-1].digest)  # the last chunk's digest names the path
         segments = plan.segments[: targets[-1].index + 1]
-        ids = plan.ids[: segments[-1].end].clone()
         with self._refresh_cond:
             if self._closing or path in self._refreshing:
                 return
@@ -224,12 +227,13 @@ class WriteBack:
                 self.refresh_counts["dropped"] += 1
                 return
             self._refreshing[path] = None  # reserved before the ticket exists: flush() waits for it
-        self._post_refresh(path, segments, ids, plan.namespace, targets, 0)
+        self._post_refresh(path, segments, plan.namespace, targets, 0)
 
-    def _post_refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int) -> None:
+    def _post_refresh(self, path, segments, namespace: str, targets: list[ChunkUse], tries: int) -> None:
         # called on the engine thread, so the ticket cannot start before this returns
-        ticket = Ticket(tokens=len(ids), compute=len(ids), bounded=False, background=True)
-        self._worker.post(ticket, lambda pause: self._refresh(path, segments, ids, namespace, targets, tries, pause))
+        tokens = segments[-1].end
+        ticket = Ticket(tokens=tokens, compute=tokens, bounded=False, background=True)
+        self._worker.post(ticket, lambda pause: self._refresh(path, segments, namespace, targets, tries, pause))
         with self._refresh_cond:
             if path in self._refreshing:
                 self._refreshing[path] = ticket
@@ -238,21 +242,19 @@ class WriteBack:
             self._worker.cancel(ticket)
             self._refresh_done(path)
 
-    def _refresh(self, path, segments, ids, namespace: str, targets: list[ChunkUse], tries: int, pause) -> None:
-        """On the engine thread: compute ``ids`` exactly (reusing only exact KV) and keep the targets."""
+    def _refresh(self, path, segments, namespace: str, targets: list[ChunkUse], tries: int, pause) -> None:
+        """On the engine thread: compute ``segments`` exactly (reusing only exact KV) and keep the targets."""
         again, t0 = False, time.perf_counter()
         try:
-            room = [u for u in targets if self.planner.room_for_variant(u.key)]
+            room = [u for u in targets if self.variants.room(u.key)]
             self.refresh_counts["at_cap"] += len(targets) - len(room)
             if not room:  # kept ahead of need, a refreshed variant would push out none: not computed
                 return
             if room[-1].index < targets[-1].index:  # the sequence up to the last chunk with room
                 segments = segments[: room[-1].index + 1]
-                ids = ids[: segments[-1].end]
             targets = room
             plan = self.planner.plan(
                 segments,
-                ids,
                 mode="prefix",
                 ratio=0.0,
                 use_prefix=self.config.prefix_cache,
@@ -267,7 +269,7 @@ class WriteBack:
                 self.config, self.computer.adapter.n_layers, capture_chunks=tuple(u.index for u in targets)
             )
             try:
-                res = prefill(self.computer.adapter, plan, len(ids), options=options, pause=pause)
+                res = prefill(self.computer.adapter, plan, plan.num_tokens, options=options, pause=pause)
             except Preempted:
                 again = tries + 1 < MAX_REFRESH_TRIES and not self._closing
                 self.refresh_counts["preempted" if again else "dropped"] += 1
@@ -281,14 +283,14 @@ class WriteBack:
         finally:
             self.refresh_counts["seconds"] += time.perf_counter() - t0
             if again:
-                self._post_refresh(path, segments, ids, namespace, targets, tries + 1)
+                self._post_refresh(path, segments, namespace, targets, tries + 1)
             else:
                 self._refresh_done(path)
 
     def _keep_refreshed(self, use: ChunkUse, ids: list[int], capture: KVCapture) -> None:
         record = self.computer.record_from_capture(ids, capture)
         record.meta["computed"] = "refresh"
-        kept = self.planner.keep_variant(use.key, record, use.context, use.digest, speculative=True)
+        kept = self.variants.keep(use.key, record, use.context, use.digest, speculative=True)
         self.refresh_counts["chunks" if kept else "not_kept"] += 1
 
     def _refresh_done(self, path) -> None:
@@ -317,7 +319,7 @@ class WriteBack:
                 record = self._run(lambda pause: self._record(ids, capture, measured, pause), len(ids))
             else:
                 record = self._record(ids, capture, None, None)
-            self.planner.keep_variant(key, record, context, exact)
+            self.variants.keep(key, record, context, exact)
         finally:
             self._pending.discard(job)
 
@@ -328,8 +330,8 @@ class WriteBack:
             return self.computer.compute(ids, pause=pause)
         record = self.computer.record_from_capture(ids, capture)
         if measured is not None:
-            tap, buf, segments = measured
-            attach_statistics(record, tap, buf, (capture.start, capture.end), segments, self.computer.adapter)
+            tap, buf, context = measured
+            attach_statistics(record, tap, buf, (capture.start, capture.end), context, self.computer.adapter)
         return record
 
     def flush(self) -> None:

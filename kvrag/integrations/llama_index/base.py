@@ -178,7 +178,7 @@ class KVCachedLLM(GenerationFields, LLM):
 
     def tokenize(self, text: str) -> list[int]:
         """The model's token ids of ``text`` (usable as ``Settings.tokenizer`` for exact packing; needs the engine)."""
-        return self.engine.planner.tokenize(text)
+        return self.engine.prompt_tokenizer.tokenize(text)
 
     def node_postprocessor(self, **kwargs: Any):
         """A :class:`KVCachedNodePostprocessor` registering retrieved nodes with this LLM's engine."""

@@ -7,7 +7,7 @@ import math
 import torch
 
 from kvrag.engine.model.runner import KVBuffer, forward
-from kvrag.engine.reuse.attention_stats import Segment, Tap, block_middles, chunk_statistics
+from kvrag.engine.reuse.attention_stats import ContextSpan, Tap, block_middles, chunk_statistics
 from kvrag.engine.reuse.variants import VariantInfo
 from tests.helpers import make_docs
 
@@ -26,17 +26,17 @@ def _hf_attentions(engine, ids: list[int]) -> list[torch.Tensor]:
 
 
 def test_statistics_match_transformers_attention(tiny_engine):
-    docs = [tiny_engine.planner.tokenize(d) for d in make_docs(3, words=40, seed=41)]
+    docs = [tiny_engine.prompt_tokenizer.tokenize(d) for d in make_docs(3, words=40, seed=41)]
     ids = [tiny_engine.tokenizer.bos_token_id] + docs[0] + docs[1] + docs[2]
     a, b = 1 + len(docs[0]), 1 + len(docs[0]) + len(docs[1])
     chunk = (b, len(ids))
-    segments = [Segment(1, a, "d0"), Segment(a, b, "d1")]
+    context = [ContextSpan(1, a, "d0"), ContextSpan(a, b, "d1")]
     stride = 4
     tap = Tap(block_middles(*chunk, stride), tiny_engine.adapter.n_layers)
     n = len(ids)
     buf = KVBuffer(tiny_engine.adapter, n)
     forward(tiny_engine.adapter, buf, torch.tensor(ids), torch.arange(n), n, taps=[tap])
-    stats = chunk_statistics(tap, buf, chunk, segments, tiny_engine.adapter.scale, stride)
+    stats = chunk_statistics(tap, buf, chunk, context, tiny_engine.adapter.scale, stride)
 
     # the same figures from transformers' attention weights, at the same sampled queries
     middles = block_middles(*chunk, stride)
@@ -44,9 +44,9 @@ def test_statistics_match_transformers_attention(tiny_engine):
     a_layers, b_layers, mass = [], [], torch.zeros(2)
     for att in _hf_attentions(tiny_engine, ids):
         w = att.mean(dim=0)[middles]  # [S, T] averaged over heads
-        inter = [float(w[:, s.start : s.end].sum()) * per_query for s in segments]
+        inter = [float(w[:, s.start : s.end].sum()) * per_query for s in context]
         mass += torch.tensor(inter)
-        a_layers.append(sum(x / (size * (s.end - s.start)) for x, s in zip(inter, segments)))
+        a_layers.append(sum(x / (size * (s.end - s.start)) for x, s in zip(inter, context)))
         b_layers.append(float(w[:, chunk[0] : chunk[1]].sum()) * per_query / size**2)
     cci = 1 / (1 + math.exp(-(sum(a_layers) / len(a_layers)) / (sum(b_layers) / len(b_layers))))
     assert stats is not None and 0.5 < stats.cci < 1.0
@@ -58,7 +58,7 @@ def test_statistics_match_transformers_attention(tiny_engine):
 def test_warmed_and_written_back_chunks_carry_their_statistics(tiny_engine):
     docs = make_docs(3, words=60, seed=42)
     tiny_engine.warm(docs[:2])
-    ids = tiny_engine.planner.tokenize(docs[1])
+    ids = tiny_engine.prompt_tokenizer.tokenize(docs[1])
     rec = tiny_engine.store.get(tiny_engine.planner.chunk_key(ids), ids)
     info = VariantInfo.from_record(tiny_engine.planner.chunk_key(ids), rec)
     assert info.cci is not None and 0 < info.cci < 1 and info.weights is not None
@@ -68,6 +68,6 @@ def test_warmed_and_written_back_chunks_carry_their_statistics(tiny_engine):
     g = tiny_engine.generate(docs, "Answer from the documents.\n", "Question: why?\n", max_new_tokens=1)
     assert [c.hit for c in g.stats.chunks] == [True, True, False]
     tiny_engine.flush()
-    ids = tiny_engine.planner.tokenize(docs[2])
-    info = tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(ids))[0]
+    ids = tiny_engine.prompt_tokenizer.tokenize(docs[2])
+    info = tiny_engine.variants.index.variants(tiny_engine.planner.chunk_key(ids))[0]
     assert info.cci is not None and len(info.context) == 2 and info.weights is not None

@@ -101,8 +101,8 @@ def test_a_cold_request_leaves_an_exact_sequence_the_next_one_reuses_exactly(tin
 def test_warmed_chunks_remember_their_context(tiny_engine):
     docs = make_docs(3, seed=32)
     tiny_engine.warm(docs)
-    ids = [tiny_engine.planner.tokenize(d) for d in docs]
-    infos = tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(ids[2]))
+    ids = [tiny_engine.prompt_tokenizer.tokenize(d) for d in docs]
+    infos = tiny_engine.variants.index.variants(tiny_engine.planner.chunk_key(ids[2]))
     assert len(infos) == 1 and infos[0].context[-2:] == (context_id(ids[0]), context_id(ids[1]))
     g = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=1)  # the warm order: the context fits
     h = tiny_engine.generate(docs[::-1], PREFIX, SUFFIX, max_new_tokens=1)
@@ -134,8 +134,8 @@ def test_warm_in_similar_order_computes_each_chunk_behind_its_neighbours(tiny_en
         progress=lambda d, t: reports.append((d, t)),
     )
     assert w.computed == 4 and reports[-1][0] == reports[-1][1]
-    ids = [tiny_engine.planner.tokenize(d) for d in docs]
-    third = tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(ids[2]))[0]
+    ids = [tiny_engine.prompt_tokenizer.tokenize(d) for d in docs]
+    third = tiny_engine.variants.index.variants(tiny_engine.planner.chunk_key(ids[2]))[0]
     assert third.context[-1] == context_id(ids[0])  # 2 was computed right behind 0, its most similar
     with pytest.raises(InvalidRequestError, match="order"):
         tiny_engine.warm(docs, order="random")
@@ -157,8 +157,8 @@ def _recomputed_chunks_become_variants(tiny_engine) -> None:
     order = docs[::-1]
     g = tiny_engine.generate(order, PREFIX, SUFFIX, selection="focus", recompute_ratio=0.5, max_new_tokens=1)
     tiny_engine.flush()
-    ids = [tiny_engine.planner.tokenize(d) for d in order]
-    counts = [len(tiny_engine.planner.variants.variants(tiny_engine.planner.chunk_key(x))) for x in ids]
+    ids = [tiny_engine.prompt_tokenizer.tokenize(d) for d in order]
+    counts = [len(tiny_engine.variants.index.variants(tiny_engine.planner.chunk_key(x))) for x in ids]
     assert max(counts) == 2  # the warm() variant and this prompt's
     again = tiny_engine.generate(order, PREFIX, SUFFIX, selection="focus", recompute_ratio=0.5, max_new_tokens=1)
     fixes = [c.fix for c in again.stats.chunks]
@@ -174,8 +174,8 @@ def test_lookup_finds_a_chunk_held_only_as_a_later_variant(tiny_engine, docs):
     tiny_engine.flush()
     tiny_engine.generate([docs[2], docs[1]], PREFIX, SUFFIX, recompute_ratio=1.0)  # docs[1] again, other company
     tiny_engine.flush()
-    key = tiny_engine.planner.chunk_key(tiny_engine.planner.tokenize(docs[1]))
-    others = [k for k in tiny_engine.planner.variants.keys(key) if k != key]
+    key = tiny_engine.planner.chunk_key(tiny_engine.prompt_tokenizer.tokenize(docs[1]))
+    others = [k for k in tiny_engine.variants.index.keys(key) if k != key]
     assert others, "the recomputed chunk was not kept as a second variant"
     tiny_engine.store.remove(key)
     assert tiny_engine.lookup([docs[1]], PREFIX, SUFFIX).chunks_stored == 1
