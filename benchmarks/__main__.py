@@ -1,4 +1,4 @@
-"""``python -m benchmarks`` / ``python -m benchmarks``: run the benchmark, compare or merge runs, make data.
+"""``python -m benchmarks``: run the benchmark, compare or merge runs, make data.
 
 python -m benchmarks --dataset QA.json --n 20 --top-k 6 --methods hf,full,prefix,reuse,blend --out DIR
 python -m benchmarks --dataset QA.json --n 8 --workloads r --store writeback --retrieval-requests 16 \
@@ -27,16 +27,6 @@ import time
 from pathlib import Path
 
 __all__ = ["main"]
-
-
-def _config_overrides(pairs: list[str]) -> dict:
-    from benchmarks.specs import config_overrides
-    from kvrag.errors import InvalidRequestError
-
-    try:
-        return config_overrides(pairs)
-    except InvalidRequestError as exc:
-        raise SystemExit(f"python -m benchmarks: {exc}") from None
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -197,6 +187,7 @@ def _run_parser() -> argparse.ArgumentParser:
 
 def _run(argv: list[str]) -> int:
     from benchmarks.run import BenchOptions, run_bench
+    from benchmarks.specs import command_line_overrides
     from kvrag.errors import KvragError
 
     a = _run_parser().parse_args(argv)
@@ -238,7 +229,7 @@ def _run(argv: list[str]) -> int:
         corpus_order=a.corpus_order,
         embedder=a.embedder,
         model=a.model,
-        config=_config_overrides(a.config),
+        config=command_line_overrides(a.config),
         system=a.system,
         instructions=a.instructions,
         answer_hint=a.answer_hint,
