@@ -35,11 +35,12 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 # The README's benchmark (workload a; ~40 min on 2 cores with answer-drift scoring); DATASET is the MuSiQue dev file.
+# `auto` is kvrag's default (recompute_ratio="auto" with the probe); the fixed ratios beside it are the baselines.
 DATASET ?= ../shared/data/musique_dev.json
 BENCH_OUT ?= bench-results
 bench: install
 	$(PY) -m benchmarks --dataset $(DATASET) --n 20 --top-k 6 --workloads a --score auto \
-		--methods hf,full,prefix,reuse,probe@0.15,hkvd@0.15,recency@0.15 --out $(BENCH_OUT)
+		--methods hf,full,prefix,reuse,auto,probe@0.15,hkvd@0.15,recency@0.15 --out $(BENCH_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(BENCH_OUT)

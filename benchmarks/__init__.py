@@ -10,8 +10,7 @@ from benchmarks.data import PromptFormat, QAItem, Request, load_dataset, make_sy
 from benchmarks.methods import Method, Outcome, available_methods, parse_methods, register_method
 from benchmarks.metrics import MixedRunsError, best_f1, f1_score, first_word_agreement, paired_ratios, rouge_l
 from benchmarks.report import compare_table, load_results, merge_results
-from benchmarks.run import BenchOptions, run_bench
-from benchmarks.workloads import WORKLOADS
+from benchmarks.run import WORKLOADS, BenchOptions, run_bench
 
 __all__ = [
     "BenchOptions",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import random
 
-from benchmarks.data import QAItem, Request
-from benchmarks.methods import Outcome
-from benchmarks.workloads import RunContext, _postfix, _request_order, make_record, ordered, warm_in_dataset_order
+from benchmarks.data import QAItem, Request, request_order
+from benchmarks.methods import Outcome, ttft_ratios
+from benchmarks.workloads import RunContext, make_record, ordered, warm_in_dataset_order
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["run_conversations"]
@@ -51,7 +51,7 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     for c, conv in enumerate(convs):
         history: list[dict] = []
         for t, item in enumerate(conv):
-            order = _request_order(len(item.passages), top_k, True, rng)
+            order = request_order(len(item.passages), top_k, True, rng)
             chunks = [item.passages[i] for i in order]
             for eng in {id(e): e for e in map(ctx.engine_for, methods)}.values():
                 eng.register(chunks)  # each engine finds them in the prompt (its own registry)
@@ -85,7 +85,7 @@ def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             j += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(_postfix(outcomes))
+                bar.set_postfix_str(ttft_ratios(outcomes))
         for m in methods:
             m.end(ctx.engine_for(m), req.meta["conversation"])
     if bar is not None:

@@ -25,6 +25,7 @@ __all__ = [
     "passage_text",
     "make_synthetic_dataset",
     "pick_question_pair",
+    "request_order",
     "DEFAULT_SYSTEM",
     "DEFAULT_INSTRUCTIONS",
     "DEFAULT_ANSWER_HINT",
@@ -169,6 +170,15 @@ class PromptFormat:
             answers=item.answers,
             order=list(order),
         )
+
+
+def request_order(n_passages: int, top_k: int, shuffle: bool, rng: random.Random) -> list[int]:
+    """The passages a request asks (indices into its question's passages): the first ``top_k``,
+    shuffled by ``rng`` unless ``shuffle`` is False (retrieval order)."""
+    order = list(range(min(top_k, n_passages)))
+    if shuffle:
+        rng.shuffle(order)
+    return order
 
 
 # -- a synthetic dataset the project generates for its tests --------------------------------------

@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU and Triton::
 
-    python -m benchmarks kernels                      # SmolLM2-135M shapes, float16 (or python -m benchmarks kernels)
+    python -m benchmarks kernels                      # SmolLM2-135M shapes, float16
     python -m benchmarks kernels --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --seq 2048 8192
     python -m benchmarks kernels --sweep              # also try attention launch configs
 

@@ -104,7 +104,7 @@ def compile_all(archs: list[int], dtypes: list[torch.dtype], head_dims: list[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/kernels_compile_check.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels_compile_check", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, nargs="+", default=[80], help="CUDA compute capabilities, e.g. 75 80 90")
     p.add_argument("--dtype", nargs="+", default=["float16"], choices=["float16", "bfloat16", "float32"])
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.specs import command_line_overrides
+
 __all__ = ["main", "run_workers", "worker"]
 
 
@@ -233,7 +235,7 @@ def shared_stream(args) -> dict:
     engine.close()
     # kv_codec plain unless asked; the reference replay sizes entries as the workers hold them, so
     # the 8-bit codec (which fits ~1.9x more chunks in a budget) is compared with int8 entries too
-    config = {"kv_codec": "plain", **_overrides(args.config)}
+    config = {"kv_codec": "plain", **command_line_overrides(args.config)}
     codec = "int8" if config["kv_codec"] in ("int8", "auto") else "plain"  # auto: int8 with the remote tier
     sizes = sizes_at_rest(tokens, shape, codec)
     pool_bytes = sum(sizes)
@@ -293,7 +295,7 @@ def shared_warm(args) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     srv, url = _server(args, directory, None)
     base = {"model": args.model, "remote_url": url, "max_new_tokens": args.max_new_tokens, "threads": args.threads}
-    base["config"] = dict(loading_controller=False, **_overrides(args.config))
+    base["config"] = dict(loading_controller=False, **command_line_overrides(args.config))
     try:
         (a,) = run_workers([dict(base, warm=warm, requests=requests)], directory / "a")
         (b,) = run_workers([dict(base, requests=requests, again=True)], directory / "b")
@@ -320,12 +322,6 @@ def shared_warm(args) -> dict:
     }
     (directory / "shared-warm.json").write_text(json.dumps(result, indent=1))
     return result
-
-
-def _overrides(pairs: list[str]) -> dict:
-    from benchmarks.__main__ import _config_overrides
-
-    return _config_overrides(pairs)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["write_plots"]
+__all__ = ["write_plots", "pyplot"]
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), imported on first use: plots are optional."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -151,7 +152,7 @@ def _frontier(plt, summary: dict, workload: str, path: Path) -> bool:
 
 def write_plots(out_dir: Path, records: list[dict], summary: dict) -> list[Path]:
     """Write the run's plots into ``out_dir``; returns the files written."""
-    plt = _plt()
+    plt = pyplot()
     written = []
     if "questions" in summary:
         p = out_dir / "ttft_vs_quality.png"

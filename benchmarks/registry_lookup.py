@@ -1,6 +1,6 @@
 """Microbenchmark: finding registered passages in a prompt, against small and large registries.
 
-    python -m benchmarks registry [--sizes 100 100000] [--reps 30]      (or python -m benchmarks registry)
+    python -m benchmarks registry [--sizes 100 100000] [--reps 30]
 
 Integrations register every retrieved passage; the engine then splits each prompt string at the
 registered texts (:meth:`kvrag.engine.reuse.documents.DocumentFinder.split`). That split must cost what

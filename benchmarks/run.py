@@ -10,17 +10,36 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.conversations import run_conversations
 from benchmarks.corpus import CORPUS_ORDERS, EMBEDDERS
-from benchmarks.data import DEFAULT_ANSWER_HINT, DEFAULT_INSTRUCTIONS, DEFAULT_SYSTEM, PromptFormat, load_dataset
+from benchmarks.data import (
+    DEFAULT_ANSWER_HINT,
+    DEFAULT_INSTRUCTIONS,
+    DEFAULT_SYSTEM,
+    PromptFormat,
+    QAItem,
+    load_dataset,
+)
 from benchmarks.methods import parse_methods
 from benchmarks.report import aggregate, run_metadata, write_results
-from benchmarks.retrieval import STORE_MODES
-from benchmarks.workloads import ALIASES, WORKLOADS, RunContext
+from benchmarks.retrieval import STORE_MODES, run_retrieval
+from benchmarks.workloads import RunContext, run_questions, run_stream
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["BenchOptions", "run_bench", "DEFAULT_METHODS"]
+__all__ = ["BenchOptions", "run_bench", "DEFAULT_METHODS", "WORKLOADS", "ALIASES"]
 
 DEFAULT_METHODS = "hf,full,prefix,reuse,blend,blend@1.0"
+
+#: Workload name -> runner(ctx, items); a new workload registers its runner here (the runners
+#: import the shared pieces from :mod:`benchmarks.workloads`, never this module).
+WORKLOADS: dict[str, Callable[[RunContext, list[QAItem]], list[dict]]] = {
+    "questions": run_questions,
+    "stream": run_stream,
+    "conversations": run_conversations,
+    "retrieval": run_retrieval,
+}
+#: Aliases a/b/c/r follow the issues' lettering.
+ALIASES = {"a": "questions", "b": "stream", "c": "conversations", "r": "retrieval"}
 
 
 @dataclass

@@ -330,9 +330,9 @@ def markdown(doc: dict) -> str:
 
 def plot_latency_vs_load(summary: dict, path: Path, *, ttft_slo: float) -> None:
     """TTFT and inter-token latency (p50 solid, p99 dashed) against the offered rate, per method."""
-    from benchmarks.plots import _plt
+    from benchmarks.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method, runs in summary.items():
         rates = [float(r) for r in runs]

@@ -96,8 +96,21 @@ def _cold_chunks(tokens: int, seed: int, count) -> list[str]:
 
 
 def measure_gaps(engine, *, prompt_tokens: int = 4096, slice_s: float, seed: int) -> dict:
-    """Gaps between a decoding stream's pieces while a cold ``prompt_tokens`` prefill runs."""
-    engine._worker.slice_s = slice_s  # the engine thread reads it before each decision
+    """Gaps between a decoding stream's pieces while a cold ``prompt_tokens`` prefill runs.
+
+    Measured on an engine over ``engine``'s weights built with ``prefill_slice_s=slice_s`` (the
+    setting is the engine's, fixed when it is built), with a store and engine thread of its own.
+    """
+    from kvrag import Engine
+
+    config = engine.config.replace(prefill_slice_s=slice_s)
+    with Engine(
+        engine.hf_model, engine.tokenizer, config, weights_digest=engine.weights_digest, name=engine.model_name
+    ) as sliced:
+        return _gaps(sliced, prompt_tokens, slice_s, seed)
+
+
+def _gaps(engine, prompt_tokens: int, slice_s: float, seed: int) -> dict:
     chunks = _cold_chunks(prompt_tokens - 40, seed, engine.count_tokens)
     running = _Timed(engine.stream(prompt=_counting_prompt(engine), max_new_tokens=4000, mode="full"))
     running.start()
@@ -189,7 +202,7 @@ def _ttft_request(engine, dataset: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.__main__ import _config_overrides
+    from benchmarks.specs import command_line_overrides
     from kvrag import Engine
 
     p = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__.split("\n\n")[0])
@@ -206,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write every run as JSON here")
     a = p.parse_args(argv)
     only = set(a.only.split(","))
-    engine = Engine.from_pretrained(a.model, **_config_overrides(a.config))
+    engine = Engine.from_pretrained(a.model, **command_line_overrides(a.config))
     results: dict = {"config": dict(vars(a)), "runs": []}
     seed = random.Random().randrange(10**6)  # fresh passages every run: the long prompt is cold
     try:

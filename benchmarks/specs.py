@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["MethodSpec", "parse_spec", "split_specs", "config_overrides", "FIXED_FIELDS", "STORE_FIELDS"]
+__all__ = [
+    "MethodSpec",
+    "parse_spec",
+    "split_specs",
+    "config_overrides",
+    "command_line_overrides",
+    "FIXED_FIELDS",
+    "STORE_FIELDS",
+]
 
 #: Fields no method may override: every method of a run runs the same weights on the same device.
 FIXED_FIELDS = frozenset({"model", "dtype", "device", "cache_dir", "num_threads"})
@@ -70,6 +78,15 @@ def config_overrides(pairs: list[str], *, what: str = "--config") -> dict:
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{what}: {exc}") from None
     return out
+
+
+def command_line_overrides(pairs: list[str], prog: str = "python -m benchmarks") -> dict:
+    """:func:`config_overrides` of a command's ``--config`` flags: a bad one ends the command with
+    its message (``SystemExit``), before any model loads."""
+    try:
+        return config_overrides(pairs)
+    except InvalidRequestError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
 
 
 def parse_spec(text: str, known: set[str] | dict) -> MethodSpec:

@@ -1,5 +1,9 @@
 """Workloads: how requests are made and which methods run them, interleaved per request.
 
+This module runs (a) and (b) and holds what every workload shares (the run's context, method
+order, result rows, warming); (c) and (r) live in modules of their own, and the registry of
+names is :data:`benchmarks.run.WORKLOADS`.
+
 (a) ``questions``: one request per dataset question, its top-k passages pre-warmed (the CacheBlend
     setting) in dataset order, then asked in the request's order (shuffled by default); with
     ``warm_company="other"`` each passage is pre-warmed behind passages of other questions instead.
@@ -13,7 +17,7 @@
     (:mod:`benchmarks.conversations`).
 (r) ``retrieval``: a retrieval corpus, questions asked in sequence and coming back reworded, each
     method on a store of its own (:mod:`benchmarks.retrieval`). New workloads register a runner
-    in ``WORKLOADS``.
+    in :data:`benchmarks.run.WORKLOADS`.
 
 Methods that write whole prompts into the exact-prefix cache (``prefix``) run last on a request:
 otherwise a later method would find the very same prompt cached and reuse it exactly. Timing
@@ -28,16 +32,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.data import PromptFormat, QAItem, Request
+from benchmarks.data import PromptFormat, QAItem, Request, request_order
 from benchmarks.engines import MethodEngines
-from benchmarks.methods import Method, Outcome
+from benchmarks.methods import Method, Outcome, ttft_ratios
 from benchmarks.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
     "RunContext",
-    "WORKLOADS",
     "run_questions",
     "run_stream",
     "ordered",
@@ -130,13 +133,6 @@ def make_record(
     return rec
 
 
-def _request_order(n_passages: int, top_k: int, shuffle: bool, rng: random.Random) -> list[int]:
-    order = list(range(min(top_k, n_passages)))
-    if shuffle:
-        rng.shuffle(order)
-    return order
-
-
 def warm_in_dataset_order(engine, item: QAItem, order: list[int]):
     """Warm a request's passages in retrieval (dataset) order; the request asks them in ``order``.
 
@@ -213,11 +209,11 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     bar = ctx.progress(jobs, desc="(a) questions", total=len(jobs)) if ctx.progress else jobs
     used: set[tuple] = set()
     for item, r in bar:
-        order = _request_order(len(item.passages), top_k, shuffle, rng)
+        order = request_order(len(item.passages), top_k, shuffle, rng)
         for _ in range(100):  # a repeat never sees an order it saw before (prefix cache: see above)
             if not shuffle or (item.index, tuple(order)) not in used:
                 break
-            order = _request_order(len(item.passages), top_k, shuffle, rng)
+            order = request_order(len(item.passages), top_k, shuffle, rng)
         used.add((item.index, tuple(order)))
         req = ctx.fmt.request(item, order, workload="questions", request=item.index, repeat=r)
         if company == "other":
@@ -249,7 +245,7 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                 rec["answer_drift_full"] = answer_drift(drifts[m.name], drifts["full"])
             out.append(rec)
         if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(_postfix(outcomes))
+            bar.set_postfix_str(ttft_ratios(outcomes))
     ctx.records.extend(out)
     return out
 
@@ -263,11 +259,6 @@ def answer_drift(got: list[float], ref: list[float]) -> float:
     if len(got) != len(ref) or not ref:
         raise ValueError("log-probabilities of different continuations")
     return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
-
-
-def _postfix(outcomes: dict[str, Outcome]) -> str:
-    full = outcomes["full"].ttft_s
-    return " ".join(f"{k} {o.ttft_s / full:.2f}x" for k, o in outcomes.items() if k != "full" and full)
 
 
 # -- (b) a pooled Zipf stream ----------------------------------------------------------------------
@@ -378,7 +369,7 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                     rec.update(store_usage(eng.store.stats()))
                 out.append(rec)
             if hasattr(bar, "set_postfix_str"):
-                bar.set_postfix_str(_postfix(outcomes))
+                bar.set_postfix_str(ttft_ratios(outcomes))
         ctx.extras["stream"]["refresh"] = {name: dict(e.writeback.refresh_counts) for name, e in owned.items()}
         ctx.records.extend(out)
         return out
@@ -403,27 +394,3 @@ def store_usage(stats: dict) -> dict:
             disk_evictions=disk.get("evictions"),
         )
     return out
-
-
-def run_conversations(ctx: RunContext, items: list[QAItem]) -> list[dict]:
-    """Workload (c): multi-turn conversations (see :mod:`benchmarks.conversations`)."""
-    from benchmarks.conversations import run_conversations as run
-
-    return run(ctx, items)
-
-
-def run_retrieval(ctx: RunContext, items: list[QAItem]) -> list[dict]:
-    """Workload (r): a retrieval corpus and questions that come back reworded (see :mod:`benchmarks.retrieval`)."""
-    from benchmarks.retrieval import run_retrieval as run
-
-    return run(ctx, items)
-
-
-#: Workload name -> runner(ctx, items). Aliases a/b/c/r follow the issues' lettering.
-WORKLOADS: dict[str, Callable[[RunContext, list[QAItem]], list[dict]]] = {
-    "questions": run_questions,
-    "stream": run_stream,
-    "conversations": run_conversations,
-    "retrieval": run_retrieval,
-}
-ALIASES = {"a": "questions", "b": "stream", "c": "conversations", "r": "retrieval"}

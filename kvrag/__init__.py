@@ -5,6 +5,8 @@ from importlib.metadata import PackageNotFoundError, version
 from kvrag.config import EngineConfig
 from kvrag.engine import (
     CacheLookup,
+    CalibrationQuestion,
+    CalibrationResult,
     ChunkInfo,
     Engine,
     Generation,
@@ -41,6 +43,8 @@ __all__ = [
     "ScoreResult",
     "WarmResult",
     "CacheLookup",
+    "CalibrationQuestion",
+    "CalibrationResult",
     "KvragError",
     "InvalidRequestError",
     "ContextLengthError",

@@ -1,4 +1,4 @@
-"""The ``kvrag`` command line: ``kvrag serve ...``.
+"""The ``kvrag`` command line: ``kvrag serve ...`` and ``kvrag calibrate ...``.
 
 The benchmarks live beside the package, not in it: ``python -m benchmarks`` from a clone.
 """
@@ -7,16 +7,28 @@ from __future__ import annotations
 
 import sys
 
+USAGE = """usage: kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]
+       kvrag calibrate --dataset QA.json [--n 20] [--top-k 6] [--model M] [--config FIELD=VALUE ...]
+
+  serve      an OpenAI-compatible server over kvrag's engine
+  calibrate  measure the model's constants of recompute_ratio="auto" on dev questions
+
+`kvrag serve --help`, `kvrag calibrate --help`: all options."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]  (`kvrag serve --help`)")
+        print(USAGE)
         return 0
     if argv[0] == "serve":
         from kvrag.server.cli import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[0] == "calibrate":
+        from kvrag.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     print(f"kvrag: unknown command {argv[0]!r}; try `kvrag --help`", file=sys.stderr)
     return 2
 

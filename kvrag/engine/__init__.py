@@ -9,6 +9,7 @@ and :mod:`~kvrag.engine.reuse` -> :mod:`~kvrag.engine.store` (tiers, record form
 
 from kvrag.engine.engine import Engine, drop_engines, get_engine
 from kvrag.engine.model.sampling import SamplingParams
+from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
 from kvrag.engine.types import (
     CacheLookup,
     ChunkInfo,
@@ -31,4 +32,6 @@ __all__ = [
     "ScoreResult",
     "WarmResult",
     "CacheLookup",
+    "CalibrationQuestion",
+    "CalibrationResult",
 ]

@@ -19,6 +19,7 @@ from kvrag.engine.model.batch import DecodeRow, decode_step
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample
 from kvrag.engine.reuse import calibration
+from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label, similarity_order, warm_list
 from kvrag.engine.reuse.conversations import Conversations, check_conversation_id
 from kvrag.engine.reuse.documents import DocumentFinder
@@ -139,10 +140,7 @@ class Engine:
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         self.documents = DocumentFinder()
         self.conversations = Conversations(self.adapter, config.max_conversations)
-        probe = calibration.probe_key(
-            config.resolved_probe_layer(self.adapter.n_layers), config.probe_stride, config.deviation
-        )
-        calibrated = calibration.load(config.resolved_cache_dir(), self.fingerprint, probe)
+        calibrated = calibration.load(config.resolved_cache_dir(), self.fingerprint, self._probe_key())
         #: the probe deviation from which ``recompute_ratio="auto"`` recomputes a block (None: unknown)
         self.auto_threshold = (
             config.auto_threshold if config.auto_threshold is not None else calibrated.get("threshold")
@@ -420,6 +418,87 @@ class Engine:
         )
         return self._lookup(req)
 
+    def calibrate(
+        self,
+        questions: Sequence[CalibrationQuestion],
+        *,
+        target: float = 0.15,
+        progress: bool | Callable[[int, int], None] = False,
+        facts: dict | None = None,
+    ) -> CalibrationResult:
+        """Measure this model's constants of ``recompute_ratio="auto"`` on dev questions; save and use them.
+
+        ``auto`` recomputes every probed block whose KV deviation reaches a threshold (with
+        ``craft``: ``alpha * CFO`` of each chunk); both constants have a scale of their own per model.
+        Each question's passages are warmed together in retrieval order, then the question is
+        prefilled with them in prompt order, blended by the probe at ``target`` (the favourable
+        case); the constants are those at which ``auto`` recomputes ``target`` of the cached tokens
+        there (in foreign company it then measures more, up to ``auto_max_ratio``). They are written
+        for this model's fingerprint and probe settings under the cache directory
+        (:mod:`kvrag.engine.reuse.calibration`), where every engine of this model finds them; this
+        one uses them at once (a set ``config.auto_threshold`` still wins).
+
+        The store is emptied after each question (no question may find another's chunks): calibrate
+        on an engine of its own. One with a disk or remote tier is refused: those would be emptied too.
+
+        Args:
+            questions: the dev questions (20 of the dev set are the usual choice).
+            target: the share of the cached tokens ``auto`` is to recompute in the favourable case.
+            progress: show a progress bar (tqdm when installed, else log lines), or a callback
+                ``progress(questions done, questions)``.
+            facts: more to record beside the constants (what the questions were, e.g. ``top_k``).
+
+        Raises:
+            InvalidRequestError: bad questions or target, a store with persistent tiers, or questions
+                that blended nothing (nothing measured).
+        """
+        self._check_open()
+        questions = calibration.check_questions(questions)
+        target = calibration.check_target(target)
+        if self.config.disk_tier or self.config.remote_url:
+            raise InvalidRequestError(
+                "calibrate empties the store after each question; use an engine without disk_tier and remote_url"
+            )
+        t0 = time.perf_counter()
+        measured = calibration.Measurements()
+        with progress_reporter(progress, "kvrag calibrate", unit="question") as report:
+            for done, q in enumerate(questions, 1):
+                self.warm(q.retrieved)
+                self.flush()
+                req = self._request(
+                    chunks=q.chunks,
+                    prefix=q.prefix,
+                    suffix=q.suffix,
+                    sampling=SamplingParams(max_new_tokens=0),
+                    mode="blend",
+                    recompute_ratio=target,
+                    selection="probe",
+                )
+                n = int(req.ids.shape[0])  # the prefill runs on the engine thread, as requests do
+                plan, res = self._run_internal(lambda pause, r=req, n=n: self._prefill(r, capacity=n, pause=pause), n)
+                measured.add(
+                    res.measured, [(u.length, u.fix) for u in plan.chunks if u.source == "store" and u.fix is not None]
+                )
+                self.store.clear()
+                if report is not None:
+                    report(done, len(questions))
+        threshold, alpha = measured.constants(target)
+        probe = self._probe_key()
+        facts = {
+            **(facts or {}),
+            "alpha": alpha,
+            "target": target,
+            "questions": len(questions),
+            "model": self.model_name,
+        }
+        path = calibration.save(self.config.resolved_cache_dir(), self.fingerprint, probe, threshold, facts)
+        if self.config.auto_threshold is None:
+            self.auto_threshold = threshold
+        self.auto_alpha = alpha
+        return calibration.CalibrationResult(
+            threshold, alpha, probe, path, len(questions), measured.blocks, time.perf_counter() - t0
+        )
+
     def queue_stats(self) -> dict:
         """The engine thread's load now: ``running`` (requests holding a decoding slot), ``waiting``
         (requests and jobs queued), ``queued_tokens`` (their prompt tokens), ``decode_steps``."""
@@ -459,6 +538,12 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidRequestError("this engine is closed")
+
+    def _probe_key(self) -> str:
+        """The probe settings a calibration belongs to: the one place that names them (loaded in
+        ``__init__``, saved by :meth:`calibrate`)."""
+        cfg = self.config
+        return calibration.probe_key(cfg.resolved_probe_layer(self.adapter.n_layers), cfg.probe_stride, cfg.deviation)
 
     def _request(
         self,

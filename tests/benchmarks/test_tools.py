@@ -89,38 +89,3 @@ def test_kernel_cases_check_and_time_on_the_kernels_device(triton_device, capsys
     rows = kernels.run(cases, triton_device, reps=1, warmup=0)
     assert [r["case"] for r in rows] == [c.name for c in cases] and all(r["triton_ms"] > 0 for r in rows)
     assert "attention scattered (Tq=8)" in capsys.readouterr().out
-
-
-def test_calibration_picks_the_threshold_and_alpha_that_spend_the_target():
-    import torch
-
-    from benchmarks.calibrate import alpha_for, threshold_for
-
-    sizes = torch.tensor([10, 10, 10, 10])
-    deviation = torch.tensor([0.1, 0.9, 0.5, 0.3])
-    assert threshold_for(sizes, deviation, 0.5) == 0.5  # the blocks of 0.9 and 0.5 hold half the tokens
-    alpha = alpha_for([(100, 0.5), (100, 0.1)], 0.15)
-    assert abs(sum(min(s, alpha * f * s) for s, f in [(100, 0.5), (100, 0.1)]) / 200 - 0.15) < 1e-6
-
-
-def test_a_calibration_is_found_for_its_model_fingerprint(tmp_path, tiny_model, tiny_tokenizer):
-    from kvrag import Engine
-    from kvrag.engine.reuse import calibration
-
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
-    try:
-        assert engine.auto_threshold is None and engine.auto_alpha == 1.0
-        cfg = engine.config
-        probe = calibration.probe_key(
-            cfg.resolved_probe_layer(engine.adapter.n_layers), cfg.probe_stride, cfg.deviation
-        )
-        calibration.save(tmp_path, engine.fingerprint, probe, 0.25, {"alpha": 2.0})
-    finally:
-        engine.close()
-    again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
-    try:
-        assert (again.auto_threshold, again.auto_alpha) == (0.25, 2.0)
-        g = again.generate(["a document about rivers and castles"] * 1, "x", "y", max_new_tokens=1)
-        assert g.stats.recompute_ratio >= 0.0
-    finally:
-        again.close()

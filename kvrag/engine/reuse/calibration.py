@@ -1,9 +1,10 @@
 """Per-model calibration of ``recompute_ratio="auto"``: the probe deviation from which a block is recomputed.
 
 A probe's KV deviation has a scale of its own for every model (and probe layer, block size and
-deviation kind). ``python -m benchmarks calibrate`` measures, on dev questions, the threshold that makes
-``auto`` recompute what a fixed budget would in the favourable case, and writes it here:
-``<cache_dir>/calibration/<model fingerprint>.json``. The bundled model's value ships with kvrag
+deviation kind), and so has Cache-Craft's fix overhead. :meth:`kvrag.Engine.calibrate` (the
+``kvrag calibrate`` command) measures, on dev questions, the threshold and the ``alpha`` that make
+``auto`` recompute what a fixed budget would in the favourable case, and writes them here:
+``<cache_dir>/calibration/<model fingerprint>.json``. The bundled model's values may ship with kvrag
 (``kvrag/engine/reuse/data/calibration.json``), keyed the same way.
 """
 
@@ -13,12 +14,29 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import torch
+
+from kvrag.errors import InvalidRequestError
+
 log = logging.getLogger(__name__)
 
-__all__ = ["probe_key", "load", "save"]
+__all__ = [
+    "probe_key",
+    "load",
+    "save",
+    "threshold_for",
+    "alpha_for",
+    "CalibrationQuestion",
+    "CalibrationResult",
+    "Measurements",
+    "check_questions",
+    "check_target",
+]
 
 
 def probe_key(probe_layer: int, probe_stride: int, deviation: str) -> str:
@@ -57,7 +75,7 @@ def _entry(data, probe: str) -> dict:
 
 def load(cache_dir: Path, fingerprint: str, probe: str) -> dict:
     """The calibrated ``threshold`` and ``alpha`` for this model and probe (either may be missing):
-    the user's own (``python -m benchmarks calibrate``) first, then the one shipped with kvrag."""
+    the user's own (``kvrag calibrate``) first, then the one shipped with kvrag."""
     mine = _entry(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"), probe)
     return mine or _entry(_shipped().get(fingerprint), probe)
 
@@ -73,3 +91,145 @@ def save(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts:
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     return path
+
+
+# -- the constants from what the probe measured --------------------------------------------------------
+
+
+def threshold_for(sizes: torch.Tensor, deviation: torch.Tensor, target: float) -> float:
+    """The deviation at which blocks above it (largest first) hold ``target`` of all tokens."""
+    order = torch.argsort(deviation, descending=True)
+    covered = torch.cumsum(sizes[order].float(), 0) / float(sizes.sum())
+    at = int(torch.searchsorted(covered, torch.tensor(target)).clamp(max=len(order) - 1))
+    return float(deviation[order][at])
+
+
+def alpha_for(chunks: list[tuple[int, float]], target: float) -> float:
+    """Cache-Craft's alpha: ``sum(min(size, alpha * fix * size)) = target * sum(size)`` (bisection)."""
+    total = sum(s for s, _ in chunks)
+
+    def spent(alpha: float) -> float:
+        return sum(min(s, alpha * f * s) for s, f in chunks) / total
+
+    lo, hi = 0.0, 1.0
+    while spent(hi) < target and hi < 1e6:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if spent(mid) < target else (lo, mid)
+    return hi
+
+
+@dataclass
+class Measurements:
+    """What the probe measured over the calibration questions, and the constants it gives.
+
+    Attributes:
+        sizes: per question, the tokens of each probed block ([B] each).
+        deviations: per question, each block's KV deviation at the probe layer ([B] each).
+        chunks: ``(tokens, fix overhead)`` of every blended chunk (Cache-Craft's CFO without alpha).
+    """
+
+    sizes: list[torch.Tensor] = field(default_factory=list)
+    deviations: list[torch.Tensor] = field(default_factory=list)
+    chunks: list[tuple[int, float]] = field(default_factory=list)
+
+    def add(self, measured: dict, chunks: list[tuple[int, float]]) -> None:
+        """One question's prefill: what its blend pass measured (nothing when no chunk was blended,
+        e.g. every one was reused exactly) and its blended chunks."""
+        if "block_sizes" in measured:
+            self.sizes.append(measured["block_sizes"])
+            self.deviations.append(measured["block_deviation"])
+        self.chunks += chunks
+
+    @property
+    def blocks(self) -> int:
+        """Probed blocks in all."""
+        return sum(len(s) for s in self.sizes)
+
+    def constants(self, target: float) -> tuple[float, float]:
+        """``(threshold, alpha)`` at which ``auto`` recomputes ``target`` of these cached tokens.
+
+        Raises:
+            InvalidRequestError: nothing was measured (no cached chunk of the questions was
+                blended), so there is nothing to set them from.
+        """
+        if not self.blocks or not self.chunks:
+            raise InvalidRequestError(
+                "the calibration measured nothing (no cached chunk was blended): give questions with several "
+                "passages, asked in another order than they were retrieved"
+            )
+        return threshold_for(torch.cat(self.sizes), torch.cat(self.deviations), target), alpha_for(self.chunks, target)
+
+
+# -- the public types of Engine.calibrate ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationQuestion:
+    """One dev question of a calibration: its passages retrieved in one order, asked in another.
+
+    Attributes:
+        chunks: the passages in prompt order.
+        retrieved: the same passages in retrieval order: warmed together in this order before the
+            question is asked (the favourable case, as when a corpus is warmed as it is retrieved).
+        prefix: text before the passages (system prompt, instructions, chat template head).
+        suffix: text after them (the question, the chat template's assistant header).
+    """
+
+    chunks: Sequence[str]
+    retrieved: Sequence[str]
+    prefix: str = ""
+    suffix: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationResult:
+    """What :meth:`kvrag.Engine.calibrate` measured and where it wrote it.
+
+    Attributes:
+        threshold: the probe deviation from which ``recompute_ratio="auto"`` recomputes a block.
+        alpha: Cache-Craft's alpha for ``selection="craft"`` with ``"auto"``.
+        probe: the probe settings they belong to (layer, block size, deviation kind).
+        path: the file they were written to (per model fingerprint, under the cache directory).
+        questions: questions measured.
+        blocks: probed blocks the threshold was set from.
+        seconds: time the calibration took.
+    """
+
+    threshold: float
+    alpha: float
+    probe: str
+    path: Path
+    questions: int
+    blocks: int
+    seconds: float
+
+
+def check_questions(questions) -> list[CalibrationQuestion]:
+    """Calibration questions, checked: a non-empty list, each one's ``retrieved`` the same passages as its ``chunks``.
+
+    Raises:
+        InvalidRequestError: naming the first question that is not a :class:`CalibrationQuestion`
+            or whose two passage lists differ.
+    """
+    if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
+        raise InvalidRequestError("questions must be a non-empty list of CalibrationQuestion")
+    for i, q in enumerate(questions):
+        if not isinstance(q, CalibrationQuestion):
+            raise InvalidRequestError(f"questions[{i}] is a {type(q).__name__}, not a CalibrationQuestion")
+        if sorted(q.retrieved) != sorted(q.chunks):
+            raise InvalidRequestError(f"questions[{i}]: retrieved must hold the same passages as chunks")
+    return list(questions)
+
+
+def check_target(target) -> float:
+    """The share of cached tokens ``auto`` is to recompute in the favourable case: a number in (0, 1].
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    ok = isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target <= 1
+    if not ok:
+        raise InvalidRequestError(f"target must be a share of the cached tokens in (0, 1], got {target!r}")
+    return float(target)

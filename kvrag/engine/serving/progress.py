@@ -1,4 +1,4 @@
-"""Progress of long work (warming a corpus): a tqdm bar when tqdm is installed, else log lines."""
+"""Progress of long work (warming a corpus, a calibration): a tqdm bar when tqdm is installed, else log lines."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ __all__ = ["progress_reporter"]
 
 @contextlib.contextmanager
 def progress_reporter(
-    progress: bool | Callable[[int, int], None], label: str
+    progress: bool | Callable[[int, int], None], label: str, unit: str = "window"
 ) -> Iterator[Callable[[int, int], None] | None]:
-    """A ``report(done, total)`` callback for ``progress``: ``False`` none, a callable itself, ``True`` a bar."""
+    """A ``report(done, total)`` callback for ``progress``: ``False`` none, a callable itself, ``True`` a
+    bar counting ``unit`` (``window``, ``question``)."""
     if not progress:
         yield None
         return
@@ -41,7 +42,7 @@ def progress_reporter(
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=label, unit="window")
+            bar = tqdm(total=total, desc=label, unit=unit)
         bar.update(done - bar.n)
 
     try:

@@ -1,0 +1,108 @@
+"""Calibration of ``recompute_ratio="auto"``: the constants' math, where they are kept, and
+:meth:`Engine.calibrate` measuring them on a tiny engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvrag import CalibrationQuestion, Engine, InvalidRequestError
+from kvrag.engine.reuse import calibration
+from tests.helpers import PREFIX, SUFFIX, make_docs
+
+
+def test_calibration_picks_the_threshold_and_alpha_that_spend_the_target():
+    sizes = torch.tensor([10, 10, 10, 10])
+    deviation = torch.tensor([0.1, 0.9, 0.5, 0.3])
+    assert calibration.threshold_for(sizes, deviation, 0.5) == 0.5  # the blocks of 0.9 and 0.5 hold half the tokens
+    alpha = calibration.alpha_for([(100, 0.5), (100, 0.1)], 0.15)
+    assert abs(sum(min(s, alpha * f * s) for s, f in [(100, 0.5), (100, 0.1)]) / 200 - 0.15) < 1e-6
+
+
+def test_measurements_pool_the_questions_and_refuse_when_nothing_was_measured():
+    m = calibration.Measurements()
+    with pytest.raises(InvalidRequestError, match="measured nothing"):
+        m.constants(0.15)
+    m.add({}, [])  # a question that blended nothing adds nothing
+    m.add({"block_sizes": torch.tensor([10, 10]), "block_deviation": torch.tensor([0.1, 0.9])}, [(100, 0.5)])
+    m.add({"block_sizes": torch.tensor([10, 10]), "block_deviation": torch.tensor([0.5, 0.3])}, [(100, 0.1)])
+    assert m.blocks == 4
+    threshold, alpha = m.constants(0.5)
+    assert threshold == 0.5 and alpha == calibration.alpha_for([(100, 0.5), (100, 0.1)], 0.5)
+
+
+def test_a_calibration_is_found_for_its_model_fingerprint(tmp_path, tiny_model, tiny_tokenizer):
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert engine.auto_threshold is None and engine.auto_alpha == 1.0
+        cfg = engine.config
+        probe = calibration.probe_key(
+            cfg.resolved_probe_layer(engine.adapter.n_layers), cfg.probe_stride, cfg.deviation
+        )
+        calibration.save(tmp_path, engine.fingerprint, probe, 0.25, {"alpha": 2.0})
+    finally:
+        engine.close()
+    again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert (again.auto_threshold, again.auto_alpha) == (0.25, 2.0)
+        g = again.generate(["a document about rivers and castles"] * 1, "x", "y", max_new_tokens=1)
+        assert g.stats.recompute_ratio >= 0.0
+    finally:
+        again.close()
+
+
+def _questions() -> list[CalibrationQuestion]:
+    docs = make_docs(6, words=50, seed=3)
+    return [
+        CalibrationQuestion(chunks=[docs[2], docs[0], docs[1]], retrieved=docs[:3], prefix=PREFIX, suffix=SUFFIX),
+        CalibrationQuestion(chunks=[docs[5], docs[3], docs[4]], retrieved=docs[3:], prefix=PREFIX, suffix=SUFFIX),
+    ]
+
+
+def test_engine_calibrate_measures_saves_and_uses_the_constants(tmp_path, tiny_model, tiny_tokenizer):
+    seen = []
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        res = engine.calibrate(_questions(), target=0.2, progress=lambda done, total: seen.append((done, total)))
+        assert seen == [(1, 2), (2, 2)] and res.questions == 2 and res.blocks > 0
+        assert res.threshold > 0 and res.alpha > 0
+        assert (engine.auto_threshold, engine.auto_alpha) == (res.threshold, res.alpha)  # used at once
+        assert engine.store.stats()["entries"] == 0  # emptied after each question
+        saved = json.loads(res.path.read_text())[res.probe]
+        assert saved["threshold"] == res.threshold
+        assert {k: saved[k] for k in ("alpha", "target", "questions")} == {
+            "alpha": res.alpha,
+            "target": 0.2,
+            "questions": 2,
+        }
+    finally:
+        engine.close()
+    again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert (again.auto_threshold, again.auto_alpha) == (res.threshold, res.alpha)
+    finally:
+        again.close()
+
+
+def test_engine_calibrate_refuses_bad_input_with_one_clear_error(tmp_path, tiny_engine, tiny_model, tiny_tokenizer):
+    q = _questions()[0]
+    bad = [
+        ([], {}, "non-empty list"),
+        ("abc", {}, "non-empty list"),
+        ([q, {"chunks": ["x"]}], {}, r"questions\[1\] is a dict"),
+        ([CalibrationQuestion(chunks=q.chunks, retrieved=q.chunks[:2])], {}, "same passages"),
+        ([q], {"target": 0}, "target must be"),
+        ([q], {"target": 1.5}, "target must be"),
+        ([q], {"target": True}, "target must be"),
+    ]
+    for questions, kwargs, match in bad:
+        with pytest.raises(InvalidRequestError, match=match):
+            tiny_engine.calibrate(questions, **kwargs)
+    disk = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), disk_tier=True)
+    try:
+        with pytest.raises(InvalidRequestError, match="disk_tier"):
+            disk.calibrate([q])
+    finally:
+        disk.close()
