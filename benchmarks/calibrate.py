@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     threshold = threshold_for(torch.cat(sizes), torch.cat(deviations), a.target)
     alpha = alpha_for(chunks, a.target)
     cfg = engine.config
-    probe = calibration.probe_key(cfg.resolved_probe_layer(engine.adapter.n_layers), cfg.probe_stride, cfg.deviation)
+    probe = engine.calibration_key
     facts = {"alpha": alpha, "target": a.target, "questions": a.n, "top_k": a.top_k, "model": engine.model_name}
     path = calibration.save(cfg.resolved_cache_dir(), engine.fingerprint, probe, threshold, facts)
     print(f"{engine.model_name} ({probe}): threshold {threshold:.6g}, alpha {alpha:.4g} -> {path}")
