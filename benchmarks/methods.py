@@ -5,7 +5,8 @@ what the engine did). ``hf`` is the peer baseline: transformers' own forward ove
 ids, in the same process and threads. ``full``, ``prefix``, ``reuse`` and ``blend`` are the engine's
 modes; ``blend@0.3`` names a recompute ratio, ``blend`` alone uses the engine's configured default;
 ``probe``, ``hkvd``, ``recency`` and ``epic`` are ``blend`` with that selection. A spec may add
-EngineConfig overrides for its method alone: ``probe@0.15+probe_layer=12`` (:mod:`benchmarks.specs`).
+EngineConfig overrides and selection parameters for its method alone: ``probe@0.15+probe_layer=12``
+(:mod:`benchmarks.specs`). ``random`` is an ablation registered by :mod:`benchmarks.selections`.
 
 New methods (Cache-Craft, reordering, ...) plug in with :func:`register_method`::
 
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.specs import MethodSpec, parse_spec, split_specs
+import benchmarks.selections  # noqa: F401  (registers the ablations' selections: random)
+from benchmarks.specs import MethodSpec, check_selection_params, parse_spec, split_specs
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
@@ -264,12 +266,25 @@ def _no_overrides(spec: MethodSpec, why: str) -> None:
         raise InvalidRequestError(f"method {spec.name!r}: {spec.base} takes no +FIELD=VALUE overrides ({why})")
 
 
+def _overrides(spec: MethodSpec, selection: str | None = None) -> dict:
+    """The spec's EngineConfig overrides, the selection's parameters checked: parameters given for a
+    method that names its selection (``hkvd@0.15+check_layer=2``) configure that selection."""
+    out = dict(spec.overrides)
+    if "selection_params" in out and selection is not None:
+        out.setdefault("selection", selection)
+    try:
+        check_selection_params(out)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"method {spec.name!r}: {exc}") from None
+    return out
+
+
 def _engine_mode(mode: str) -> Factory:
     def make(spec: MethodSpec) -> Method:
         _no_arg(spec)
         if mode == "full":
             _no_overrides(spec, "it is the reference every method is paired with")
-        return EngineMethod(spec.name, mode, overrides=dict(spec.overrides))
+        return EngineMethod(spec.name, mode, overrides=_overrides(spec))
 
     return make
 
@@ -288,14 +303,14 @@ def _ratio_arg(spec: MethodSpec) -> float | str | None:
 
 def _blend(selection: str | None) -> Factory:
     def make(spec: MethodSpec) -> Method:
-        return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection, dict(spec.overrides))
+        return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection, _overrides(spec, selection))
 
     return make
 
 
 def _auto(spec: MethodSpec) -> Method:
     _no_arg(spec)
-    return EngineMethod(spec.name, "blend", "auto", None, dict(spec.overrides))
+    return EngineMethod(spec.name, "blend", "auto", None, _overrides(spec))
 
 
 def _hf(spec: MethodSpec) -> Method:
@@ -305,7 +320,7 @@ def _hf(spec: MethodSpec) -> Method:
 
 
 def _conv(spec: MethodSpec) -> Method:
-    return ConversationMethod(spec.name, "blend", _ratio_arg(spec), overrides=dict(spec.overrides))
+    return ConversationMethod(spec.name, "blend", _ratio_arg(spec), overrides=_overrides(spec))
 
 
 register_method("hf", _hf, description="transformers' own forward on the same token ids (TTFT only)")

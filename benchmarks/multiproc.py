@@ -171,10 +171,10 @@ def _load(args):
     """Dataset items, the prompt format and the model's facts (one engine load in this process)."""
     from benchmarks.data import PromptFormat, load_dataset
     from benchmarks.workloads import kv_shape
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
 
     items = load_dataset(args.dataset, args.questions)[: args.questions]
-    engine = Engine.from_pretrained(args.model, max_new_tokens=1)
+    engine = Engine.from_pretrained(args.model, sampling=SamplingParams(max_new_tokens=1))
     fmt = PromptFormat(engine.tokenizer)
     return items, fmt, engine, kv_shape(engine)
 

@@ -8,6 +8,7 @@ and settings; their ratios still pair only within each run.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -123,6 +124,8 @@ def _plain(v):
         return [_plain(x) for x in v]
     if isinstance(v, dict):
         return {str(k): _plain(x) for k, x in v.items()}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # the config's sampling: its fields
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     return str(v)
 
 

@@ -24,6 +24,7 @@ from benchmarks.methods import parse_methods
 from benchmarks.report import aggregate, run_metadata, write_results
 from benchmarks.retrieval import STORE_MODES, run_retrieval
 from benchmarks.workloads import RunContext, run_questions, run_stream
+from kvrag.engine.store.policy import check_policy
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["BenchOptions", "run_bench", "DEFAULT_METHODS", "WORKLOADS", "ALIASES"]
@@ -237,7 +238,8 @@ def run_bench(
         settings["dataset"] = os.path.abspath(opts.dataset)
         if "stream" in names:  # a bad store setting fails now, not after workload (a)
             for policy in str(opts.eviction_policy).split(","):
-                engine.config.replace(eviction_policy=policy.strip(), **(opts.config or {}))
+                config = engine.config.replace(eviction_policy=policy.strip(), **(opts.config or {}))
+                check_policy(config.eviction_policy)
         meta = run_metadata(engine, run_id, list(argv or []), settings)
         fmt = PromptFormat(engine.tokenizer, opts.system, opts.instructions, opts.answer_hint)
         meta["prompt_style"] = fmt.style

@@ -3,9 +3,12 @@
 - ``base``: a registered method (``full``, ``probe``, ``hkvd``, ``epic``, ``blend``, ...).
 - ``@arg``: the method's argument; for the blend methods the recompute ratio (``probe@0.15``).
 - ``+field=value``: an :class:`~kvrag.EngineConfig` override for this method alone, for ablations
-  (``probe@0.15+probe_layer=12``, ``epic@0.15+chunk_context=sink``). Values are JSON where they
-  parse (``12``, ``0.5``, ``true``, ``[2.0,1.5]``), else plain strings (``sink``). A method with
-  overrides runs on an engine of its own built with them (same weights).
+  (``epic@0.15+chunk_context=sink``), or a parameter of the method's selection strategy
+  (``probe@0.15+probe_layer=12``, ``hkvd@0.15+filter_schedule=[3.0,2.0]``: any parameter a
+  registered selection takes, written bare, goes to ``selection_params``, and the method's
+  selection becomes the engine's). Values are JSON where they parse (``12``, ``0.5``, ``true``,
+  ``[2.0,1.5]``), else plain strings (``sink``). A method with overrides runs on an engine of its
+  own built with them (same weights).
 
 A comma separates methods in a list; commas inside brackets belong to a value
 (``full,hkvd@0.15+filter_schedule=[3.0,2.0]``). The name a method's results are filed under is
@@ -23,6 +26,7 @@ __all__ = [
     "parse_spec",
     "split_specs",
     "config_overrides",
+    "check_selection_params",
     "command_line_overrides",
     "FIXED_FIELDS",
     "STORE_FIELDS",
@@ -62,9 +66,38 @@ class MethodSpec:
     overrides: tuple[tuple[str, object], ...] = ()
 
 
-def config_overrides(pairs: list[str], *, what: str = "--config") -> dict:
+def _strategy_parameter(pair: str) -> str:
+    """``probe_layer=12`` -> ``selection_params.probe_layer=12`` when ``probe_layer`` is no EngineConfig
+    field but a parameter of a registered selection; other pairs as they are."""
+    import dataclasses
+
+    from kvrag.config import EngineConfig
+    from kvrag.engine.reuse.selection import params_class, registered_selections
+
+    key = pair.partition("=")[0].strip()
+    if "=" not in pair or "." in key or key in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return pair
+    taken = {n for s in registered_selections() for n in params_class(s).names()}
+    return f"selection_params.{pair.strip()}" if key in taken else pair
+
+
+def check_selection_params(overrides: dict) -> None:
+    """Check the selection and ``selection_params`` of a config built with ``overrides`` against the
+    selection registry (what :class:`~kvrag.EngineConfig` alone cannot: the registry needs torch)."""
+    from kvrag.config import EngineConfig
+    from kvrag.engine.reuse.selection import configured_params
+
+    configured_params(EngineConfig().replace(**overrides))
+
+
+def config_overrides(pairs: list[str], *, what: str = "--config", check_selection: bool = True) -> dict:
     """``["field=value", ...]`` -> ``{field: value}`` (:func:`kvrag.config.parse_overrides`), with the
-    values checked by building an :class:`~kvrag.EngineConfig` from them.
+    values checked by building an :class:`~kvrag.EngineConfig` from them. A bare parameter of a
+    selection strategy (``probe_layer=12``) is ``selection_params.probe_layer=12``.
+
+    Args:
+        check_selection: also check the selection's parameters against the selection the overrides
+            leave configured (off where the caller knows the selection better: a method spec).
 
     Raises:
         InvalidRequestError: a pair without ``=``, a field EngineConfig does not have, or a value
@@ -73,8 +106,10 @@ def config_overrides(pairs: list[str], *, what: str = "--config") -> dict:
     from kvrag.config import EngineConfig, parse_overrides
 
     try:
-        out = parse_overrides(pair.strip() for pair in pairs)
+        out = parse_overrides(_strategy_parameter(pair) for pair in pairs)
         EngineConfig().replace(**out)
+        if check_selection:
+            check_selection_params(out)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{what}: {exc}") from None
     return out
@@ -100,7 +135,7 @@ def parse_spec(text: str, known: set[str] | dict) -> MethodSpec:
         )
     if sep and not arg.strip():
         raise InvalidRequestError(f"method {name!r}: nothing after '@'")
-    overrides = config_overrides(pairs, what=f"method {name!r}") if pairs else {}
+    overrides = config_overrides(pairs, what=f"method {name!r}", check_selection=False) if pairs else {}
     fixed = sorted(FIXED_FIELDS & overrides.keys())
     if fixed:
         raise InvalidRequestError(

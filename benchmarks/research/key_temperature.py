@@ -4,7 +4,8 @@ Not a kvrag feature. Training-free parallel-context methods (APE: Adaptive Paral
 attention a prompt's later tokens pay to independently computed context. Here each selection
 ``ksNNN`` reuses every cached chunk as is (nothing recomputed, like ``reuse``) with its keys
 multiplied by NNN/100 on every layer, i.e. the attention logits on cached chunk keys divided by a
-temperature 100/NNN; the prefix and the question keep theirs. ``ks100`` is ``reuse`` exactly.
+temperature 100/NNN; the prefix and the question keep theirs. ``ks100`` is ``reuse`` exactly. They
+register with kvrag's selection registry (no parameters) when this module is imported.
 Chunks computed in other company (docs/benchmarks.md, "Nor does a temperature on the cached keys"):
 
     python -m benchmarks.research.key_temperature --dataset ../shared/data/musique_dev.json --n 10 \\
@@ -15,7 +16,9 @@ Chunks computed in other company (docs/benchmarks.md, "Nor does a temperature on
 
 from __future__ import annotations
 
-from kvrag.engine.reuse.selection.base import BlendPass
+import sys
+
+from kvrag.engine.reuse.selection.base import BlendPass, register_selection
 
 SCALES = {"ks080": 0.8, "ks090": 0.9, "ks100": 1.0, "ks110": 1.1, "ks120": 1.2}
 
@@ -43,7 +46,11 @@ def scaled_reuse(scale: float):
     return strategy
 
 
-if __name__ == "__main__":
-    from benchmarks.research.research_selections import run_bench
+for _name, _scale in SCALES.items():
+    register_selection(_name, scaled_reuse(_scale))
 
-    run_bench({name: scaled_reuse(scale) for name, scale in SCALES.items()})
+
+if __name__ == "__main__":
+    from benchmarks.__main__ import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -11,9 +11,10 @@ the uncached rows. Deviation is the squared K and V difference summed over heads
   its mean over the cached tokens, so every layer weighs the same);
 - ``oblkall``: the probe's 16-token blocks, by the mean of that all-layer score over the block.
 
-They run as ``blend@r+selection=<name>`` beside the shipped methods, all the bench's arguments
-passed through; e.g. chunks computed in other company (docs/benchmarks.md, "The budget alone does
-not buy it back"):
+They register with kvrag's selection registry (with the probe's parameters: its layer and block
+size) when this module is imported, and run as ``blend@r+selection=<name>`` beside the shipped
+methods, all the bench's arguments passed through; e.g. chunks computed in other company
+(docs/benchmarks.md, "The budget alone does not buy it back"):
 
     python -m benchmarks.research.oracle_selection --dataset ../shared/data/musique_dev.json --n 10 \\
         --top-k 6 --workloads a --warm-company other --config num_threads=1 --methods \\
@@ -22,11 +23,13 @@ not buy it back"):
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kvrag.engine.model.runner import KVBuffer, forward
-from kvrag.engine.reuse.selection.base import BlendPass
-from kvrag.engine.reuse.selection.probe import budget_tokens
+from kvrag.engine.reuse.selection.base import BlendPass, register_selection
+from kvrag.engine.reuse.selection.probe import ProbeParams, budget_tokens
 from kvrag.kernels import kv_deviation
 
 ORACLES = {"otok8": ("probe", False), "otokall": ("all", False), "oblkall": ("all", True)}
@@ -45,7 +48,7 @@ def _scores(p: BlendPass, layers: str) -> torch.Tensor:
     """[N] the cached tokens' deviation from the full prefill's KV (0 elsewhere)."""
     n, full, cached = p.plan.num_tokens, _full_kv(p), KVBuffer(p.adapter, p.plan.num_tokens)
     cand = p.candidates.nonzero().squeeze(1)
-    which = [p.options.probe_layer] if layers == "probe" else range(p.adapter.n_layers)
+    which = [p.params.probe_layer] if layers == "probe" else range(p.adapter.n_layers)
     dev = torch.zeros(cand.numel())
     for layer in which:
         p.source.fill(layer, cached)
@@ -67,7 +70,7 @@ def _chosen(p: BlendPass, score: torch.Tensor, blocks: bool) -> torch.Tensor:
         top = torch.topk(score[cand], min(budget, int(cand.sum()))).indices
         chosen[cand.nonzero().squeeze(1)[top]] = True
         return chosen
-    stride = p.options.probe_stride
+    stride = p.params.probe_stride
     found = [(a, min(a + stride, end)) for start, end in p.spans for a in range(start, end, stride)]
     for a, b in sorted(found, key=lambda ab: -float(score[ab[0] : ab[1]].mean())):
         if budget <= 0:
@@ -86,7 +89,11 @@ def oracle(layers: str, blocks: bool):
     return strategy
 
 
-if __name__ == "__main__":
-    from benchmarks.research.research_selections import run_bench
+for _name, (_layers, _blocks) in ORACLES.items():
+    register_selection(_name, oracle(_layers, _blocks), params=ProbeParams)
 
-    run_bench({name: oracle(layers, blocks) for name, (layers, blocks) in ORACLES.items()})
+
+if __name__ == "__main__":
+    from benchmarks.__main__ import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """The embedded PyTorch engine behind the :class:`Engine` facade, one folder per layer.
 
-Dependencies point one way (import-linter contracts in ``pyproject.toml``, checked by ``make test``):
+Dependencies point one way (checked in ``make test``, ``tests/test_layers.py``):
 :mod:`~kvrag.engine.serving` (the engine thread, scheduler, requests, write-back) ->
 :mod:`~kvrag.engine.reuse` (planning, fusion, selection, variants, conversations) ->
 :mod:`~kvrag.engine.model` (family adapters, loading, the layer runner, sampling) -> :mod:`kvrag.kernels`;

@@ -17,7 +17,7 @@ from kvrag.engine.model import loading
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import DecodeRow, decode_step
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
-from kvrag.engine.model.sampling import SamplingParams, TextStream, sample
+from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
 from kvrag.engine.reuse import calibration
 from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label, similarity_order, warm_list
@@ -28,7 +28,7 @@ from kvrag.engine.reuse.gate import load_gate
 from kvrag.engine.reuse.planner import Plan, Planner, reuses_nothing
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import PromptTokenizer
-from kvrag.engine.reuse.selection import auto_kind
+from kvrag.engine.reuse.selection import auto_kind, configured_params
 from kvrag.engine.reuse.variants import StoredVariants, VariantIndex
 from kvrag.engine.serving.costs import CostFeedback
 from kvrag.engine.serving.progress import progress_reporter
@@ -49,6 +49,7 @@ from kvrag.engine.serving.sequence import RunningSequence
 from kvrag.engine.serving.worker import Pause, StreamJob, Worker
 from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import DamagedEntryError, KVStore
+from kvrag.engine.store.policy import check_policy
 from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import CacheLookup, Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import ContextLengthError, InvalidRequestError
@@ -105,6 +106,7 @@ class Engine:
         name: str = "",
         store: KVStore | None = None,
     ) -> None:
+        _check_config(config)
         self.config = config
         self.hf_model = hf_model
         self.tokenizer = tokenizer
@@ -192,6 +194,7 @@ class Engine:
         config = (config or EngineConfig()).replace(**overrides)
         if model is not None:
             config = config.replace(model=str(model))
+        _check_config(config)  # before the model loads: a bad name fails at once
         loaded = loading.load_model(config.model, config.dtype, config.device, config.resolved_cache_dir())
         return cls(
             loaded.hf_model,
@@ -208,6 +211,7 @@ class Engine:
     ) -> Engine:
         """Build an engine over a transformers model and tokenizer already in memory."""
         config = (config or EngineConfig()).replace(**overrides)
+        _check_config(config)
         loading.check_architecture(hf_model.config)
         hf_model.eval()
         return cls(hf_model, tokenizer, config, weights_digest=loading.state_dict_digest(hf_model), store=store)
@@ -542,8 +546,8 @@ class Engine:
     def _probe_key(self) -> str:
         """The probe settings a calibration belongs to: the one place that names them (loaded in
         ``__init__``, saved by :meth:`calibrate`)."""
-        cfg = self.config
-        return calibration.probe_key(cfg.resolved_probe_layer(self.adapter.n_layers), cfg.probe_stride, cfg.deviation)
+        probe = configured_params(self.config, "probe").resolved(self.adapter.n_layers)
+        return calibration.probe_key(probe.probe_layer, probe.probe_stride, probe.deviation)
 
     def _request(
         self,
@@ -586,7 +590,7 @@ class Engine:
             ids=ids,
             mode=mode,
             ratio=ratio,
-            sampling=sampling.resolved(cfg),
+            sampling=sampling.resolved(cfg.sampling),
             selection=selection,
             namespace=namespace,
             conversation=conversation,
@@ -721,7 +725,7 @@ class Engine:
         budget = min(sp.max_new_tokens, self.context_window - n)
         plan, res = self._prefill(req, capacity=n + budget, pause=pause)
         logits = self.adapter.logits(res.last_hidden)[0]
-        generator = sp.generator()
+        generator = seeded_generator(sp)
         token = sample(logits, sp.temperature, sp.top_p, generator)
         ttft = time.perf_counter() - t0
         stats = generation_stats(plan, res, self.adapter.n_layers, ttft)
@@ -770,6 +774,13 @@ _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+def _check_config(config: EngineConfig) -> None:
+    """What the config cannot check without torch: the selection and its parameters against the
+    selection registry, the eviction policy against the store's (one clear error each)."""
+    configured_params(config)
+    check_policy(config.eviction_policy)
+
+
 def _engine_key(config: EngineConfig) -> tuple:
     fields = []
     for name in config.__slots__:
@@ -788,7 +799,8 @@ def get_engine(model: str | None = None, **config) -> Engine:
     bundled = find_bundled(model) if isinstance(model, str) else None
     if bundled is not None:  # any name of a bundled model: one engine per model
         model = None if bundled is BUNDLED[0] else bundled.name
-    cfg = EngineConfig(**config).replace(model=model) if model is not None else EngineConfig(**config)
+    cfg = EngineConfig().replace(**config)  # an old field name says where it went
+    cfg = cfg.replace(model=model) if model is not None else cfg
     key = _engine_key(cfg)
     engine = _engines.get(key)
     if engine is not None:

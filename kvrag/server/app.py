@@ -145,7 +145,7 @@ class _Server:
             "owned_by": "kvrag",
             "max_model_len": self.engine.context_window,
             "kvrag": {
-                "max_new_tokens": cfg.max_new_tokens,
+                "max_new_tokens": cfg.sampling.max_new_tokens,
                 "mode": cfg.mode,
                 "recompute_ratio": cfg.recompute_ratio,
                 "selection": cfg.selection,

@@ -29,7 +29,9 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="EngineConfig field, e.g. --config recompute_ratio=0.3 --config disk_tier=true (repeatable)",
+        help="EngineConfig field, e.g. --config recompute_ratio=0.3 --config disk_tier=true; the default sampling "
+        "and the selection's parameters field by field: --config sampling.max_new_tokens=128, "
+        "--config selection_params.probe_layer=12 (repeatable)",
     )
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the engine's)")
     p.add_argument(

@@ -21,7 +21,15 @@ def test_specs_carry_a_ratio_and_engine_overrides():
     ]
     assert (ms[1].selection, ms[1].ratio, ms[1].overrides) == ("probe", 0.15, {})
     assert (ms[2].selection, ms[2].ratio, ms[2].overrides) == ("epic", 0.15, {"chunk_context": "sink"})
-    assert ms[3].overrides == {"filter_schedule": (3.0, 2.0), "check_layer": 2}  # JSON values, lists as tuples
+    # a strategy's parameter configures the method's selection; JSON values, lists as tuples
+    assert ms[3].overrides == {
+        "selection": "hkvd",
+        "selection_params": {"filter_schedule": (3.0, 2.0), "check_layer": 2},
+    }
+    (probe12,) = parse_methods("probe@0.15+probe_layer=12")[1:]
+    assert probe12.overrides == {"selection": "probe", "selection_params": {"probe_layer": 12}}
+    blend12 = parse_methods("blend@0.15+selection_params.probe_layer=12")[1]  # the dotted form works too
+    assert blend12.overrides == {"selection_params": {"probe_layer": 12}} and blend12.selection is None
     auto, probe_auto = parse_methods("auto+auto_max_ratio=0.5,probe@auto")[1:]
     assert (auto.ratio, auto.selection, auto.overrides) == ("auto", None, {"auto_max_ratio": 0.5})
     assert (probe_auto.ratio, probe_auto.selection) == ("auto", "probe")
@@ -44,8 +52,13 @@ def test_a_list_splits_on_commas_outside_brackets():
     [
         ("probe@0.15+nonsense=1", "field of EngineConfig"),
         ("probe@0.15+probe_stride", "FIELD=VALUE"),
-        ("probe@0.15+probe_stride=0", "probe_stride"),  # EngineConfig's own validation
-        ("probe@0.15+selection=magic", "selection"),
+        ("probe@0.15+probe_stride=0", "probe_stride"),  # the probe's parameters' own validation
+        ("hkvd@0.15+filter_schedule=[1.0,2.0]", "filter_schedule"),
+        ("probe@0.15+check_layer=2", r"'probe' takes no parameter\(s\) check_layer"),
+        ("hkvd@0.15+probe_layer=2", r"'hkvd' takes no parameter\(s\) probe_layer"),
+        ("probe@0.15+selection=magic", "unknown selection 'magic'; registered: "),
+        ("probe@0.15+max_new_tokens=3", "sampling.max_new_tokens"),
+        ("probe@0.15+eviction_policy=3", "eviction_policy must be"),
         ("probe@0.15+dtype=bfloat16", "same weights"),
         ("probe@0.15+model=x", "same weights"),
         ("full+recompute_ratio=0.3", "reference"),
@@ -67,6 +80,14 @@ def test_config_overrides_name_where_they_were_written():
     assert config_overrides(['cache_dir="/tmp/x"', "disk_tier=true"]) == {"cache_dir": "/tmp/x", "disk_tier": True}
     with pytest.raises(InvalidRequestError, match="--config"):
         config_overrides(["memory_budget_bytes=-1"])
+    # a run's --config: a bare parameter configures the configured selection (the probe by default)
+    assert config_overrides(["probe_layer=12"]) == {"selection_params": {"probe_layer": 12}}
+    assert config_overrides(["selection=hkvd", "check_layer=2"]) == {
+        "selection": "hkvd",
+        "selection_params": {"check_layer": 2},
+    }
+    with pytest.raises(InvalidRequestError, match=r"--config: selection 'probe' takes no parameter\(s\) check_layer"):
+        config_overrides(["check_layer=2"])
 
 
 def test_an_override_runs_on_an_engine_of_its_own_over_the_shared_store(tmp_path, tiny_engine):

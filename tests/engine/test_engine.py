@@ -210,7 +210,9 @@ def test_warm_computes_each_chunk_behind_the_ones_before_it(tiny_engine):
 
 def test_warm_splits_long_lists_into_windows(tiny_model, tiny_tokenizer, docs):
     two = 280  # room for two of these documents behind 3/8 of it in context, not for three
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, warm_window_tokens=two)
+    engine = Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8), warm_window_tokens=two
+    )
     try:
         cc = engine.chunk_computer
         ids = [engine.prompt_tokenizer.tokenize(d) for d in docs]
@@ -237,7 +239,9 @@ def test_warm_variants_adds_a_reverse_pass(tiny_model, tiny_tokenizer, docs):
     """warm_variants=2: the list is computed again in reverse, each chunk kept as a second variant
     behind the documents after it; a second warm computes nothing."""
     two = 280
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, warm_window_tokens=two, warm_variants=2)
+    engine = Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8), warm_window_tokens=two, warm_variants=2
+    )
     try:
         ids = [engine.prompt_tokenizer.tokenize(d) for d in docs]
         room = engine.chunk_computer.window_context_tokens(two)
@@ -273,7 +277,9 @@ def test_default_warm_variants_follow_the_order(tiny_model, tiny_tokenizer, docs
     """By default a corpus warmed by similarity gets two variants per chunk, a given list one; with
     max_variants=1 the default asks for no second one (and is no error)."""
     for order, settings, want in (("similar", {}, 4), ("given", {}, 0), ("similar", {"max_variants": 1}, 0)):
-        with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, **settings) as engine:
+        with Engine.from_model(
+            tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **settings
+        ) as engine:
             assert engine.config.warm_variants is None
             res = engine.warm(docs, order=order)
             assert (res.computed, res.variants) == (4, want), (order, settings)
@@ -282,11 +288,17 @@ def test_default_warm_variants_follow_the_order(tiny_model, tiny_tokenizer, docs
 def test_second_variants_take_no_room_from_first_ones(tiny_model, tiny_tokenizer, docs):
     """In a store that holds the list once, the reverse pass keeps nothing: its variants are kept
     ahead of need and never push out a chunk's first variant (the hit rate of one variant stays)."""
-    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, warm_variants=1) as probe:
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), warm_variants=1
+    ) as probe:
         probe.warm(docs)
         held = probe.store.stats()["bytes"]
     with Engine.from_model(
-        tiny_model, tiny_tokenizer, max_new_tokens=2, warm_variants=2, memory_budget_bytes=held + 64
+        tiny_model,
+        tiny_tokenizer,
+        sampling=SamplingParams(max_new_tokens=2),
+        warm_variants=2,
+        memory_budget_bytes=held + 64,
     ) as engine:
         res = engine.warm(docs)
         assert (res.computed, res.variants) == (4, 4)  # computed, then refused
@@ -437,13 +449,6 @@ def test_tenants_never_see_each_others_cache(tiny_engine, docs):
 def test_unknown_request_arguments_are_named(tiny_engine):
     with pytest.raises(InvalidRequestError, match="recompute_rato"):
         tiny_engine.generate(["a document"], PREFIX, SUFFIX, recompute_rato=0.2)
-
-
-def test_every_selection_has_a_strategy():
-    from kvrag.config import SELECTIONS
-    from kvrag.engine.reuse.selection import registered_selections
-
-    assert sorted(SELECTIONS) == list(registered_selections())
 
 
 def test_score_matches_generation_logits(tiny_engine, docs):

@@ -15,7 +15,7 @@ from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 
-from kvrag import ContextLengthError, Engine, InvalidRequestError  # noqa: E402
+from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams  # noqa: E402
 from kvrag.integrations.langchain import (  # noqa: E402
     KVCachedLLM,
     KVCachedRetriever,
@@ -46,7 +46,7 @@ def format_docs(docs):
 
 @pytest.fixture
 def lc_engine(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=6)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=6))
     yield engine
     engine.close()
 
@@ -197,8 +197,13 @@ def test_constructor_is_cheap_and_strict():
         KVCachedLLM(engine_config={"recompute_ratio": 0.3})
     with pytest.raises(ValueError, match="engine_config"):  # per call, not a second engine
         KVCachedLLM(engine_config={"selection": "recency"})
-    with pytest.raises(ValueError, match="selection"):
-        KVCachedLLM(selection="oracle")
+    with pytest.raises(ValueError, match="sampling"):  # the defaults of per-call arguments
+        KVCachedLLM(engine_config={"sampling": {"max_new_tokens": 3}})
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        KVCachedLLM(engine_config={"max_new_tokens": 3})
+    with pytest.raises(ValueError, match=r"selection_params=\{'probe_layer'"):  # a former field says where it went
+        KVCachedLLM(engine_config={"probe_layer": 12})
+    KVCachedLLM(engine_config={"selection_params": {"probe_layer": 12}})  # the probe's own: an engine setting
     with pytest.raises(ValueError, match="recompute_ratio"):
         KVCachedLLM(recompute_ratio=1.5)
 
@@ -221,10 +226,19 @@ def test_tracing_parameters_name_kvrag_and_the_model():
 def test_field_literals_name_the_engine_choices():
     from typing import get_args
 
-    from kvrag.config import MODES, SELECTIONS
-    from kvrag.integrations.langchain._common import Mode, Selection
+    from kvrag.config import MODES
+    from kvrag.integrations.langchain._common import Mode
 
-    assert set(get_args(Mode)) == set(MODES) and set(get_args(Selection)) == set(SELECTIONS)
+    assert set(get_args(Mode)) == set(MODES)
+
+
+def test_a_selection_is_checked_against_the_registry_when_the_call_runs(lc_engine):
+    from kvrag.engine.reuse.selection import registered_selections
+
+    llm = KVCachedLLM(engine=lc_engine, max_tokens=2, selection="oracle")  # a string: no list to copy here
+    with pytest.raises(InvalidRequestError, match="unknown selection 'oracle'; registered: ") as info:
+        llm.invoke("hello the river")
+    assert all(name in str(info.value) for name in registered_selections())
 
 
 def test_selection_reaches_the_engine(lc_engine, monkeypatch):

@@ -99,7 +99,7 @@ def test_construction_is_cheap_and_strict(monkeypatch):
 def test_metadata(llm, tiny_engine):
     meta = llm.metadata
     assert meta.context_window == tiny_engine.context_window
-    assert meta.num_output == tiny_engine.config.max_new_tokens
+    assert meta.num_output == tiny_engine.config.sampling.max_new_tokens
     assert meta.is_chat_model and not meta.is_function_calling_model
     assert meta.model_name == tiny_engine.model_name
     assert KVCachedLLM(engine=tiny_engine, context_window=300, max_new_tokens=4).metadata.num_output == 4

@@ -80,7 +80,7 @@ def test_metadata_and_conversations_come_from_the_server(serve_tiny):
     engine, url = serve_tiny()
     llm = KVCachedLLM(base_url=url, conversation_id="c1")
     meta = llm.metadata
-    assert meta.context_window == engine.context_window and meta.num_output == engine.config.max_new_tokens
+    assert meta.context_window == engine.context_window and meta.num_output == engine.config.sampling.max_new_tokens
     assert meta.model_name == engine.model_name
     assert KVCachedLLM(base_url=url, max_new_tokens=3).metadata.num_output == 3
     llm.chat([ChatMessage(role="user", content="where was the king born?")])

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pydantic")  # the LLM fields are pydantic models (both integrations' extras bring it)
 
 import kvrag.engine
-from kvrag.config import MODES, SELECTIONS, EngineConfig
+from kvrag.config import MODES, EngineConfig
 from kvrag.engine import Engine, Generation, GenerationStats, GenerationStream
 from kvrag.engine.serving.requests import RequestArgs
 from kvrag.errors import InvalidRequestError
@@ -25,7 +25,6 @@ from kvrag.integrations._shared import (
     METADATA_KEYS,
     EngineCall,
     Mode,
-    Selection,
     call_metadata,
     call_options,
     check_target,
@@ -112,12 +111,15 @@ def test_unknown_argument_is_one_error_naming_it_and_the_accepted_ones():
 
 
 def test_literals_and_descriptions_follow_kvrag_config():
+    from kvrag.engine.reuse.selection import registered_selections
     from kvrag.integrations._shared import GenerationFields
 
-    assert get_args(Mode) == MODES and get_args(Selection) == SELECTIONS
+    assert get_args(Mode) == MODES
     fields = GenerationFields.model_fields
     assert all(m in fields["mode"].description for m in MODES)
-    assert all(s in fields["selection"].description for s in SELECTIONS)
+    assert fields["selection"].annotation == str | None  # the registry is the list, checked per call
+    assert all(s in fields["selection"].description for s in ("probe", "hkvd", "focus", "epic"))
+    assert set(registered_selections()) >= {"probe", "hkvd", "recency", "focus", "craft", "epic"}
 
 
 # -- figures --------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def test_engine_outputs_unchanged_through_triton_kernels(tk, family, tiny_tokeni
     """The tiny engine, on the kernels' device, generates the same greedy tokens with every kernel
     on the Triton path as on the references, in full and blend modes; Gemma 3 brings sliding
     windows shorter than the prompt and a RoPE per layer kind."""
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
     from tests.helpers import PREFIX, SUFFIX, make_tiny_model
 
     tiny_model = make_tiny_model(len(tiny_tokenizer), family)
@@ -272,7 +272,7 @@ def test_engine_outputs_unchanged_through_triton_kernels(tk, family, tiny_tokeni
     model = tiny_model if tk.device.type == "cpu" else copy.deepcopy(tiny_model).to(tk.device)
 
     def run(backend: str) -> list[list[int]]:
-        engine = Engine.from_model(model, tiny_tokenizer, max_new_tokens=4)
+        engine = Engine.from_model(model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=4))
         try:
             with K.use_backend(backend):
                 engine.warm(docs[:2])

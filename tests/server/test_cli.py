@@ -50,7 +50,7 @@ def test_kvrag_serve_process(tmp_path, tiny_model, tiny_tokenizer):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "kvrag.cli", "serve", "--port", str(port), "--model", str(model_dir)]
-    command += ["--config", f"cache_dir={tmp_path / 'cache'}", "--config", "max_new_tokens=3"]
+    command += ["--config", f"cache_dir={tmp_path / 'cache'}", "--config", "sampling.max_new_tokens=3"]
     command += ["--served-model-name", "tiny", "--api-keys-file", str(keys), "--log-level", "warning"]
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)

@@ -170,12 +170,17 @@ def _full_disk(directory: str, limit: int) -> None:
 def _engine(model_dir: str, cache_dir: str, docs_path: str, out_path: str, warm: bool, remote_url=None) -> None:
     """Answer the questions in ``docs_path`` with an engine over a disk tier (or, given
     ``remote_url``, over a remote tier alone); report answers and tiers."""
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
 
     job = json.load(open(docs_path))
     tiers = dict(remote_url=remote_url) if remote_url else dict(disk_tier=True)
     engine = Engine.from_pretrained(
-        model_dir, cache_dir=cache_dir, max_new_tokens=8, loading_controller=False, num_threads=1, **tiers
+        model_dir,
+        cache_dir=cache_dir,
+        sampling=SamplingParams(max_new_tokens=8),
+        loading_controller=False,
+        num_threads=1,
+        **tiers,
     )
     if warm:
         engine.warm(job["docs"])

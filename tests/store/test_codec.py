@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kvrag import Engine
+from kvrag import Engine, SamplingParams
 from kvrag.config import EngineConfig
 from kvrag.engine.store import DiskStore, MemoryStore, TieredStore, build_store, serial
 from kvrag.engine.store.codec import AtRest, CodedRecord, Int8Codec, PlainCodec
@@ -108,7 +108,12 @@ def test_every_tier_yields_the_same_floats(tmp_path, remote_server):
 
 def test_engine_answers_alike_from_memory_disk_and_remote(tiny_model, tiny_tokenizer, tmp_path, remote_server):
     docs = make_docs(4, seed=3)
-    kw = dict(kv_codec="int8", max_new_tokens=4, loading_controller=False, remote_url=remote_server.url)
+    kw = dict(
+        kv_codec="int8",
+        sampling=SamplingParams(max_new_tokens=4),
+        loading_controller=False,
+        remote_url=remote_server.url,
+    )
     eng = Engine.from_model(tiny_model, tiny_tokenizer, disk_tier=True, cache_dir=str(tmp_path), **kw)
     eng.warm(docs)
     mem = eng.generate(docs, PREFIX, SUFFIX)

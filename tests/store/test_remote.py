@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from kvrag import Engine
+from kvrag import Engine, SamplingParams
 from kvrag.engine.store import serial
 from kvrag.engine.store.remote import KEY_PREFIX, RemoteStore, RemoteUnavailableError
 from tests.helpers import make_docs
@@ -34,7 +34,7 @@ def engine(model, tok, url, **kw) -> Engine:
     kw.setdefault("loading_controller", False)
     kw.setdefault("disk_dtype", "float32")
     kw.setdefault("kv_codec", "plain")
-    return Engine.from_model(model, tok, remote_url=url, max_new_tokens=4, **kw)
+    return Engine.from_model(model, tok, remote_url=url, sampling=SamplingParams(max_new_tokens=4), **kw)
 
 
 def ask(eng: Engine, docs, requests):
@@ -49,7 +49,9 @@ def ask(eng: Engine, docs, requests):
 
 def computed_answers(model, tok, docs, requests):
     """What a memory-only engine answers when it computes every chunk (the reference)."""
-    eng = Engine.from_model(model, tok, max_new_tokens=4, loading_controller=False, write_back=False)
+    eng = Engine.from_model(
+        model, tok, sampling=SamplingParams(max_new_tokens=4), loading_controller=False, write_back=False
+    )
     out = [eng.generate([docs[i] for i in req], PREFIX, SUFFIX).token_ids for req in requests]
     eng.close()
     return out

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvrag import Engine
+from kvrag import Engine, SamplingParams
 from kvrag.engine.store import serial
 from kvrag.engine.store.disk import SafeDisk
 from tests.helpers import make_docs
@@ -47,7 +47,9 @@ def engine(model, tok, cache_dir, **kw) -> Engine:
     """An engine over a disk tier. The loading controller is off: with it, the ratio (and so the
     answer) depends on how fast the disk was, and these tests compare answers across stores."""
     kw.setdefault("loading_controller", False)
-    return Engine.from_model(model, tok, cache_dir=str(cache_dir), disk_tier=True, max_new_tokens=4, **kw)
+    return Engine.from_model(
+        model, tok, cache_dir=str(cache_dir), disk_tier=True, sampling=SamplingParams(max_new_tokens=4), **kw
+    )
 
 
 def answers(eng: Engine, docs, requests) -> list[tuple[list[int], list[bool]]]:

@@ -7,6 +7,7 @@ recompute, and the placement of cached KV into the request's buffer (:class:`Spa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from kvrag.engine.model.adapter import ModelAdapter, RopeTable
 from kvrag.engine.model.runner import KVBuffer, KVCapture, Trace, forward
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Tap, block_middles
 from kvrag.engine.reuse.planner import Plan
-from kvrag.engine.reuse.selection import BlendPass, get_selection
+from kvrag.engine.reuse.selection import BlendPass, SelectionParams, configured_params, get_selection, selection_params
 from kvrag.engine.store.base import KVRecord
 from kvrag.engine.types import ChunkInfo, GenerationStats
 from kvrag.kernels import rope_rotate
@@ -59,12 +60,13 @@ def span_mask(n: int, spans: list[tuple[int, int]], device: torch.device | str =
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillOptions:
-    """How one prefill runs, besides its plan: the selection strategy's parameters and what to capture.
+    """How one prefill runs, besides its plan: the selection strategy, its parameters, what to capture.
 
     Attributes:
         selection: the ``blend`` strategy's name (see :mod:`kvrag.engine.reuse.selection`).
-        check_layer, filter_schedule, deviation: HKVD's gradual filtering (``deviation`` also the probe's).
-        probe_layer, probe_stride: the probe's layer and block size.
+        params: the strategy's parameters (its registered :class:`SelectionParams` subclass);
+            ``None``: its defaults. :func:`prefill` resolves them for the model before the strategy
+            sees them (``BlendPass.params``).
         capture_end: > 0 keeps the exact pre-RoPE KV of [aligned prefix_len, capture_end) for the
             prefix cache.
         capture_block: the prefix cache's block size (the capture starts on a block boundary).
@@ -76,11 +78,7 @@ class PrefillOptions:
     """
 
     selection: str = "probe"
-    check_layer: int = 1
-    filter_schedule: tuple[float, ...] = (2.0, 1.5)
-    deviation: str = "kv"
-    probe_layer: int = 8
-    probe_stride: int = 16
+    params: SelectionParams | None = None
     capture_end: int = 0
     capture_block: int = 16
     capture_chunks: tuple[int, ...] = ()
@@ -90,14 +88,13 @@ class PrefillOptions:
 
     @classmethod
     def from_config(cls, config, n_layers: int, **fields) -> PrefillOptions:
-        """Options from an :class:`~kvrag.EngineConfig` for a model of ``n_layers`` layers; ``fields`` override."""
+        """Options from an :class:`~kvrag.EngineConfig` for a model of ``n_layers`` layers; ``fields``
+        override (a ``selection`` there runs with its parameters under that config:
+        :func:`~kvrag.engine.reuse.selection.configured_params`)."""
+        selection = fields.pop("selection", None) or config.selection
         base = dict(
-            selection=config.selection,
-            check_layer=config.check_layer,
-            filter_schedule=config.filter_schedule,
-            deviation=config.deviation,
-            probe_layer=config.resolved_probe_layer(n_layers),
-            probe_stride=config.probe_stride,
+            selection=selection,
+            params=configured_params(config, selection).resolved(n_layers),
             capture_block=config.prefix_block_tokens,
         )
         return cls(**{**base, **fields})
@@ -174,6 +171,8 @@ def prefill(
     measured: dict = {}
     kept_taps = dict.fromkeys(chunk_caps, tap)
     if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
+        params = options.params if options.params is not None else selection_params(options.selection)
+        options = dataclasses.replace(options, params=params.resolved(adapter.n_layers))
         blend = BlendPass(
             adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
             spans=plan.blended_spans(), source=source, captures=captures,

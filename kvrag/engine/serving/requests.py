@@ -8,9 +8,9 @@ from typing import TypedDict
 
 import torch
 
-from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
-from kvrag.engine.model.sampling import SamplingParams
+from kvrag.config import MODES, EngineConfig, SamplingParams, check_ratio
 from kvrag.engine.reuse.segments import Segment
+from kvrag.engine.reuse.selection import check_selection as registered
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
@@ -59,7 +59,8 @@ class RequestArgs(TypedDict, total=False):
         seed: sampling seed.
         mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (:data:`kvrag.config.MODES`).
         recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1), or ``"auto"``.
-        selection: which cached tokens ``blend`` recomputes, one of :data:`kvrag.config.SELECTIONS`.
+        selection: which cached tokens ``blend`` recomputes, a registered selection
+            (:func:`~kvrag.engine.reuse.selection.registered_selections`).
         conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
             answer) is reused where the new prompt repeats it (exact prefix, and shifted history
             runs in blend/reuse), and this turn is kept for the next one
@@ -133,10 +134,8 @@ def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | str | None) -
 
 
 def check_selection(cfg: EngineConfig, selection: str | None) -> str:
-    selection = cfg.selection if selection is None else selection
-    if selection not in SELECTIONS:
-        raise InvalidRequestError(f"unknown selection {selection!r}; use one of {', '.join(SELECTIONS)}")
-    return selection
+    """The request's selection (default ``cfg.selection``), registered (the registry is the one list)."""
+    return registered(cfg.selection if selection is None else selection)
 
 
 def request_parts(chunks, prefix, suffix, prompt, split_prompt) -> list[tuple[str, str]]:

@@ -4,7 +4,7 @@ policies and prefetch."""
 from kvrag.engine.store.base import DamagedEntryError, KVRecord, KVStore, StoreKey, chunk_key
 from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
-from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, PGDSFPolicy, make_policy
+from kvrag.engine.store.policy import POLICIES, EvictionPolicy, LRUPolicy, PGDSFPolicy, check_policy, make_policy
 from kvrag.engine.store.remote import RemoteStore
 from kvrag.engine.store.tiered import TieredStore, build_store
 
@@ -23,4 +23,6 @@ __all__ = [
     "LRUPolicy",
     "PGDSFPolicy",
     "make_policy",
+    "check_policy",
+    "POLICIES",
 ]

@@ -29,7 +29,9 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "make_policy", "POLICIES", "CFO_FLOOR"]
+from kvrag.errors import InvalidRequestError
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "make_policy", "check_policy", "POLICIES", "CFO_FLOOR"]
 
 #: A reuse with cache fix overhead ``cfo`` counts ``1 / max(cfo, CFO_FLOOR)`` accesses (an exact
 #: reuse 10, a chunk reused in foreign company ~2): Cache-Craft's frequency-reuse.
@@ -237,12 +239,22 @@ class PGDSFPolicy(EvictionPolicy):
         }
 
 
-POLICIES = {"lru": LRUPolicy, "pgdsf": PGDSFPolicy}
+#: The eviction policies by name: the one list (``EngineConfig.eviction_policy`` is checked against it
+#: when the store is built). A new policy is a class above and its entry here.
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "pgdsf": PGDSFPolicy}
+
+
+def check_policy(name) -> str:
+    """``name`` if it names an eviction policy.
+
+    Raises:
+        InvalidRequestError: it does not; the message lists :data:`POLICIES`.
+    """
+    if not isinstance(name, str) or name not in POLICIES:
+        raise InvalidRequestError(f"unknown eviction_policy {name!r}; use one of {', '.join(POLICIES)}")
+    return name
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """A new policy by name (``lru`` or ``pgdsf``)."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; use one of {', '.join(POLICIES)}") from None
+    """A new policy by name (one of :data:`POLICIES`; :class:`~kvrag.errors.InvalidRequestError` otherwise)."""
+    return POLICIES[check_policy(name)]()

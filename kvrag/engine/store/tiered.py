@@ -31,6 +31,7 @@ from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.engine.store.codec import AtRest
 from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
+from kvrag.engine.store.policy import check_policy
 from kvrag.engine.store.prefetch import Prefetcher, StreamedRecord, ThroughputMeter
 from kvrag.errors import StoreError
 
@@ -287,7 +288,11 @@ def build_store(config) -> KVStore:
     ``disk_tier``, and a :class:`~kvrag.engine.store.remote.RemoteStore` at ``remote_url`` if set.
     A disk directory that cannot be opened is skipped with a warning; a server that is down is
     kept (it is retried with backoff).
+
+    Raises:
+        InvalidRequestError: ``eviction_policy`` names no policy of :data:`~kvrag.engine.store.policy.POLICIES`.
     """
+    check_policy(config.eviction_policy)
     memory = MemoryStore(config.memory_budget_bytes, config.eviction_policy)
     codec = config.resolved_kv_codec()
     if not config.disk_tier and not config.remote_url and codec == "plain":

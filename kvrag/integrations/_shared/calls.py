@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
 
 import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
-from kvrag.config import MODES, SELECTIONS, EngineConfig, check_ratio
+from kvrag.config import MODES, EngineConfig, SamplingParams, check_field_names, check_ratio
 from kvrag.engine import Engine
+from kvrag.engine.reuse.selection import registered_selections
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared.remote import Prompt, ServerDocuments
 from kvrag.integrations._shared.results import EngineCall
@@ -25,7 +26,6 @@ __all__ = [
     "CALL_ARGUMENTS",
     "GenerationFields",
     "Mode",
-    "Selection",
     "call_options",
     "check_engine_choice",
     "check_target",
@@ -34,9 +34,10 @@ __all__ = [
     "template_role",
 ]
 
-# Subscripting Literal with the tuple itself keeps kvrag.config the one list of choices.
+# Subscripting Literal with the tuple itself keeps kvrag.config the one list of modes. Selections
+# are a plain string: the engine's registry is their one list, checked when a call runs (a server
+# may have selections this process does not).
 Mode = Literal[MODES]  # type: ignore[valid-type]
-Selection = Literal[SELECTIONS]  # type: ignore[valid-type]
 
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.complete(x, mode="full")``)
 #: and the engine name each one becomes: an :meth:`Engine.stream` keyword, or ``model``, which
@@ -73,9 +74,12 @@ _TEMPLATE_ROLES = {
 }
 
 # Request settings are LLM fields and per-call arguments; in ``engine_config`` they would create
-# a separate engine (another copy of the model) per value.
-_PER_CALL_CONFIG = {f.name for f in dataclasses.fields(EngineConfig)} & set(CALL_ARGUMENTS.values())
-_ENGINE_CONFIG = {f.name for f in dataclasses.fields(EngineConfig)} - _PER_CALL_CONFIG
+# a separate engine (another copy of the model) per value. ``sampling`` holds the defaults of
+# ``max_new_tokens``, ``temperature``, ... : those are LLM fields too.
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_PER_CALL_CONFIG = ((_CONFIG_FIELDS | _SAMPLING_FIELDS) & set(CALL_ARGUMENTS.values())) | {"sampling"}
+_ENGINE_CONFIG = _CONFIG_FIELDS - _PER_CALL_CONFIG
 
 
 def call_options(defaults: Mapping[str, Any], kwargs: Mapping[str, Any], *, owner: str) -> dict[str, Any]:
@@ -197,9 +201,10 @@ class GenerationFields(BaseModel):
         description="Share of cached chunk tokens recomputed in blend (0..1), or 'auto' (each request "
         "recomputes what it needs); None = engine default (auto).",
     )
-    selection: Selection | None = Field(
+    selection: str | None = Field(
         default=None,
-        description=f"Which cached tokens blend recomputes, one of {', '.join(SELECTIONS)}; None = engine default.",
+        description="Which cached tokens blend recomputes, a selection registered in kvrag "
+        f"({', '.join(registered_selections())}, ...), checked when a call runs; None = engine default.",
     )
     temperature: float | None = Field(default=None, description="0 = greedy; None = engine default (greedy).")
     top_p: float | None = Field(default=None, description="Nucleus sampling threshold; None = engine default.")
@@ -219,7 +224,10 @@ class GenerationFields(BaseModel):
             raise ValueError(f"pass {', '.join(per_call)} as LLM fields or per-call arguments, not in engine_config")
         unknown = sorted(set(value) - _ENGINE_CONFIG)
         if unknown:
-            raise ValueError(f"unknown engine_config field(s): {', '.join(unknown)}")
+            try:
+                check_field_names(unknown)  # a former field says where it went
+            except TypeError as e:
+                raise ValueError(f"engine_config: {e}") from None
         EngineConfig(**value)  # validates values (cheap: no model is loaded)
         return value
 

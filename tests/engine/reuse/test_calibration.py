@@ -37,11 +37,9 @@ def test_a_calibration_is_found_for_its_model_fingerprint(tmp_path, tiny_model, 
     engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
     try:
         assert engine.auto_threshold is None and engine.auto_alpha == 1.0
-        cfg = engine.config
-        probe = calibration.probe_key(
-            cfg.resolved_probe_layer(engine.adapter.n_layers), cfg.probe_stride, cfg.deviation
-        )
-        calibration.save(tmp_path, engine.fingerprint, probe, 0.25, {"alpha": 2.0})
+        layer = engine.adapter.n_layers // 4 + 1  # the probe's default layer
+        assert engine._probe_key() == calibration.probe_key(layer, 16, "kv")
+        calibration.save(tmp_path, engine.fingerprint, engine._probe_key(), 0.25, {"alpha": 2.0})
     finally:
         engine.close()
     again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag import Engine, InvalidRequestError
+from kvrag import Engine, InvalidRequestError, SamplingParams
 from kvrag.engine.reuse.conversations import match_runs
 from tests.helpers import make_docs
 
@@ -14,7 +14,9 @@ QUESTION2 = "and where was the queen born?"
 
 @pytest.fixture
 def conv_engine(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=10, max_conversations=2)
+    engine = Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=10), max_conversations=2
+    )
     yield engine
     engine.close()
 

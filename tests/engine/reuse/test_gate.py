@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvrag import Engine, UnsupportedModelError
+from kvrag import Engine, SamplingParams, UnsupportedModelError
 from kvrag.engine.model.adapter import ModelAdapter, Rotary
 from kvrag.engine.reuse import gate
 from tests.helpers import PREFIX, SUFFIX
@@ -30,7 +30,9 @@ def wrong_rope_base(monkeypatch):
 
 
 def test_a_broken_adapter_is_refused_blend_and_reuse(tiny_model, tiny_tokenizer, docs, tmp_path, wrong_rope_base):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), max_new_tokens=4)
+    engine = Engine.from_model(
+        tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), sampling=SamplingParams(max_new_tokens=4)
+    )
     try:
         assert not engine.gate.ok and engine.gate.check == "placement"
         for mode in ("blend", "reuse"):

@@ -10,7 +10,15 @@ import torch
 import kvrag.engine.reuse.selection.probe as probe_module
 from kvrag import InvalidRequestError
 from kvrag.config import EngineConfig
-from kvrag.engine.reuse.selection import epic_shares, epic_tokens, probe_blocks, probe_sample
+from kvrag.engine.reuse.selection import (
+    HKVDParams,
+    ProbeParams,
+    configured_params,
+    epic_shares,
+    epic_tokens,
+    probe_blocks,
+    probe_sample,
+)
 from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs
 
 
@@ -36,13 +44,29 @@ def test_probe_sample_takes_the_middle_of_every_block_short_ones_too():
 
 
 def test_probe_layer_defaults_to_a_quarter_of_the_depth_and_is_validated():
-    assert EngineConfig().resolved_probe_layer(30) == 8
-    assert EngineConfig().resolved_probe_layer(2) == 1
-    assert EngineConfig(probe_layer=50).resolved_probe_layer(6) == 5
-    with pytest.raises(InvalidRequestError, match="probe_layer"):
-        EngineConfig(probe_layer=0)
-    with pytest.raises(InvalidRequestError, match="probe_stride"):
-        EngineConfig(probe_stride=0)
+    assert ProbeParams().resolved(30).probe_layer == 8
+    assert ProbeParams().resolved(2).probe_layer == 1
+    assert ProbeParams(probe_layer=50).resolved(6).probe_layer == 5
+    assert configured_params(EngineConfig(selection_params={"probe_layer": 50})).resolved(6).probe_layer == 5
+    for bad in ({"probe_layer": 0}, {"probe_layer": True}, {"probe_layer": 2.5}):
+        with pytest.raises(InvalidRequestError, match="probe_layer"):
+            ProbeParams(**bad)
+    for bad in (0, -1, 1.5, "16"):
+        with pytest.raises(InvalidRequestError, match="probe_stride"):
+            ProbeParams(probe_stride=bad)
+    with pytest.raises(InvalidRequestError, match="deviation"):
+        ProbeParams(deviation="q")
+
+
+def test_hkvd_schedule_and_check_layer_are_validated():
+    assert HKVDParams(filter_schedule=[3, 2.0]).filter_schedule == (3.0, 2.0)  # a JSON list becomes floats
+    assert HKVDParams().filter_schedule == (2.0, 1.5) and HKVDParams(filter_schedule=()).filter_schedule == ()
+    for bad in ((1.5, 2.0), (0.5,), "2,1", (2.0, None), (True,)):
+        with pytest.raises(InvalidRequestError, match="filter_schedule"):
+            HKVDParams(filter_schedule=bad)
+    for bad in (0, -1, True, 1.0):
+        with pytest.raises(InvalidRequestError, match="check_layer"):
+            HKVDParams(check_layer=bad)
 
 
 def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monkeypatch):
@@ -68,7 +92,7 @@ def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monke
     # no row is computed twice: the uncached rows and the chosen blocks once through every layer,
     # the sample up to the probe layer
     layers = tiny_engine.adapter.n_layers
-    probe_layer = tiny_engine.config.resolved_probe_layer(layers)
+    probe_layer = configured_params(tiny_engine.config, "probe").resolved(layers).probe_layer
     uncached = g.stats.prompt_tokens - g.stats.cached_tokens
     assert round(g.stats.compute_fraction * g.stats.prompt_tokens * layers) == (
         (uncached + int(chosen.sum())) * layers + positions.numel() * probe_layer
@@ -170,42 +194,3 @@ def test_epic_at_ratio_one_and_with_every_token_budgeted_is_the_full_prefill(tin
     torch.testing.assert_close(
         last_logits(tiny_engine, docs, "blend", 0.9999, "epic"), last_logits(tiny_engine, docs, "full")
     )
-
-
-def test_random_spends_the_probes_budget_on_other_blocks_the_same_each_time(tiny_model, tiny_tokenizer, monkeypatch):
-    """The ablation: the probe's passes and budget, blocks in a random order seeded by the prompt."""
-    from kvrag import Engine
-    from kvrag.engine.reuse.selection.random_blocks import random_order
-
-    chunks = make_docs(4, seed=6)
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, tree_refresh=False, prefix_cache=False)
-    engine.warm(chunks)
-    order = [chunks[i] for i in (2, 0, 3, 1)]
-    chosen = {}
-    real = probe_module.probe_blocks
-
-    def spy(name):
-        def wrapped(*args, **kwargs):
-            out = real(*args, **kwargs)
-            chosen.setdefault(name, []).append(out.nonzero().squeeze(1).tolist())
-            return out
-
-        return wrapped
-
-    import kvrag.engine.reuse.selection.random_blocks as random_module
-
-    runs = {}
-    for name, module in (("probe", probe_module), ("random", random_module), ("random", random_module)):
-        monkeypatch.setattr(module, "probe_blocks", spy(name))
-        runs.setdefault(name, []).append(
-            engine.generate(order, PREFIX, SUFFIX, selection=name, recompute_ratio=0.3, max_new_tokens=1)
-        )
-    engine.close()
-    (p,), (r1, r2) = runs["probe"], runs["random"]
-    assert p.stats.recomputed_tokens == r1.stats.recomputed_tokens == r2.stats.recomputed_tokens > 0
-    assert p.stats.compute_fraction == pytest.approx(r1.stats.compute_fraction)  # the same passes
-    assert chosen["random"][0] == chosen["random"][1] != chosen["probe"][0]
-    dev = torch.tensor([0.0, 2.0, 1.0, 3.0])
-    ids = torch.arange(10)
-    scores = random_order(dev, ids)
-    assert scores[0] == 0 and (scores[1:] > 0).all() and torch.equal(scores, random_order(dev, ids))

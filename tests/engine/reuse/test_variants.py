@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag import InvalidRequestError
+from kvrag import InvalidRequestError, SamplingParams
 from kvrag.engine.reuse.variants import (
     ExactDigest,
     VariantIndex,
@@ -147,7 +147,9 @@ def test_a_chunk_recomputed_whole_becomes_a_variant_for_this_company(tiny_model,
     the knowledge tree's refresh, which would make the whole sequence exact: tests/engine/test_refresh.py.)"""
     from kvrag import Engine
 
-    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=8, tree_refresh=False) as engine:
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8), tree_refresh=False
+    ) as engine:
         _recomputed_chunks_become_variants(engine)
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvrag import Engine, InvalidRequestError
+from kvrag import Engine, InvalidRequestError, SamplingParams
 from kvrag.engine.serving.scheduler import Ticket
 from kvrag.engine.serving.worker import Preempted
 from kvrag.engine.serving.writeback import MAX_REFRESHES
@@ -21,7 +21,7 @@ def sources(gen) -> list[str]:
 
 @pytest.fixture
 def engine(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=6)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=6))
     yield engine
     engine.close()
 
@@ -86,7 +86,9 @@ def test_chunks_at_the_variant_cap_are_not_refreshed(tiny_model, tiny_tokenizer)
     """A refreshed variant never pushes out another, so chunks holding ``max_variants`` are left
     out of the refresh, and the sequence computed ends at the last chunk that has room."""
     docs = make_docs(3, seed=44)
-    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, max_variants=2, warm_variants=2) as engine:
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), max_variants=2, warm_variants=2
+    ) as engine:
         engine.warm(docs[1:])  # two variants each: at the cap
         engine.warm(docs[:1])  # alone: one variant, room for another
         engine.generate(docs, PREFIX, SUFFIX)
@@ -100,7 +102,9 @@ def test_chunks_at_the_variant_cap_are_not_refreshed(tiny_model, tiny_tokenizer)
 
 def test_without_tree_refresh_a_blended_sequence_stays_blended(tiny_model, tiny_tokenizer):
     docs = make_docs(3, seed=43)
-    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, tree_refresh=False) as engine:
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), tree_refresh=False
+    ) as engine:
         engine.warm(docs[::-1])
         engine.generate(docs, PREFIX, SUFFIX)
         engine.flush()
@@ -150,7 +154,7 @@ def test_refreshes_wait_for_an_idle_engine_are_bounded_and_flush_runs_them(engin
 
 
 def test_closing_the_engine_drops_a_refresh_not_started(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
     caller, busy = refresh_waiting_behind_other_work(engine, seed=44)
     closing = threading.Thread(target=engine.close)
     closing.start()
@@ -166,7 +170,7 @@ def test_at_exit_live_engines_finish_their_work_first(tiny_model, tiny_tokenizer
     code 134; `make demo` did): at exit, live engines drop waiting refreshes and finish the rest."""
     import kvrag.engine.engine as engine_module
 
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
     assert engine in engine_module._LIVE
     caller, busy = refresh_waiting_behind_other_work(engine, seed=45)
     threading.Timer(0.2, busy.set).start()
@@ -206,13 +210,17 @@ def test_a_refresh_takes_no_room_from_what_requests_kept(tiny_model, tiny_tokeni
     and the request kept stays; with one variant per chunk a refresh never replaces a chunk's KV
     (nor computes one: every chunk is at the cap)."""
     docs = make_docs(3, seed=44)
-    with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, tree_refresh=False) as probe:
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), tree_refresh=False
+    ) as probe:
         probe.warm(docs[::-1])
         probe.generate(docs, PREFIX, SUFFIX)
         probe.flush()
         held = probe.store.stats()["bytes"]  # warmed chunks and the prompt's prefix blocks
     for settings in (dict(memory_budget_bytes=held + 64), dict(max_variants=1)):
-        with Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=2, **settings) as engine:
+        with Engine.from_model(
+            tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **settings
+        ) as engine:
             engine.warm(docs[::-1])
             before = set(engine.store._items)
             engine.generate(docs, PREFIX, SUFFIX)

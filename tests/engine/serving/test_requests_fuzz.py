@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrag import Engine, KvragError
-from kvrag.config import MODES, SELECTIONS
+from kvrag import Engine, KvragError, SamplingParams
+from kvrag.config import MODES
+from kvrag.engine.reuse.selection import registered_selections
 
 _ANY = st.one_of(
     st.none(),
@@ -33,7 +34,7 @@ _BAD_NUMBER = st.one_of(
 #: argument -> (values it refuses, the word its error must contain)
 BAD = {
     "mode": (_ANY.filter(lambda x: x is not None and x not in MODES), "mode"),
-    "selection": (_ANY.filter(lambda x: x is not None and x not in SELECTIONS), "selection"),
+    "selection": (_ANY.filter(lambda x: x is not None and x not in registered_selections()), "selection"),
     "recompute_ratio": (
         st.one_of(_NOT_TEXT, st.text()).filter(
             lambda x: x is not None and not (type(x) in (int, float) and 0 <= x <= 1)
@@ -79,7 +80,7 @@ BAD = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_new_tokens=1)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=1))
     yield engine
     engine.close()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvrag.engine.engine as engine_module
-from kvrag import Engine, OverloadedError
+from kvrag import Engine, OverloadedError, SamplingParams
 from kvrag.engine.model.batch import DecodeRow, decode_step
 from kvrag.engine.model.runner import KVBuffer, forward
 from tests.helpers import PREFIX, SUFFIX, hold_engine_thread, make_docs, prompt_ids
@@ -19,7 +19,9 @@ from tests.helpers import PREFIX, SUFFIX, hold_engine_thread, make_docs, prompt_
 @pytest.fixture
 def serving(tiny_model, tiny_tokenizer):
     """An engine that runs a decode step at every pause of a prefill while streams are running."""
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, prefill_slice_s=0.0, max_new_tokens=8)
+    engine = Engine.from_model(
+        tiny_model, tiny_tokenizer, prefill_slice_s=0.0, sampling=SamplingParams(max_new_tokens=8)
+    )
     yield engine
     engine.close()
 
@@ -122,7 +124,7 @@ def test_a_batched_decode_step_on_each_family(family_engine):
 
 
 def test_a_full_queue_raises_overloaded_and_the_engine_goes_on(tiny_model, tiny_tokenizer, docs):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_queued=2, max_new_tokens=4)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, max_queued=2, sampling=SamplingParams(max_new_tokens=4))
     try:
         gate = hold_engine_thread(engine)
         waiting = [engine.stream(docs[:1], PREFIX, SUFFIX), engine.stream(docs[1:2], PREFIX, SUFFIX)]

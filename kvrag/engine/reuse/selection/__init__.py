@@ -8,41 +8,53 @@
 - ``craft`` (:mod:`.craft`): Cache-Craft's per-chunk budget from the fix overhead, tokens ranked
   by the attention statistics stored with the variant.
 - ``epic`` (:mod:`.epic`): the first tokens of every cached chunk (EPIC's LegoLink).
-- ``random`` (:mod:`.random_blocks`): the probe's blocks in a random order (an ablation).
 
-A strategy is a function of a :class:`BlendPass` registered under its name
-(:func:`register_selection`); ``fusion.prefill`` looks it up with :func:`get_selection`.
+A strategy is a function of a :class:`BlendPass` registered under its name, with its parameters
+class and how it spends ``"auto"`` (:func:`register_selection`), in the strategy's own file: the
+registry is the one list of selections (:func:`registered_selections`); every module of this
+package is imported with it, so a new strategy here is one new file. ``fusion.prefill`` looks a
+strategy up with :func:`get_selection`; the engine checks names and parameters with
+:func:`check_selection` and :func:`configured_params`. Ablations and research baselines (the probe's
+blocks in a random order, oracles) register from ``benchmarks/``.
 """
 
-from kvrag.engine.reuse.selection import craft as _craft  # noqa: F401  (registers "craft")
-from kvrag.engine.reuse.selection import epic as _epic  # noqa: F401  (registers "epic")
-from kvrag.engine.reuse.selection import focus as _focus  # noqa: F401  (registers "focus")
-from kvrag.engine.reuse.selection import hkvd as _hkvd  # noqa: F401  (registers "hkvd")
-from kvrag.engine.reuse.selection import probe as _probe  # noqa: F401  (registers "probe")
-from kvrag.engine.reuse.selection import random_blocks as _random  # noqa: F401  (registers "random")
-from kvrag.engine.reuse.selection import recency as _recency  # noqa: F401  (registers "recency")
+import importlib
+import pkgutil
+
 from kvrag.engine.reuse.selection.base import (
     BlendPass,
+    SelectionParams,
     Strategy,
     auto_kind,
+    check_selection,
+    configured_params,
     get_selection,
+    params_class,
     register_selection,
     registered_selections,
+    selection_params,
 )
 from kvrag.engine.reuse.selection.epic import epic_shares, epic_tokens
-from kvrag.engine.reuse.selection.hkvd import HKVDSelector, keep_schedule
-from kvrag.engine.reuse.selection.probe import BlockProbe, probe_blocks, probe_sample
+from kvrag.engine.reuse.selection.hkvd import HKVDParams, HKVDSelector, keep_schedule
+from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, probe_blocks, probe_sample
 from kvrag.engine.reuse.selection.recency import recency_window
 
 __all__ = [
     "BlendPass",
     "Strategy",
+    "SelectionParams",
     "register_selection",
     "get_selection",
+    "check_selection",
     "registered_selections",
+    "params_class",
+    "selection_params",
+    "configured_params",
     "auto_kind",
+    "HKVDParams",
     "HKVDSelector",
     "keep_schedule",
+    "ProbeParams",
     "BlockProbe",
     "probe_sample",
     "probe_blocks",
@@ -50,3 +62,8 @@ __all__ = [
     "epic_shares",
     "epic_tokens",
 ]
+
+# Every module of this package is imported: a strategy registers itself at the end of its own file,
+# so adding one is adding that file (no list of modules here to keep in step).
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -2,15 +2,22 @@
 
 A *selection strategy* decides which cached chunk tokens a ``blend`` prefill recomputes, and runs
 the layer passes that recompute them. It receives a :class:`BlendPass` (the plan, the KV buffer,
-the cached KV source, the rows that must be computed anyway) and returns the hidden state of the
-prompt's last row and the positions computed through the last layer. Strategies are looked up by
-name (:func:`get_selection`); new ones plug in with :func:`register_selection` and a name in
-:data:`kvrag.config.SELECTIONS`.
+the cached KV source, the rows that must be computed anyway, its parameters) and returns the hidden
+state of the prompt's last row and the positions computed through the last layer.
+
+The registry is the one list of selections: a strategy is added in one file, by calling
+:func:`register_selection` with its name, its parameters class (a :class:`SelectionParams`) and how
+it spends ``recompute_ratio="auto"``. Everything else reads the registry: the engine checks
+``EngineConfig.selection`` (and its ``selection_params``) when it is built and each request's
+``selection=`` when it arrives; the integrations and the server pass the name through as a string.
+The product's strategies register when :mod:`kvrag.engine.reuse.selection` is imported; ablations and
+research baselines register from ``benchmarks/``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,12 +26,59 @@ import torch
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.runner import KVBuffer, KVCapture, QueryTap, Selector, Trace, forward
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Tap, block_middles
+from kvrag.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from kvrag.config import EngineConfig
     from kvrag.engine.reuse.fusion import PrefillOptions
     from kvrag.engine.reuse.planner import Plan, SpanSource
 
-__all__ = ["BlendPass", "Strategy", "register_selection", "get_selection", "registered_selections", "auto_kind"]
+__all__ = [
+    "BlendPass",
+    "Strategy",
+    "SelectionParams",
+    "DEVIATIONS",
+    "check_deviation",
+    "register_selection",
+    "get_selection",
+    "check_selection",
+    "registered_selections",
+    "params_class",
+    "selection_params",
+    "configured_params",
+    "auto_kind",
+    "AUTO_KINDS",
+]
+
+#: What a per-token KV deviation compares: keys, values, or the sum of both.
+DEVIATIONS = ("k", "v", "kv")
+
+
+def check_deviation(value) -> str:
+    """Validate a ``deviation`` parameter (one of :data:`DEVIATIONS`)."""
+    if value not in DEVIATIONS:
+        raise InvalidRequestError(f"deviation must be one of {DEVIATIONS}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SelectionParams:
+    """The parameters of a selection strategy; this base class has none (``recency``, ``epic``, ``craft``).
+
+    A strategy with parameters registers a frozen slotted subclass whose fields have defaults and
+    whose ``__post_init__`` raises :class:`~kvrag.errors.InvalidRequestError` on a bad value, so a
+    bad setting fails when the engine is built, not in the middle of a prefill. Parameters that
+    depend on the model (a layer chosen as a share of the depth) are settled by :meth:`resolved`.
+    """
+
+    def resolved(self, n_layers: int) -> SelectionParams:
+        """The parameters for a model of ``n_layers`` layers (defaults that depend on the depth settled)."""
+        return self
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The parameters' names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -44,7 +98,8 @@ class BlendPass:
         captures: KV captures the prefill must feed (prefix cache, missed chunks).
         taps: query taps the prefill must feed (the missed chunks' attention statistics).
         trace: rows computed per layer.
-        options: the prefill's options (selection parameters).
+        options: the prefill's options; ``options.params`` are the strategy's parameters, resolved
+            for this model (also :attr:`params`).
         measured: what the strategy measured, for calibration and benchmarks (e.g. the probe's
             ``block_sizes`` and ``block_deviation``, [B] each).
         kept: start -> (KV capture, query tap) of cached chunks the strategy recomputes whole,
@@ -80,6 +135,11 @@ class BlendPass:
         self.captures.append(cap)
         self.taps.append(tap)
         self.kept[start] = (cap, tap)
+
+    @property
+    def params(self):
+        """The strategy's parameters (its registered :class:`SelectionParams` subclass), resolved for this model."""
+        return self.options.params
 
     @property
     def uncached(self) -> torch.Tensor:
@@ -123,44 +183,122 @@ class BlendPass:
 #: Runs a blend prefill; returns (hidden [1, E] of the last row, positions [R] computed through the last layer).
 Strategy = Callable[[BlendPass], tuple[torch.Tensor, torch.Tensor]]
 
-_STRATEGIES: dict[str, Strategy] = {}
-_AUTO: dict[str, str] = {}
+
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    strategy: Strategy
+    params: type[SelectionParams]
+    auto: str | None
+
+
+_REGISTRY: dict[str, _Registered] = {}
 #: How a strategy spends ``recompute_ratio="auto"``: ``"threshold"`` measures a deviation and
 #: recomputes what reaches the model's calibrated threshold; ``"self"`` decides on its own (e.g.
 #: from the variants' fix overhead). Either way within the cap (``plan.auto``, ``plan.ratio``).
 AUTO_KINDS = ("threshold", "self")
 
 
-def register_selection(name: str, strategy: Strategy, *, auto: str | None = None) -> Strategy:
-    """Make ``strategy`` available as ``selection=name`` (the name must be in ``kvrag.config.SELECTIONS``).
+def register_selection(
+    name: str,
+    strategy: Strategy,
+    *,
+    params: type[SelectionParams] = SelectionParams,
+    auto: str | None = None,
+    replace: bool = False,
+) -> Strategy:
+    """Make ``strategy`` available as ``selection=name``: the one place a selection is declared.
 
-    ``auto``: how it spends ``recompute_ratio="auto"`` (one of :data:`AUTO_KINDS`); ``None``: it
-    takes a fixed share (``config.auto_ratio``).
+    Args:
+        name: the name requests and ``EngineConfig.selection`` use.
+        strategy: runs a blend prefill (:data:`Strategy`).
+        params: its parameters class (``EngineConfig.selection_params`` are checked by it);
+            strategies that measure the same way share one (``focus`` takes the probe's).
+        auto: how it spends ``recompute_ratio="auto"`` (one of :data:`AUTO_KINDS`); ``None``: it
+            takes a fixed share (``config.auto_ratio``).
+        replace: allow registering a name again (a harness re-running in one process).
+
+    Raises:
+        ValueError: a bad name, params class or auto kind, or a name already registered.
     """
-    from kvrag.config import SELECTIONS
-
-    if name not in SELECTIONS:
-        raise ValueError(f"selection {name!r} is not in kvrag.config.SELECTIONS; add it there (validation, docs)")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a selection's name must be an identifier, got {name!r}")
+    if not callable(strategy):
+        raise ValueError(f"selection {name!r}: the strategy must be callable, got {strategy!r}")
+    if not (isinstance(params, type) and issubclass(params, SelectionParams)):
+        raise ValueError(f"selection {name!r}: params must be a SelectionParams subclass, got {params!r}")
     if auto is not None and auto not in AUTO_KINDS:
         raise ValueError(f"auto must be one of {AUTO_KINDS} or None, got {auto!r}")
-    _STRATEGIES[name] = strategy
-    if auto is not None:
-        _AUTO[name] = auto
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"selection {name!r} is already registered")
+    _REGISTRY[name] = _Registered(strategy, params, auto)
     return strategy
+
+
+def registered_selections() -> tuple[str, ...]:
+    """The names of every registered selection, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def check_selection(name) -> str:
+    """``name`` if it is a registered selection.
+
+    Raises:
+        InvalidRequestError: it is not; the message lists the registered ones.
+    """
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise InvalidRequestError(f"unknown selection {name!r}; registered: {', '.join(registered_selections())}")
+    return name
+
+
+def _entry(name: str) -> _Registered:
+    return _REGISTRY[check_selection(name)]
+
+
+def get_selection(name: str) -> Strategy:
+    """The strategy registered as ``name`` (:class:`~kvrag.errors.InvalidRequestError` if none is)."""
+    return _entry(name).strategy
 
 
 def auto_kind(name: str) -> str | None:
     """How the strategy ``name`` spends an ``auto`` budget (:data:`AUTO_KINDS`), or None."""
-    return _AUTO.get(name)
+    return _entry(name).auto
 
 
-def get_selection(name: str) -> Strategy:
-    """The strategy registered as ``name``."""
-    try:
-        return _STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"no selection strategy {name!r}; registered: {', '.join(sorted(_STRATEGIES))}") from None
+def params_class(name: str) -> type[SelectionParams]:
+    """The parameters class the selection ``name`` registered."""
+    return _entry(name).params
 
 
-def registered_selections() -> tuple[str, ...]:
-    return tuple(sorted(_STRATEGIES))
+def selection_params(name: str, values: Mapping[str, object] | None = None) -> SelectionParams:
+    """The parameters of selection ``name`` from ``values`` (by parameter name; ``None``: the defaults).
+
+    Raises:
+        InvalidRequestError: an unknown selection, a name the strategy does not take (the message
+            lists the ones it does), or a value its parameters class refuses.
+    """
+    cls = params_class(name)
+    values = dict(values or {})
+    unknown = sorted(set(values) - set(cls.names()))
+    if unknown:
+        takes = ", ".join(cls.names()) or "none"
+        raise InvalidRequestError(
+            f"selection {name!r} takes no parameter(s) {', '.join(unknown)} (its parameters: {takes})"
+        )
+    return cls(**values)
+
+
+def configured_params(config: EngineConfig, name: str | None = None) -> SelectionParams:
+    """The parameters selection ``name`` (default ``config.selection``) runs with under ``config``.
+
+    ``config.selection_params`` belong to ``config.selection``, and to every selection registered with
+    the same parameters class (``probe``, ``focus`` and ``random`` share the probe's): a request that
+    switches among those keeps the configured probe. Any other selection runs with its defaults.
+    Not yet resolved for a model (:meth:`SelectionParams.resolved`).
+
+    Raises:
+        InvalidRequestError: an unknown selection, or parameters the configured one refuses.
+    """
+    configured = selection_params(config.selection, config.selection_params)
+    if name is None or params_class(name) is type(configured):
+        return configured
+    return params_class(name)()

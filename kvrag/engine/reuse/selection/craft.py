@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from kvrag.engine.reuse.attention_stats import STATS_STRIDE
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
 
 __all__ = ["craft_budgets", "craft"]
@@ -60,7 +61,8 @@ def craft(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     rows = p.uncached.clone()
     for (a, b), take in zip(p.spans, budgets):
         stats = getattr(records.get(a), "stats", None) or {}
-        for x, y in _blocks_by_inter(a, b, p.options.probe_stride, stats.get("block_inter")):
+        # the blocks the statistics were measured on (STATS_STRIDE tokens, one sampled query each)
+        for x, y in _blocks_by_inter(a, b, STATS_STRIDE, stats.get("block_inter")):
             if take <= 0:
                 break
             y = min(y, x + take)

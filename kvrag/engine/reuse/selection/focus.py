@@ -22,7 +22,14 @@ import math
 import torch
 
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
-from kvrag.engine.reuse.selection.probe import BlockProbe, budget_tokens, probe_blocks, three_passes, threshold_of
+from kvrag.engine.reuse.selection.probe import (
+    BlockProbe,
+    ProbeParams,
+    budget_tokens,
+    probe_blocks,
+    three_passes,
+    threshold_of,
+)
 
 __all__ = ["focused_chunks", "focus"]
 
@@ -76,7 +83,7 @@ def _mean_deviation(p: BlendPass, meter: BlockProbe) -> list[float]:
 
 
 def _by_focus(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
-    n, stride, budget = p.plan.num_tokens, p.options.probe_stride, budget_tokens(p)
+    n, stride, budget = p.plan.num_tokens, p.params.probe_stride, budget_tokens(p)
     threshold = threshold_of(p)
     attention, focused = _chunk_attention(p, meter)
     deviation = _mean_deviation(p, meter)
@@ -103,4 +110,4 @@ def focus(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     return three_passes(p, _by_focus, focus=True)
 
 
-register_selection("focus", focus, auto="threshold")
+register_selection("focus", focus, params=ProbeParams, auto="threshold")

@@ -11,14 +11,52 @@ cached tokens of the request are ranked together, as CacheBlend does. Tokens wit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvrag.engine.model.runner import KVBuffer
-from kvrag.engine.reuse.selection.base import BlendPass, register_selection
+from kvrag.engine.reuse.selection.base import BlendPass, SelectionParams, check_deviation, register_selection
+from kvrag.errors import InvalidRequestError
 from kvrag.kernels import kv_deviation, topk
 
-__all__ = ["HKVDSelector", "keep_schedule", "hkvd"]
+__all__ = ["HKVDParams", "HKVDSelector", "keep_schedule", "hkvd"]
+
+
+@dataclass(frozen=True, slots=True)
+class HKVDParams(SelectionParams):
+    """HKVD's parameters (``EngineConfig.selection_params`` with ``selection="hkvd"``).
+
+    Attributes:
+        check_layer: the layer on which selection starts: every cached token's KV is recomputed
+            there and compared with the cached KV. Layer 0's KV does not depend on context, so 1.
+        filter_schedule: gradual filtering (CacheBlend §4.3). Entry ``i`` is the share of cached
+            tokens kept after layer ``check_layer + i``, as a multiple of the recompute ratio; the
+            schedule ends at the ratio itself. ``(2.0, 1.5)`` keeps 2r after the check layer, 1.5r
+            after the next one and r from then on. Non-increasing, each >= 1.0.
+        deviation: what the KV deviation compares: ``k``, ``v`` or ``kv`` (the sum of both).
+    """
+
+    check_layer: int = 1
+    filter_schedule: tuple[float, ...] = (2.0, 1.5)
+    deviation: str = "kv"
+
+    def __post_init__(self) -> None:
+        layer = self.check_layer
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+            raise InvalidRequestError(
+                f"check_layer must be an integer >= 1 (layer 0's KV does not depend on context), got {layer!r}"
+            )
+        schedule = self.filter_schedule
+        numbers = isinstance(schedule, (list, tuple)) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in schedule
+        )
+        if not numbers or any(not x >= 1.0 for x in schedule) or list(schedule) != sorted(schedule, reverse=True):
+            raise InvalidRequestError(
+                f"filter_schedule must be non-increasing multiples >= 1.0 (e.g. (2.0, 1.5)), got {schedule!r}"
+            )
+        object.__setattr__(self, "filter_schedule", tuple(float(x) for x in schedule))
+        check_deviation(self.deviation)
 
 
 def keep_schedule(ratio: float, check_layer: int, multipliers: tuple[float, ...], n_layers: int) -> dict[int, float]:
@@ -77,10 +115,10 @@ class HKVDSelector:
 
 def hkvd(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row after the exact prefix enters; the selector prunes cached ones from the check layer on."""
-    o = p.options
+    o = p.params
     schedule = keep_schedule(p.plan.ratio, o.check_layer, o.filter_schedule, p.adapter.n_layers)
     selector = HKVDSelector(p.candidates, p.plan.ratio, schedule, o.deviation)
     return p.run(p.all_pos[p.rows], selector=selector, last_row_only=True)
 
 
-register_selection("hkvd", hkvd)
+register_selection("hkvd", hkvd, params=HKVDParams)

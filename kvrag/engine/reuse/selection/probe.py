@@ -1,10 +1,10 @@
 """``selection="probe"``: recompute the 16-token blocks a deep-layer probe finds most changed.
 
 Each cached chunk is cut into blocks of ``probe_stride`` tokens; a probe computes the middle token
-of every block up to ``probe_layer`` and compares its fresh KV with the cached KV there; blocks are
-recomputed whole in order of that deviation until the budget is spent. On SmolLM2 the deviation
-that changes the answer can stay hidden at layer 1 and grow from layer ~8 on, where CacheBlend's
-layer-1 ranking does not see it (docs/benchmarks.md, *Why the probe*).
+of every block up to ``probe_layer`` (:class:`ProbeParams`) and compares its fresh KV with the
+cached KV there; blocks are recomputed whole in order of that deviation until the budget is spent.
+On SmolLM2 the deviation that changes the answer can stay hidden at layer 1 and grow from layer ~8
+on, where CacheBlend's layer-1 ranking does not see it (docs/benchmarks.md, *Why the probe*).
 
 The probe also measures how much the question attends to each cached chunk on the probe layer
 (its rows run with the probe, on the cached KV): :mod:`.focus` spends the budget on the chunks
@@ -24,16 +24,56 @@ recomputed) KV of chosen blocks before them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kvrag.engine.model.runner import KVBuffer
-from kvrag.engine.reuse.selection.base import BlendPass, register_selection
+from kvrag.engine.reuse.selection.base import BlendPass, SelectionParams, check_deviation, register_selection
+from kvrag.errors import InvalidRequestError
 from kvrag.kernels import kv_deviation
 
-__all__ = ["BlockProbe", "probe_sample", "probe_blocks", "probe", "three_passes"]
+__all__ = ["ProbeParams", "BlockProbe", "probe_sample", "probe_blocks", "probe", "three_passes"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeParams(SelectionParams):
+    """The probe's parameters (``probe``, ``focus``, and the benchmarks' ``random``).
+
+    The names are those of ``EngineConfig.selection_params`` and of the benchmarks' method specs
+    (``probe@0.15+probe_layer=12``); the calibrated ``auto`` threshold belongs to one setting of them
+    (:func:`kvrag.engine.reuse.calibration.probe_key`).
+
+    Attributes:
+        probe_layer: the layer the probe compares; ``None``: a quarter of the depth plus one (layer 8
+            of SmolLM2's 30). Never below 1 (layer 0's KV does not depend on context), and at most
+            the last layer but one.
+        probe_stride: the block size: one token is probed per block, blocks are recomputed whole.
+        deviation: what the KV deviation compares: ``k``, ``v`` or ``kv`` (the sum of both).
+    """
+
+    probe_layer: int | None = None
+    probe_stride: int = 16
+    deviation: str = "kv"
+
+    def __post_init__(self) -> None:
+        layer = self.probe_layer
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
+            raise InvalidRequestError(
+                f"probe_layer must be an integer >= 1 or None (layer 0's KV does not depend on context), got {layer!r}"
+            )
+        stride = self.probe_stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise InvalidRequestError(f"probe_stride must be an integer >= 1, got {stride!r}")
+        check_deviation(self.deviation)
+
+    def resolved(self, n_layers: int) -> ProbeParams:
+        """``probe_layer`` settled for a model of ``n_layers`` layers (see :attr:`probe_layer`)."""
+        layer = self.probe_layer if self.probe_layer is not None else n_layers // 4 + 1
+        return dataclasses.replace(self, probe_layer=max(1, min(layer, n_layers - 1)))
 
 
 class BlockProbe:
@@ -157,7 +197,7 @@ Choose = Callable[[BlendPass, BlockProbe], torch.Tensor]
 def three_passes(p: BlendPass, choose: Choose, *, focus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's three passes (module docstring) with ``choose(p, probe) -> [N] bool`` picking what
     is recomputed; ``focus`` also measures the question's attention over the cached chunks."""
-    o, n, n_layers = p.options, p.plan.num_tokens, p.adapter.n_layers
+    o, n, n_layers = p.params, p.plan.num_tokens, p.adapter.n_layers
     layer = min(o.probe_layer, n_layers - 1)
     sample = probe_sample(p.spans, n, o.probe_stride).to(p.adapter.device)
     last_end = max(b for _, b in p.spans)
@@ -191,7 +231,7 @@ def three_passes(p: BlendPass, choose: Choose, *, focus: bool = False) -> tuple[
 
 
 def _by_deviation(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
-    n, stride = p.plan.num_tokens, p.options.probe_stride
+    n, stride = p.plan.num_tokens, p.params.probe_stride
     return probe_blocks(p.spans, n, stride, meter.positions, meter.deviation, budget_tokens(p), threshold_of(p))
 
 
@@ -200,4 +240,4 @@ def probe(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     return three_passes(p, _by_deviation)
 
 
-register_selection("probe", probe, auto="threshold")
+register_selection("probe", probe, params=ProbeParams, auto="threshold")

@@ -1,4 +1,10 @@
-"""``selection="random"``: the probe's blocks, picked at random (an ablation, not a method to use).
+"""Selections the benchmarks register for themselves: ablations, not product choices.
+
+kvrag's selection registry (:mod:`kvrag.engine.reuse.selection`) is the one list of selections;
+what only the benchmarks compare against registers here, when :mod:`benchmarks.methods` is imported,
+and so exists only in a process that runs them.
+
+``selection="random"``: the probe's blocks, picked at random (an ablation, not a method to use).
 
 It runs the probe's three passes (:func:`~kvrag.engine.reuse.selection.probe.three_passes`) and spends
 the same budget on the same 16-token blocks, in a random order instead of the probed deviation's,
@@ -15,7 +21,7 @@ import hashlib
 import torch
 
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
-from kvrag.engine.reuse.selection.probe import BlockProbe, budget_tokens, probe_blocks, three_passes
+from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, budget_tokens, probe_blocks, three_passes
 
 __all__ = ["random_order", "random_blocks"]
 
@@ -29,7 +35,7 @@ def random_order(deviation: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _at_random(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
-    n, stride = p.plan.num_tokens, p.options.probe_stride
+    n, stride = p.plan.num_tokens, p.params.probe_stride
     scores = random_order(meter.deviation, p.ids)
     return probe_blocks(p.spans, n, stride, meter.positions, scores, budget_tokens(p))
 
@@ -38,4 +44,5 @@ def random_blocks(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     return three_passes(p, _at_random)
 
 
-register_selection("random", random_blocks)
+# the probe's parameters: it runs the probe's passes, and compares with the probe at the same setting
+register_selection("random", random_blocks, params=ProbeParams)
