@@ -244,8 +244,9 @@ class EngineConfig:
             then on), ``deviation`` (``kv``). ``recency``, ``epic``, ``craft``: none.
         auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens; 0.3).
         auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None``
-            (default) takes the model's calibrated value (``python -m benchmarks calibrate``; the
-            bundled model ships one).
+            (default) takes the value ``kvrag calibrate`` measured for this model and dtype, if any.
+            None ships with kvrag (on the dev set a calibrated threshold cost TTFT and bought no
+            fidelity; docs/benchmarks.md): uncalibrated, ``"auto"`` recomputes ``auto_ratio``.
         auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
             a selection without a probe; 0.15).
         max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
