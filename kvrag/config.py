@@ -70,7 +70,9 @@ class EngineConfig:
     Attributes:
         model: ``None`` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model
             directory, or a local ``.gguf`` file (Llama family: Llama, Mistral, Qwen2, SmolLM).
-        dtype: compute dtype of weights and KV (``float32``, ``bfloat16``, ``float16``).
+        dtype: compute dtype of weights and KV (``float32``, ``bfloat16``, ``float16``), or ``"auto"``
+            (the default): bfloat16 where the device computes it natively (CPUs with AMX or
+            AVX512-BF16, CUDA GPUs with bf16), float32 elsewhere (:mod:`kvrag.engine.model.dtypes`).
         device: torch device; kvrag runs on CPU, CUDA tensors use the Triton kernels.
         cache_dir: where converted weights and the disk tier live; default per-user cache dir.
         max_context: context window in tokens; default the model's ``max_position_embeddings``.
@@ -206,7 +208,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     cache_dir: str | None = None
     max_context: int | None = None
@@ -257,8 +259,8 @@ class EngineConfig:
     prefill_slice_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise InvalidRequestError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"dtype must be 'auto' or one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.recompute_ratio = check_ratio(self.recompute_ratio)

@@ -12,6 +12,7 @@ from kvrag.engine.model.sampling import SamplingParams
 from kvrag.engine.types import (
     CacheLookup,
     ChunkInfo,
+    EngineInfo,
     Generation,
     GenerationStats,
     GenerationStream,
@@ -28,6 +29,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStream",
     "ChunkInfo",
+    "EngineInfo",
     "ScoreResult",
     "WarmResult",
     "CacheLookup",

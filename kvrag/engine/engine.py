@@ -17,6 +17,7 @@ from kvrag.engine.model import loading
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import DecodeRow, decode_step
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
+from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample
 from kvrag.engine.reuse import calibration
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label, similarity_order, warm_list
@@ -47,7 +48,7 @@ from kvrag.engine.serving.worker import Pause, StreamJob, Worker
 from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.tiered import build_store
-from kvrag.engine.types import CacheLookup, Generation, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.types import CacheLookup, EngineInfo, Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -101,14 +102,20 @@ class Engine:
         weights_digest: str,
         name: str = "",
         store: KVStore | None = None,
+        dtype: DtypeChoice | None = None,
     ) -> None:
-        self.config = config
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
         self.weights_digest = weights_digest
         self.adapter = ModelAdapter(hf_model)
-        self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, config.dtype)
+        # the weights' dtype is the compute dtype; ``config.dtype`` says the resolved one from here on
+        check = weights_dtype(self.adapter.dtype, config.dtype if dtype is None else dtype.name)
+        #: the compute dtype and why (``dtype="auto"``: what the hardware computes natively)
+        self.compute_dtype = check if dtype is None else dtype
+        self.config = config = config.replace(dtype=self.compute_dtype.name)
+        log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
+        self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
         self.costs = CostFeedback(self.store, self.adapter.n_layers, config.loading_controller)
         window = self.adapter.max_positions
@@ -193,13 +200,18 @@ class Engine:
             weights_digest=loaded.weights_digest,
             name=loaded.name,
             store=store,
+            dtype=loaded.dtype,
         )
 
     @classmethod
     def from_model(
         cls, hf_model, tokenizer, *, config: EngineConfig | None = None, store: KVStore | None = None, **overrides
     ) -> Engine:
-        """Build an engine over a transformers model and tokenizer already in memory."""
+        """Build an engine over a transformers model and tokenizer already in memory.
+
+        The engine computes in the model's own dtype (it never converts a model it is handed):
+        ``dtype="auto"`` (the default) accepts it, an explicit ``dtype`` must be the weights'.
+        """
         config = (config or EngineConfig()).replace(**overrides)
         loading.check_architecture(hf_model.config)
         hf_model.eval()
@@ -410,6 +422,21 @@ class Engine:
             namespace=namespace,
         )
         return self._lookup(req)
+
+    def info(self) -> EngineInfo:
+        """What this engine runs: model, family, compute dtype and why, device, threads, context
+        window, and the correctness gate's verdict (see :class:`~kvrag.engine.types.EngineInfo`)."""
+        return EngineInfo(
+            model=self.model_name,
+            family=self.adapter.family.name,
+            dtype=self.compute_dtype.name,
+            dtype_reason=self.compute_dtype.why,
+            device=str(self.adapter.device),
+            threads=torch.get_num_threads(),
+            context_window=self.context_window,
+            gate_ok=self.gate.ok,
+            gate=self.gate.summary(),
+        )
 
     def queue_stats(self) -> dict:
         """The engine thread's load now: ``running`` (requests holding a decoding slot), ``waiting``
