@@ -102,17 +102,18 @@ class Engine:
         weights_digest: str,
         name: str = "",
         store: KVStore | None = None,
-        dtype: DtypeChoice | None = None,
+        compute_dtype: DtypeChoice | None = None,
     ) -> None:
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
         self.weights_digest = weights_digest
         self.adapter = ModelAdapter(hf_model)
-        # the weights' dtype is the compute dtype; ``config.dtype`` says the resolved one from here on
-        check = weights_dtype(self.adapter.dtype, config.dtype if dtype is None else dtype.name)
+        # the weights' dtype is the compute dtype (``compute_dtype``: what the loader resolved, and
+        # why; else the weights' own, checked against ``config.dtype``); ``config.dtype`` names it from here on
+        weights = weights_dtype(self.adapter.dtype, config.dtype if compute_dtype is None else compute_dtype.name)
         #: the compute dtype and why (``dtype="auto"``: what the hardware computes natively)
-        self.compute_dtype = check if dtype is None else dtype
+        self.compute_dtype = weights if compute_dtype is None else compute_dtype
         self.config = config = config.replace(dtype=self.compute_dtype.name)
         log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
@@ -200,7 +201,7 @@ class Engine:
             weights_digest=loaded.weights_digest,
             name=loaded.name,
             store=store,
-            dtype=loaded.dtype,
+            compute_dtype=loaded.dtype,
         )
 
     @classmethod
