@@ -102,9 +102,11 @@ def native_bf16(device: str | torch.device) -> tuple[bool, str]:
     """
     device = torch.device(device)
     if device.type == "cuda":
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available"
+        if torch.cuda.is_bf16_supported():
             return True, f"{torch.cuda.get_device_name(device)} supports bf16"
-        return False, "this CUDA device has no native bf16"
+        return False, f"{torch.cuda.get_device_name(device)} has no native bf16"
     if device.type != "cpu":
         return False, f"no bf16 detection for {device.type} devices"
     if platform.system() != "Linux":

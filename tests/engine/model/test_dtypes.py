@@ -52,8 +52,10 @@ def test_auto_on_cuda_asks_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU 9000")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", "cuda:0") == dtypes.DtypeChoice("bfloat16", "auto: GPU 9000 supports bf16")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert resolve_dtype("auto", "cuda").name == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # before Ampere
+    assert resolve_dtype("auto", "cuda") == dtypes.DtypeChoice("float32", "auto: GPU 9000 has no native bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto", "cuda") == dtypes.DtypeChoice("float32", "auto: CUDA is not available")
 
 
 def test_auto_on_this_machine_follows_its_cpu_flags():
