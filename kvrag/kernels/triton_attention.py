@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrag.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_launchable, check_same_device, check_tensor
+from kvrag.kernels._checks import INDEX_DTYPES, KERNEL_FLOATS, check_launchable, check_same_device, check_tensor
 
 __all__ = ["attention_triton", "launch_config"]
 
@@ -140,7 +140,7 @@ def launch_config(tq: int, d: int, dtype: torch.dtype) -> dict:
 
 def _check(q, q_pos, k, v) -> tuple[int, int, int, int, int]:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, 3, FLOAT_DTYPES)
+        check_tensor(name, t, 3, KERNEL_FLOATS)
     check_tensor("q_pos", q_pos, 1, INDEX_DTYPES)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrag.kernels._checks import FLOAT_DTYPES, check_launchable, check_same_device, check_tensor
+from kvrag.kernels._checks import KERNEL_FLOATS, check_launchable, check_same_device, check_tensor
 
 __all__ = ["kv_deviation_triton", "launch_config"]
 
@@ -102,7 +102,7 @@ def kv_deviation_triton(
     if "v" in what:
         pairs.update(v_new=v_new, v_old=v_old)
     for label, t in pairs.items():
-        check_tensor(label, t, 3, FLOAT_DTYPES)
+        check_tensor(label, t, 3, KERNEL_FLOATS)
     shape = tuple(next(iter(pairs.values())).shape)
     for t in pairs.values():
         if tuple(t.shape) != shape:

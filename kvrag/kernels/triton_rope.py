@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrag.kernels._checks import FLOAT_DTYPES, check_launchable, check_same_device, check_tensor
+from kvrag.kernels._checks import KERNEL_FLOATS, check_launchable, check_same_device, check_tensor
 
 __all__ = ["rope_rotate_triton", "launch_config"]
 
@@ -64,7 +64,7 @@ def launch_config(t: int, half: int) -> dict:
 
 
 def _check_x(name: str, x) -> tuple[int, int, int]:
-    check_tensor(name, x, 3, FLOAT_DTYPES)
+    check_tensor(name, x, 3, KERNEL_FLOATS)
     h, t, d = x.shape
     if d % 2:
         raise ValueError(f"{name} head dim must be even for RoPE, got {d}")
@@ -83,7 +83,7 @@ def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """
     h, t, d = _check_x("x", x)
     for name, tab in (("cos", cos), ("sin", sin)):
-        check_tensor(name, tab, 2, FLOAT_DTYPES)
+        check_tensor(name, tab, 2, KERNEL_FLOATS)
         if tuple(tab.shape) != (t, d):
             raise ValueError(f"{name} must have shape {(t, d)} to match x {tuple(x.shape)}, got {tuple(tab.shape)}")
     device = check_same_device(x=x, cos=cos, sin=sin)

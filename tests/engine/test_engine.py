@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from importlib import resources
 from types import SimpleNamespace
@@ -12,8 +13,8 @@ import torch
 from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams
 from kvrag.engine.model.runner import KVBuffer, forward
 from kvrag.engine.reuse.fusion import PrefillOptions, prefill
-from kvrag.engine.reuse.gate import plain_cache
-from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs, prompt_ids
+from kvrag.engine.reuse.gate import _rel_error, plain_cache
+from tests.helpers import PREFIX, SUFFIX, as_dtype, last_logits, make_docs, prompt_ids
 
 
 def test_full_prefill_matches_transformers(family_engine, docs):
@@ -57,13 +58,49 @@ def test_a_pass_resumed_from_hidden_states_equals_one_pass(family_engine, docs):
     torch.testing.assert_close(h_split, h_one[-1:], rtol=1e-5, atol=1e-5)
 
 
-def test_ratio_one_is_exactly_full(family_engine, docs):
-    family_engine.warm(docs)
-    full = family_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=12)
-    blend1 = family_engine.generate(docs, PREFIX, SUFFIX, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
-    assert blend1.token_ids == full.token_ids
-    assert torch.equal(last_logits(family_engine, docs, "blend", 1.0), last_logits(family_engine, docs, "full"))
-    assert blend1.stats.cached_tokens == 0 and blend1.stats.compute_fraction == 1.0
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ratio_one_is_exactly_full(family_model, tiny_tokenizer, docs, dtype):
+    with Engine.from_model(
+        as_dtype(family_model, dtype), tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8)
+    ) as engine:
+        assert engine.info().dtype == dtype
+        engine.warm(docs)
+        full = engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=12)
+        blend1 = engine.generate(docs, PREFIX, SUFFIX, mode="blend", recompute_ratio=1.0, max_new_tokens=12)
+        assert blend1.token_ids == full.token_ids
+        assert torch.equal(last_logits(engine, docs, "blend", 1.0), last_logits(engine, docs, "full"))
+        assert blend1.stats.cached_tokens == 0 and blend1.stats.compute_fraction == 1.0
+
+
+def test_bf16_full_prefill_is_transformers_bf16_forward(family_model, tiny_tokenizer, docs):
+    """Same arithmetic as transformers in bf16 (RoPE tables rounded like its rotary module, RMSNorm
+    in float32, SDPA): with global attention the same KV on every layer and the same logits, bit for
+    bit. Sliding-window layers attend block by block over the window (transformers: one masked
+    call), which rounds differently: there kvrag is as far from float32 as transformers' bf16 is."""
+    model = as_dtype(family_model, "bfloat16")
+    reference = copy.deepcopy(model).float()  # the same (bf16) weights, float32 arithmetic
+    with Engine.from_model(model, tiny_tokenizer) as engine:
+        ad, ids = engine.adapter, prompt_ids(engine, docs)
+        n = int(ids.shape[0])
+        buf = KVBuffer(ad, n)
+        h, _ = forward(ad, buf, ids, torch.arange(n), n)
+        ours = ad.logits(h[-1:])[0]
+        with torch.inference_mode():
+            (kw, theirs), (kw32, ref) = plain_cache(model), plain_cache(reference)
+            theirs_logits = model(ids[None], use_cache=True, **kw).logits[0, -1].float()
+            ref_logits = reference(ids[None], use_cache=True, **kw32).logits[0, -1]
+    windowed = any(w is not None and w < n for w in ad.windows)
+    for layer in range(ad.n_layers):
+        for ours_t, theirs_t, ref_t in (
+            (buf.k[layer, :, :n], theirs.layers[layer].keys[0], ref.layers[layer].keys[0]),
+            (buf.v[layer, :, :n], theirs.layers[layer].values[0], ref.layers[layer].values[0]),
+        ):
+            if not windowed:
+                assert torch.equal(ours_t, theirs_t), layer
+            assert _rel_error(ours_t, ref_t) <= 1.1 * _rel_error(theirs_t, ref_t), layer
+    if not windowed:
+        assert torch.equal(ours, theirs_logits)
+    assert _rel_error(ours, ref_logits) <= 1.5 * _rel_error(theirs_logits, ref_logits)
 
 
 def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(family_model, tiny_tokenizer, docs):

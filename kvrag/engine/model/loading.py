@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvrag.engine.model.bundled import BUNDLED, DEFAULT, find_bundled
-from kvrag.engine.model.dtypes import torch_dtype
+from kvrag.engine.model.dtypes import FLOAT_DTYPES, DtypeChoice, resolve_dtype
 from kvrag.engine.model.families import SUPPORTED_MODEL_TYPES, check_architecture
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 
@@ -50,13 +50,14 @@ _convert_lock = threading.Lock()
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model and tokenizer ready for the engine."""
+    """A model and tokenizer ready for the engine, and the dtype it was loaded in (and why)."""
 
     hf_model: object
     tokenizer: object
     name: str
     source: str
     weights_digest: str
+    dtype: DtypeChoice
 
 
 def bundled_gguf_path(cache_dir: Path | None = None) -> Path:
@@ -177,9 +178,14 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> tuple[Path, str]:
 
 
 def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
-    """Load a model and its tokenizer from a bundled GGUF, a local directory or a .gguf file."""
+    """Load a model and its tokenizer from a bundled GGUF, a local directory or a .gguf file.
+
+    ``dtype`` may be ``"auto"``: resolved here for ``device``
+    (:func:`~kvrag.engine.model.dtypes.resolve_dtype`), before any weight is read.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    choice = resolve_dtype(dtype, device)
     path, name = _resolve(model, cache_dir)
     if path.is_file():  # GGUF
         directory, digest = _convert_gguf(path, cache_dir)
@@ -188,11 +194,11 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     check_architecture(config)
     hf_model = AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=torch_dtype(dtype), local_files_only=True, attn_implementation="sdpa"
+        str(directory), dtype=choice.torch, local_files_only=True, attn_implementation="sdpa"
     )
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    return LoadedModel(hf_model, tokenizer, name, str(path), digest)
+    return LoadedModel(hf_model, tokenizer, name, str(path), digest, choice)
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -218,7 +224,13 @@ def state_dict_digest(hf_model) -> str:
 
 
 def fingerprint_model(weights_digest: str, tokenizer, dtype: str) -> str:
-    """Model fingerprint: weights + tokenizer + dtype + kvrag KV format; part of every cache key."""
+    """Model fingerprint: weights + tokenizer + dtype + kvrag KV format; part of every cache key.
+
+    ``dtype`` is the *resolved* compute dtype (never ``"auto"``): KV computed in bf16 and in
+    float32 differ, and two machines sharing a store may resolve ``"auto"`` differently.
+    """
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"fingerprint_model needs a resolved dtype name, got {dtype!r}")
     h = hashlib.sha256()
     for part in (weights_digest, tokenizer_digest(tokenizer), dtype, f"kv{KV_FORMAT_VERSION}"):
         h.update(part.encode())

@@ -264,7 +264,7 @@ class Conversations:
         k = torch.empty_like(buf.k[:, :, :n])
         with torch.inference_mode():
             for layer in range(buf.k.shape[0]):  # undo each layer's own RoPE
-                k[layer] = self.adapter.remove_rope(layer, buf.k[layer, :, :n], *rope.layer(layer))
+                k[layer] = self.adapter.remove_rope(buf.k[layer, :, :n], *rope.layer(layer))
         v = buf.v[:, :, :n]
         with self._lock:
             old = self._live.pop(conversation_id, None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.config import KV_CODECS as CODECS
-from kvrag.engine.model.dtypes import FLOAT_DTYPES
+from kvrag.engine.model.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from kvrag.engine.store.base import KVRecord
 
 __all__ = [
@@ -39,8 +39,6 @@ __all__ = [
     "CODECS",
 ]
 
-_PLAIN_DTYPES = FLOAT_DTYPES
-_NAMES = {v: k for k, v in _PLAIN_DTYPES.items()}
 _SCALE = torch.float16  # scales and minimums at rest
 
 
@@ -94,10 +92,10 @@ class PlainCodec(Codec):
     name = "plain"
 
     def __init__(self, dtype: str | torch.dtype = "float16") -> None:
-        self.dtype = _PLAIN_DTYPES[dtype] if isinstance(dtype, str) else dtype
-        if self.dtype not in _NAMES:
+        self.dtype = torch_dtype(dtype, argument="plain KV at rest") if isinstance(dtype, str) else dtype
+        if dtype_name(self.dtype) not in FLOAT_DTYPES:
             raise ValueError(f"plain KV at rest is float16, bfloat16 or float32, not {self.dtype}")
-        self.dtype_name = _NAMES[self.dtype]
+        self.dtype_name = dtype_name(self.dtype)
         self.tag = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.dtype_name]
 
     def layout(self, heads, tokens, dim):
@@ -308,7 +306,7 @@ def make_codec(name: str = "plain", dtype: str | torch.dtype = "float16") -> Cod
 def codec_from_header(name: str, dtype: str) -> Codec | None:
     """The codec a stored header names, or ``None`` if it names none kvrag knows."""
     if name == "plain":
-        return PlainCodec(dtype) if dtype in _PLAIN_DTYPES else None
+        return PlainCodec(dtype) if dtype in FLOAT_DTYPES else None
     if name.startswith("int8-k") and name.endswith("-v"):
         group = name[len("int8-k") : -len("-v")]
         if group.isdigit() and 1 <= int(group) <= 1 << 16 and name == f"int8-k{int(group)}-v":

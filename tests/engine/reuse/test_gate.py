@@ -2,18 +2,43 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import asdict
 
 import pytest
+import torch
 
 from kvrag import Engine, SamplingParams, UnsupportedModelError
 from kvrag.engine.model.adapter import ModelAdapter, Rotary
 from kvrag.engine.reuse import gate
-from tests.helpers import PREFIX, SUFFIX
+from tests.helpers import PREFIX, SUFFIX, as_dtype
 
 
-def test_every_family_passes_the_gate(family_engine):
-    assert family_engine.gate.ok, family_engine.gate
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_family_passes_the_gate(family_model, tiny_tokenizer, tmp_path, dtype):
+    with Engine.from_model(as_dtype(family_model, dtype), tiny_tokenizer, cache_dir=str(tmp_path)) as engine:
+        assert engine.gate.ok and engine.gate.dtype == dtype, engine.gate.summary()
+        m = engine.gate.measured
+        for check in ("placement", "ratio 1.0"):
+            assert m[check] <= m[f"{check} allowed"]
+            if dtype == "float32":  # today's strictness: kvrag against transformers, both float32
+                assert m[f"{check} allowed"] == gate.FLOAT32_TOL and f"{check} floor" not in m
+            else:  # judged by the dtype's own noise: transformers' error in it against the float32 reference
+                unit_roundoff = torch.finfo(getattr(torch, dtype)).eps / 2
+                assert m[f"{check} allowed"] == pytest.approx(
+                    gate.FLOOR_MULTIPLE * max(m[f"{check} floor"], unit_roundoff)
+                )
+                assert 0 < m[f"{check} floor"] < 0.2
+
+
+def test_a_reduced_dtype_is_judged_by_its_own_noise(tiny_model, tiny_tokenizer):
+    """kvrag's bf16 forward is transformers' bf16 forward, rounding for rounding: its ratio 1.0 error
+    against the float32 reference is transformers' own, to the bit."""
+    model = as_dtype(tiny_model, "bfloat16")
+    result = gate.self_test(ModelAdapter(model), model, [tiny_tokenizer.bos_token_id])
+    assert result.ok and result.measured["ratio 1.0"] == result.measured["ratio 1.0 floor"] > 0
+    assert "placement" in result.summary() and "transformers' own" in result.summary()
 
 
 @pytest.fixture
@@ -29,12 +54,21 @@ def wrong_rope_base(monkeypatch):
     monkeypatch.setattr(ModelAdapter, "_rotaries", staticmethod(wrong))
 
 
-def test_a_broken_adapter_is_refused_blend_and_reuse(tiny_model, tiny_tokenizer, docs, tmp_path, wrong_rope_base):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_broken_adapter_is_refused_blend_and_reuse(
+    tiny_model, tiny_tokenizer, docs, tmp_path, wrong_rope_base, dtype
+):
+    model = as_dtype(tiny_model, dtype)
     engine = Engine.from_model(
-        tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), sampling=SamplingParams(max_new_tokens=4)
+        model, tiny_tokenizer, cache_dir=str(tmp_path), sampling=SamplingParams(max_new_tokens=4)
     )
     try:
-        assert not engine.gate.ok and engine.gate.check == "placement"
+        assert not engine.gate.ok and engine.gate.check == "placement" and engine.gate.dtype == dtype
+        m = engine.gate.measured  # not a near miss: a wrong RoPE is far beyond any rounding noise
+        assert m["placement"] > 10 * m["placement allowed"], engine.gate.summary()
+        if dtype != "float32":
+            assert "transformers' own" in engine.gate.detail and m["placement"] > 50 * m["placement floor"]
+        assert not engine.info().gate_ok and engine.info().gate.startswith("failed 'placement'")
         for mode in ("blend", "reuse"):
             with pytest.raises(UnsupportedModelError, match=rf"mode='{mode}'.*{engine.model_name}.*'placement'"):
                 engine.generate(docs, PREFIX, SUFFIX, mode=mode, recompute_ratio=0.15)
@@ -71,6 +105,13 @@ def test_the_verdict_is_cached_per_model_and_adapter(tiny_model, tiny_tokenizer,
     fixed = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
     fixed.close()
     assert len(runs) == 2 and fixed.gate.ok
+
+
+def test_a_damaged_cached_verdict_runs_the_test_again():
+    good = gate.GateResult(True, dtype="bfloat16", measured={"placement": 0.01, "placement allowed": 0.03})
+    assert gate._from_json(json.loads(json.dumps(asdict(good)))) == good
+    for damaged in (None, [], {"ok": "yes"}, {"ok": True, "measured": {"placement": "x"}}, {"ok": True, "measured": 1}):
+        assert gate._from_json(damaged) is None
 
 
 def test_a_broken_last_layer_fails_the_ratio_check(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
