@@ -15,7 +15,7 @@ from typing_extensions import Unpack
 from kvrag.config import AUTO, EngineConfig
 from kvrag.engine.model import loading
 from kvrag.engine.model.adapter import ModelAdapter
-from kvrag.engine.model.batch import DecodeRow, decode_step
+from kvrag.engine.model.batch import Decoder, DecodeRow
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
 from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
@@ -148,6 +148,9 @@ class Engine:
             self.adapter, self.prompt_tokenizer.tokenize, self.sink_ids, config.chunk_context, self.context_window
         )
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
+        #: the decode step (packed bf16 weights on a CPU where they give the same bits: Engine.info().decode)
+        self.decoder = Decoder(self.adapter, config.decode_group)
+        log.info("kvrag: decode %s", self.decoder.description)
         self.documents = DocumentFinder()
         self.conversations = Conversations(self.adapter, config.max_conversations)
         calibrated = calibration.load(config.resolved_cache_dir(), self.fingerprint, self._probe_key())
@@ -529,6 +532,7 @@ class Engine:
             context_window=self.context_window,
             gate_ok=self.gate.ok,
             gate=self.gate.summary(),
+            decode=self.decoder.description,
         )
 
     def queue_stats(self) -> dict:
@@ -778,7 +782,7 @@ class Engine:
     def _decode_step(self, seqs: list[RunningSequence]) -> None:
         """Put each sequence's ``token`` in its buffer and sample its next one: one batched pass."""
         rows = [DecodeRow(seq.buf, seq.token, seq.pos) for seq in seqs]
-        logits = decode_step(self.adapter, rows, self.config.decode_group)
+        logits = self.decoder.step(rows)
         for seq, row in zip(seqs, logits):
             sp = seq.req.sampling
             seq.pos += 1

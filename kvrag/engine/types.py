@@ -32,6 +32,9 @@ class EngineInfo:
         gate_ok: the correctness gate passed: ``blend`` and ``reuse`` may run.
         gate: the gate's verdict in one line, with each check's error against the reference,
             transformers' own error in this dtype (its floor) and the tolerance applied.
+        decode: the decode step's path and why: ``packed`` (bf16 on a CPU: weights fused and
+            prepacked once, the same bits as the plain path; with the time it took at start-up) or
+            ``plain`` (the adapter's own layer functions).
     """
 
     model: str
@@ -43,6 +46,7 @@ class EngineInfo:
     context_window: int
     gate_ok: bool
     gate: str
+    decode: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,20 +12,27 @@ sequence decoded beside others, and greedy outputs could differ. So rows always 
 groups of exactly ``group`` rows, padded with dummy rows: every sequence's row sees the same
 matrix shape whatever else runs, and its result depends on its own inputs only (rows of one
 product do not mix; the tests check it on the tiny model and on the bundled one).
+
+:class:`Decoder` is the engine's decode step: the plain step (:func:`decode_step`, the adapter's
+own layer functions) or, in bfloat16 on a CPU, the same arithmetic through weights fused and
+prepacked once (:mod:`kvrag.engine.model.packed`) with fewer tensor ops around them; both give the
+same bits (tested on every family and the bundled model).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.packed import DecodeWeights
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.kernels import attention
 
-__all__ = ["DecodeRow", "decode_step"]
+__all__ = ["DecodeRow", "Decoder", "decode_step"]
 
 
 @dataclass(slots=True)
@@ -35,6 +42,36 @@ class DecodeRow:
     buf: KVBuffer
     token: int
     pos: int
+
+
+class Decoder:
+    """Decode steps of up to ``group`` rows per pass (the engine's ``decode_group``).
+
+    Built once per engine: in bfloat16 on a CPU it packs the decode weights
+    (:meth:`DecodeWeights.build`, a fraction of a second; :attr:`description` says which path and
+    why) and every step uses them; elsewhere every step is :func:`decode_step`.
+    """
+
+    def __init__(self, adapter: ModelAdapter, group: int) -> None:
+        self.adapter = adapter
+        self.group = group
+        t0 = time.perf_counter()
+        self.weights, why = DecodeWeights.build(adapter, group)
+        self.build_s = time.perf_counter() - t0
+        #: which decode path runs, and why (``Engine.info().decode``)
+        self.description = (
+            f"packed: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
+        )
+
+    def step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Append one token to each sequence and return the next-token logits [len(rows), V] (float32)."""
+        if self.weights is None:
+            return decode_step(self.adapter, rows, self.group)
+        out = [
+            _packed_group(self.adapter, self.weights, rows[first : first + self.group], self.group)
+            for first in range(0, len(rows), self.group)
+        ]
+        return torch.cat(out) if out else torch.empty(0, 0)
 
 
 @torch.inference_mode()
@@ -50,32 +87,93 @@ def decode_step(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) ->
     return torch.cat(out) if out else torch.empty(0, 0)
 
 
-def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
-    n, dev = len(rows), adapter.device
+def _inputs(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions [group] of the rows, padded with dummy rows (token 0 at position 0,
+    their outputs dropped); buffers that are full grow first."""
     for r in rows:
         if r.pos >= r.buf.capacity:
             r.buf.grow(r.pos + 1)
-    pad = group - n  # dummy rows: token 0 at position 0; their outputs are dropped
-    ids = torch.tensor([r.token for r in rows] + [0] * pad, device=dev)
-    pos = torch.tensor([r.pos for r in rows] + [0] * pad, device=dev)
+    pad = group - len(rows)
+    ids = torch.tensor([r.token for r in rows] + [0] * pad, device=adapter.device)
+    pos = torch.tensor([r.pos for r in rows] + [0] * pad, device=adapter.device)
+    return ids, pos
+
+
+def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor) -> None:
+    """Write each row's k/v [Hkv, G, D] at its position of its buffer and its attention over
+    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are)."""
+    window = adapter.windows[layer]  # a sliding-window layer's size, or None
+    for i, r in enumerate(rows):
+        bk, bv = r.buf.k[layer], r.buf.v[layer]  # [Hkv, capacity, D]
+        bk[:, r.pos] = k[:, i]
+        bv[:, r.pos] = v[:, i]
+        end = r.pos + 1
+        out[:, i : i + 1] = attention(
+            q[:, i : i + 1], pos[i : i + 1], bk[:, :end], bv[:, :end], adapter.scale, window=window
+        )
+
+
+def _finish(rows: Sequence[DecodeRow]) -> None:
+    for r in rows:
+        r.buf.length = max(r.buf.length, r.pos + 1)
+
+
+def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
+    ids, pos = _inputs(adapter, rows, group)
     h = adapter.embed(ids)  # [G, E]
     rope = adapter.rope(pos)  # cos/sin [G, D] per RoPE of the model
     for layer in range(adapter.n_layers):
         q, k, v = adapter.qkv(layer, h)  # q [H, G, D], k/v [Hkv, G, D]
         cos, sin = rope.layer(layer)
-        window = adapter.windows[layer]  # a sliding-window layer's size, or None
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         att = torch.zeros_like(q)  # padding rows attend to nothing
-        for i, r in enumerate(rows):
-            bk, bv = r.buf.k[layer], r.buf.v[layer]  # [Hkv, capacity, D]
-            bk[:, r.pos] = k[:, i]
-            bv[:, r.pos] = v[:, i]
-            end = r.pos + 1
-            att[:, i : i + 1] = attention(
-                q[:, i : i + 1], pos[i : i + 1], bk[:, :end], bv[:, :end], adapter.scale, window=window
-            )
+        _attend(adapter, layer, rows, pos, q, k, v, att)
         h = adapter.finish_layer(layer, h, att)
-    for r in rows:
-        r.buf.length = max(r.buf.length, r.pos + 1)
-    return adapter.logits(h)[:n]  # the LM head on every row too: its result depends on the row count
+    _finish(rows)
+    return adapter.logits(h)[: len(rows)]  # the LM head on every row too: its result depends on the row count
+
+
+@torch.inference_mode()
+def _packed_group(adapter: ModelAdapter, weights: DecodeWeights, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
+    """:func:`_decode_group` through the packed weights: the same products and elementwise ops in
+    the same order (so the same bits), with Q/K/V and gate/up as one product each and RoPE applied
+    to queries and keys together.
+
+    RoPE: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` equals
+    ``x * cos + [x2, x1] * [-sin1, sin2]`` bit for bit (a sign moves between two factors), and
+    ``[x2, x1]`` is a roll of the last dimension.
+    """
+    ids, pos = _inputs(adapter, rows, group)
+    heads, kv_heads, dim = adapter.n_heads, adapter.n_kv_heads, adapter.head_dim
+    half = dim // 2
+    h = adapter.embed(ids)  # [G, E]
+    rope = adapter.rope(pos)
+    # per RoPE of the model: cos and the signed sin [G, 1, D], broadcast over heads
+    tables = [(c[:, None], torch.cat((-s[:, :half], s[:, half:]), dim=-1)[:, None]) for c, s in rope.pairs]
+    for layer, (w, p) in enumerate(zip(adapter.layers, weights.layers)):
+        qkv = p.qkv(adapter.rms_norm(h, w.ln_attn)).view(group, heads + 2 * kv_heads, dim)
+        cos, sin = tables[rope.kinds[layer]]
+        if w.q_norm is None:
+            qk = qkv[:, : heads + kv_heads]
+            qk = qk * cos + qk.roll(half, -1) * sin
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:  # per-head norms before RoPE (Qwen3, Gemma 3)
+            q = adapter.rms_norm(qkv[:, :heads], w.q_norm)
+            k = adapter.rms_norm(qkv[:, heads : heads + kv_heads], w.k_norm)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
+        att = torch.zeros_like(q)  # [H, G, D]; padding rows attend to nothing
+        _attend(adapter, layer, rows, pos, q, k, v, att)
+        a = p.o(att.transpose(0, 1).reshape(group, heads * dim))
+        if w.ln_attn_out is not None:
+            a = adapter.rms_norm(a, w.ln_attn_out)
+        h = h + a
+        gate, up = p.gate_up(adapter.rms_norm(h, w.ln_mlp)).chunk(2, dim=-1)
+        m = p.down(adapter.act(gate) * up)
+        if w.ln_mlp_out is not None:
+            m = adapter.rms_norm(m, w.ln_mlp_out)
+        h = h + m
+    _finish(rows)
+    return weights.lm_head(adapter.rms_norm(h, adapter.norm_weight)).float()[: len(rows)]

@@ -11,7 +11,7 @@ import torch
 
 import kvrag.engine.engine as engine_module
 from kvrag import Engine, OverloadedError, SamplingParams
-from kvrag.engine.model.batch import DecodeRow, decode_step
+from kvrag.engine.model.batch import Decoder, DecodeRow, decode_step
 from kvrag.engine.model.runner import KVBuffer, forward
 from tests.helpers import PREFIX, SUFFIX, hold_engine_thread, make_docs, prompt_ids
 
@@ -30,7 +30,7 @@ def serving(tiny_model, tiny_tokenizer):
 def events(monkeypatch):
     """What the engine thread did, in order: ("prefill", prompt tokens), ("prefilled", ...), ("step", bufs)."""
     log: list[tuple] = []
-    prefill, step = engine_module.prefill, engine_module.decode_step
+    prefill, step = engine_module.prefill, Decoder.step
 
     def spy_prefill(adapter, plan, capacity, **kw):
         log.append(("prefill", plan.num_tokens))
@@ -38,12 +38,12 @@ def events(monkeypatch):
         log.append(("prefilled", plan.num_tokens))
         return res
 
-    def spy_step(adapter, rows, group):
+    def spy_step(decoder, rows):
         log.append(("step", [weakref.ref(r.buf) for r in rows]))
-        return step(adapter, rows, group)
+        return step(decoder, rows)
 
     monkeypatch.setattr(engine_module, "prefill", spy_prefill)
-    monkeypatch.setattr(engine_module, "decode_step", spy_step)
+    monkeypatch.setattr(Decoder, "step", spy_step)
     return log
 
 

@@ -1,0 +1,106 @@
+"""The engine's decode step: packed bf16 weights give the plain step's bits, and fall back where they cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.engine.model import packed as packed_module
+from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.batch import Decoder, DecodeRow, decode_step
+from kvrag.engine.model.runner import KVBuffer, forward
+from tests.helpers import FAMILIES, as_dtype, make_tiny_model
+
+# prompts longer than the tiny models' sliding windows (40-48): each layer's own window and RoPE
+LENGTHS = (37, 90, 5, 121, 64, 9, 33, 100, 50, 12, 77)
+
+
+def rows_for(adapter: ModelAdapter, prompts: list[torch.Tensor], steps: int) -> list[DecodeRow]:
+    """A prefilled buffer per prompt (room for ``steps`` more tokens) and the row that appends token 7."""
+    rows = []
+    for ids in prompts:
+        n = len(ids)
+        buf = KVBuffer(adapter, n + steps)
+        forward(adapter, buf, ids, torch.arange(n), n)
+        rows.append(DecodeRow(buf, 7, n))
+    return rows
+
+
+def decode_both(adapter: ModelAdapter, decoder: Decoder, steps: int = 4) -> None:
+    """Greedy steps of 11 ragged rows (two groups) through the plain step and through ``decoder``:
+    the same logits and the same KV, bit for bit, at every step."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
+    plain, fast = rows_for(adapter, prompts, steps), rows_for(adapter, prompts, steps)
+    for _ in range(steps):
+        expected = decode_step(adapter, plain, decoder.group)
+        got = decoder.step(fast)
+        assert torch.equal(got, expected)
+        for p, f in zip(plain, fast):
+            end = p.pos + 1
+            assert torch.equal(f.buf.k[:, :, :end], p.buf.k[:, :, :end])
+            assert torch.equal(f.buf.v[:, :, :end], p.buf.v[:, :, :end])
+            assert f.buf.length == p.buf.length == end
+        for p, f, token in zip(plain, fast, expected.argmax(-1).tolist()):
+            p.token = f.token = token
+            p.pos += 1
+            f.pos += 1
+
+
+def packed_decoder(adapter: ModelAdapter) -> Decoder:
+    decoder = Decoder(adapter, 8)
+    if decoder.weights is None and not torch.backends.mkldnn.is_available():
+        pytest.skip(f"no packed decode here: {decoder.description}")
+    assert decoder.description.startswith("packed"), decoder.description
+    return decoder
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_bfloat16_decode_gives_the_plain_steps_bits(tiny_tokenizer, family):
+    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer), family), "bfloat16"))
+    decode_both(adapter, packed_decoder(adapter))
+
+
+def test_a_packed_decode_step_of_a_row_does_not_depend_on_the_others(tiny_tokenizer):
+    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
+    decoder = packed_decoder(adapter)
+    torch.manual_seed(1)
+    prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
+    alone = [decoder.step([row])[0] for row in rows_for(adapter, prompts, 1)]
+    batched = decoder.step(rows_for(adapter, prompts, 1))
+    assert all(torch.equal(batched[i], alone[i]) for i in range(len(prompts)))
+
+
+def test_float32_decodes_through_the_plain_step(tiny_model):
+    decoder = Decoder(ModelAdapter(tiny_model), 8)
+    assert decoder.weights is None and decoder.description.startswith("plain: float32")
+
+
+def test_a_packed_product_that_differs_keeps_the_plain_path(tiny_tokenizer, monkeypatch):
+    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
+    packed_decoder(adapter)  # packs here
+    call = packed_module.PackedLinear.__call__
+    monkeypatch.setattr(packed_module.PackedLinear, "__call__", lambda self, x: call(self, x) * 1.25)
+    decoder = Decoder(adapter, 8)
+    assert decoder.weights is None
+    assert decoder.description == "plain: a packed product differs from F.linear (layer 0 q/k/v)"
+    decode_both(adapter, decoder, steps=1)  # and it decodes, through the plain step
+
+
+def test_packing_that_fails_keeps_the_plain_path(tiny_tokenizer, monkeypatch):
+    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
+
+    def refuse(*args):
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    decoder = Decoder(adapter, 8)
+    assert decoder.weights is None and decoder.description == "plain: packing failed (RuntimeError)"
+
+
+@pytest.mark.model
+def test_the_bundled_model_decodes_packed_with_the_plain_steps_bits(smol_engine):
+    if smol_engine.adapter.dtype != torch.bfloat16:
+        pytest.skip(f"the bundled model computes in {smol_engine.info().dtype} here")
+    assert smol_engine.info().decode.startswith("packed")
+    decode_both(smol_engine.adapter, smol_engine.decoder, steps=3)
