@@ -49,9 +49,10 @@ def _run_parser() -> argparse.ArgumentParser:
         "blend, probe, hkvd, recency, epic (python -m benchmarks methods lists them); @RATIO the recompute ratio "
         "(probe@0.15); +FIELD=VALUE an EngineConfig override for that method alone, which then runs on "
         "an engine of its own (probe@0.15+probe_layer=12, hkvd@0.15+filter_schedule=[3.0,2.0]; values "
-        "JSON or plain strings; not model/dtype/device/cache_dir/num_threads, and store settings only "
+        "JSON or plain strings; not model/device/cache_dir/num_threads, and store settings only "
         "in workloads b and r). Results are filed under the spec as written. full is always run: it is "
-        "the reference",
+        "the reference; full+dtype=float32 is a float32 full prefill beside a run in another dtype (its own "
+        "weights), the reference of the tables' 'TTFT x fp32 full'",
     )
     p.add_argument("--order", choices=("shuffled", "given"), default=d.order, help="passage order")
     p.add_argument(

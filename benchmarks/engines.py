@@ -7,13 +7,22 @@
 - :meth:`MethodEngines.own`: workloads where each method keeps its own store (b, r): an engine
   per method, with the workload's store settings and the method's overrides; with a disk tier,
   each in a scratch directory of its own, so methods never share cache entries.
+- :meth:`MethodEngines.reference`: a method that reads no store but sets a dtype of its own
+  (``full+dtype=float32``, the float32 reference beside a bf16 run): the run's model in that
+  dtype, on an engine and a store of its own, in every workload.
+
+An engine in another dtype than the run's cannot share its weights: it gets the model loaded in
+that dtype (``load``, which :func:`benchmarks.run.run_bench` gives when it loads the model itself),
+or else a converted copy of the run's model (an engine handed in, e.g. a test's).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import tempfile
+from collections.abc import Callable
 
 from benchmarks.methods import Method
 from benchmarks.specs import STORE_FIELDS
@@ -26,23 +35,50 @@ class MethodEngines:
     """Builds (and at :meth:`close` releases) the engines of a run's methods.
 
     Args:
-        base: the run's engine; every engine built here shares its weights and tokenizer.
+        base: the run's engine; every engine built here in its dtype shares its weights and tokenizer.
+        load: ``load(config, store)`` builds an engine of the run's model in ``config.dtype`` (another
+            dtype than the run's); ``None``: convert a copy of the run's model to that dtype.
     """
 
-    def __init__(self, base) -> None:
+    def __init__(self, base, load: Callable | None = None) -> None:
         self.base = base
+        self.load = load
         self._own: dict[str, object] = {}
         self._shared: dict[str, object] = {}
+        self._references: dict[str, object] = {}  # engines of :meth:`reference`
         self._spare: list = []  # engines of :meth:`scratch`
         self._scratch: tempfile.TemporaryDirectory | None = None
 
     def _build(self, config, store=None):
         from kvrag import Engine
 
-        base = self.base  # same weights, same fingerprint: the same chunk keys as the run's engine
+        base = self.base
+        if config.dtype != base.config.dtype:  # other weights, another fingerprint: keys of its own
+            if self.load is not None:
+                return self.load(config, store)
+            import torch
+
+            model = copy.deepcopy(base.hf_model).to(getattr(torch, config.dtype))
+            return Engine(
+                model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
+            )
+        # same weights, same fingerprint: the same chunk keys as the run's engine
         return Engine(
             base.hf_model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
         )
+
+    def reference(self, method: Method):
+        """The engine of a method that reads no store but sets its own dtype (``full+dtype=float32``):
+        the run's model in that dtype, with a store of its own (what it writes back is keyed by its
+        dtype and would only take room in the run's store). Built once per method."""
+        if method.name not in self._references:
+            config = self.base.config.replace(**{"tree_refresh": False, **method.overrides})
+            self._references[method.name] = self._build(config)
+        return self._references[method.name]
+
+    @staticmethod
+    def _own_dtype(method: Method) -> bool:
+        return "dtype" in method.overrides
 
     def shared(self, method: Method):
         """The engine ``method`` runs on over the run's store, built with the method's overrides.
@@ -55,6 +91,8 @@ class MethodEngines:
         it could only serve the method's own scoring of the request it just ran (and it costs a
         prefill per request).
         """
+        if self._own_dtype(method):
+            return self.reference(method)
         store_fields = sorted(STORE_FIELDS & method.overrides.keys())
         if store_fields:
             raise InvalidRequestError(
@@ -102,14 +140,15 @@ class MethodEngines:
     def runners(self, methods: list[Method], settings: dict[str, dict]) -> list[tuple[str, Method, object]]:
         """``(row name, method, engine)`` per method, in order, for workloads of stores of their own.
 
-        A method that uses no store runs on the run's engine. Every other one gets an engine per
+        A method that uses no store runs on the run's engine (or, with a dtype of its own, on its
+        :meth:`reference` engine). Every other one gets an engine per
         entry of ``settings`` (store settings by label), filed as ``method/label`` when there are
         several entries (``blend/lru``, ``blend/pgdsf``), else as the method.
         """
         out: list[tuple[str, Method, object]] = []
         for m in methods:
             if not m.uses_store:
-                out.append((m.name, m, self.base))
+                out.append((m.name, m, self.reference(m) if self._own_dtype(m) else self.base))
                 continue
             for label, store in settings.items():
                 name = m.name if len(settings) == 1 else f"{m.name}/{label}"
@@ -122,14 +161,15 @@ class MethodEngines:
         return dict(self._own)
 
     def close(self) -> None:
-        """Close the engines with stores of their own; the others only finish their write-back
+        """Close the engines with stores of their own (and the references'); the others only finish their write-back
         (their store is the run's engine's, closed by its owner)."""
-        for engine in [*self._own.values(), *self._spare]:
+        for engine in [*self._own.values(), *self._spare, *self._references.values()]:
             engine.close()
         for engine in self._shared.values():
             engine.flush()
         self._own.clear()
         self._shared.clear()
+        self._references.clear()
         self._spare.clear()
         if self._scratch is not None:
             self._scratch.cleanup()

@@ -6,7 +6,9 @@ ids, in the same process and threads. ``full``, ``prefix``, ``reuse`` and ``blen
 modes; ``blend@0.3`` names a recompute ratio, ``blend`` alone uses the engine's configured default;
 ``probe``, ``hkvd``, ``recency`` and ``epic`` are ``blend`` with that selection. A spec may add
 EngineConfig overrides and selection parameters for its method alone: ``probe@0.15+probe_layer=12``
-(:mod:`benchmarks.specs`). ``random`` is an ablation registered by :mod:`benchmarks.selections`.
+(:mod:`benchmarks.specs`); ``full+dtype=float32`` is a full prefill in float32 beside a run in the
+machine's dtype (bf16 where it computes it natively), the reference of the tables' "× fp32 full".
+``random`` is an ablation registered by :mod:`benchmarks.selections`.
 
 New methods (Cache-Craft, reordering, ...) plug in with :func:`register_method`::
 
@@ -146,6 +148,7 @@ class EngineMethod(Method):
             chunk_hits=s.chunk_hits,
             chunk_misses=s.chunk_misses,
             extra={
+                "dtype": engine.config.dtype,
                 "finish_reason": g.finish_reason,
                 "prefix_tokens": s.prefix_tokens,
                 "recompute_ratio": s.recompute_ratio,
@@ -235,7 +238,14 @@ class HFForward(Method):
         ttft = time.perf_counter() - t0
         del out
         n = int(ids.shape[1])
-        return Outcome(ttft_s=ttft, total_s=ttft, token_ids=[token], prompt_tokens=n, chunk_misses=len(req.chunks))
+        return Outcome(
+            ttft_s=ttft,
+            total_s=ttft,
+            token_ids=[token],
+            prompt_tokens=n,
+            chunk_misses=len(req.chunks),
+            extra={"dtype": engine.config.dtype},
+        )
 
 
 Factory = Callable[[MethodSpec], Method]
@@ -268,8 +278,18 @@ def _no_overrides(spec: MethodSpec, why: str) -> None:
 
 def _overrides(spec: MethodSpec, selection: str | None = None) -> dict:
     """The spec's EngineConfig overrides, the selection's parameters checked: parameters given for a
-    method that names its selection (``hkvd@0.15+check_layer=2``) configure that selection."""
+    method that names its selection (``hkvd@0.15+check_layer=2``) configure that selection.
+
+    ``dtype`` is refused: a method that reads the store in another dtype than the run's would find
+    none of the chunk KV the run warmed (keys carry the dtype); only ``full`` takes one.
+    """
     out = dict(spec.overrides)
+    if "dtype" in out:
+        raise InvalidRequestError(
+            f"method {spec.name!r}: only full takes a dtype of its own (full+dtype=float32, a reference); "
+            "chunk KV is keyed by dtype, so this method would find nothing the run warmed: set the run's "
+            "dtype with --config dtype=..."
+        )
     if "selection_params" in out and selection is not None:
         out.setdefault("selection", selection)
     try:
@@ -282,8 +302,10 @@ def _overrides(spec: MethodSpec, selection: str | None = None) -> dict:
 def _engine_mode(mode: str) -> Factory:
     def make(spec: MethodSpec) -> Method:
         _no_arg(spec)
-        if mode == "full":
-            _no_overrides(spec, "it is the reference every method is paired with")
+        if mode == "full":  # the reference; full+dtype=float32 is another reference beside it
+            if set(dict(spec.overrides)) - {"dtype"}:
+                _no_overrides(spec, "it is the reference every method is paired with; it takes only a dtype")
+            return EngineMethod(spec.name, mode, overrides=dict(spec.overrides))
         return EngineMethod(spec.name, mode, overrides=_overrides(spec))
 
     return make

@@ -26,6 +26,8 @@ __all__ = [
     "summarize",
     "percentile",
     "paired_ratios",
+    "fp32_full",
+    "FP32_FULL",
     "MixedRunsError",
 ]
 
@@ -141,6 +143,20 @@ def paired_ratios(records: Sequence[dict], method: str, baseline: str, field: st
         if b:
             out.append(r[field] / b)
     return out
+
+
+#: Methods that are the float32 full prefill of a run, the reference of "× fp32 full": ``full``
+#: itself in a float32 run, else ``full+dtype=float32`` run beside it.
+FP32_FULL = ("full", "full+dtype=float32")
+
+
+def fp32_full(records: Sequence[dict]) -> str | None:
+    """The method of ``records`` that is a float32 full prefill (:data:`FP32_FULL`, by the ``dtype``
+    its records carry), or None (no such method, or records from before the dtype was recorded)."""
+    for name in FP32_FULL:
+        if {r.get("dtype") for r in records if r["method"] == name} == {"float32"}:
+            return name
+    return None
 
 
 def _pair_key(r: dict) -> tuple:

@@ -1,7 +1,10 @@
 """Results: run metadata, aggregation, the markdown table, and guarded merging of runs.
 
 A run's ``results.json`` holds ``{"meta": ..., "records": [...], "summary": ...}``. Every ratio is
-computed from records paired within one run (same ``run_id``, same request). Results of several
+computed from records paired within one run (same ``run_id``, same request). Each TTFT ratio is
+given twice: against the run's ``full`` (the machine's dtype: bf16 where it computes it natively)
+and against a float32 full prefill (``full`` in a float32 run, else ``full+dtype=float32`` run
+beside it; "—" without one). Every table names each method's dtype. Results of several
 runs can be merged only when they were measured on the same machine, threads, model, dtype, commit
 and settings; their ratios still pair only within each run.
 """
@@ -19,7 +22,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.metrics import MixedRunsError, paired_ratios, summarize
+from benchmarks.metrics import MixedRunsError, fp32_full, paired_ratios, summarize
 from benchmarks.report_retrieval import retrieval_summary, retrieval_table
 
 __all__ = [
@@ -149,7 +152,21 @@ def _one(values: set):
     return next(iter(values)) if len(values) == 1 else None
 
 
-def _method_summary(records: list[dict], method: str) -> dict:
+def _dtype(rs: list[dict]) -> str | None:
+    """The dtype a method's records agree on (None: not recorded)."""
+    return _one({r.get("dtype") for r in rs} - {None})
+
+
+def _fp32_ratios(records: list[dict], method: str, ref: str | None, field: str = "ttft_s") -> list[float]:
+    """``method``'s ``field`` over the float32 full prefill's ``ref``, paired per request ([]: no ref)."""
+    if ref is None:
+        return []
+    return (
+        [1.0 for r in records if r["method"] == method] if method == ref else paired_ratios(records, method, ref, field)
+    )
+
+
+def _method_summary(records: list[dict], method: str, fp32_ref: str | None = None) -> dict:
     rs = [r for r in records if r["method"] == method]
     ratios = paired_ratios(records, method, "full", "ttft_s") if method != "full" else []
     totals = paired_ratios(records, method, "full", "total_s") if method != "full" else []
@@ -158,8 +175,10 @@ def _method_summary(records: list[dict], method: str) -> dict:
     ident = [r["identical_full"] for r in rs if "identical_full" in r]
     return {
         "n": len(rs),
+        "dtype": _dtype(rs),
         "ttft_s": summarize(r.get("ttft_s") for r in rs),
         "ttft_ratio_full": summarize(ratios) if method != "full" else None,
+        "ttft_ratio_fp32_full": summarize(_fp32_ratios(records, method, fp32_ref)) if fp32_ref else None,
         "total_s": summarize(r.get("total_s") for r in rs),
         "total_ratio_full": summarize(totals) if method != "full" else None,
         "rouge_l_full": _mean(r.get("rouge_l_full") for r in rs),
@@ -182,7 +201,7 @@ def _method_summary(records: list[dict], method: str) -> dict:
     }
 
 
-def _windows(records: list[dict], method: str, n_windows: int) -> list[dict]:
+def _windows(records: list[dict], method: str, n_windows: int, fp32_ref: str | None = None) -> list[dict]:
     reqs = sorted({r["request"] for r in records})
     if not reqs:
         return []
@@ -198,6 +217,7 @@ def _windows(records: list[dict], method: str, n_windows: int) -> list[dict]:
         hits = sum(r.get("chunk_hits", 0) for r in mine)
         chunks = sum(r.get("chunks", 0) for r in mine)
         ratios = paired_ratios(rs, method, "full") if method != "full" else []
+        fp32 = _fp32_ratios(rs, method, fp32_ref)
         out.append(
             {
                 "window": w,
@@ -205,6 +225,7 @@ def _windows(records: list[dict], method: str, n_windows: int) -> list[dict]:
                 "hit_rate": hits / chunks if chunks else None,
                 "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
                 "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
+                "ttft_ratio_fp32_full_median": summarize(fp32)["median"] if fp32 else None,
             }
         )
     return out
@@ -226,18 +247,20 @@ def _steady(windows: list[dict], mine: list[dict]) -> dict:
     return out
 
 
-def _turns(records: list[dict], method: str) -> list[dict]:
+def _turns(records: list[dict], method: str, fp32_ref: str | None = None) -> list[dict]:
     out = []
     for t in sorted({r["turn"] for r in records if "turn" in r}):
         rs = [r for r in records if r.get("turn") == t]
         mine = [r for r in rs if r["method"] == method]
         ratios = paired_ratios(rs, method, "full") if method != "full" else []
+        fp32 = _fp32_ratios(rs, method, fp32_ref)
         out.append(
             {
                 "turn": t,
                 "n": len(mine),
                 "ttft_median_s": summarize(r["ttft_s"] for r in mine)["median"],
                 "ttft_ratio_full_median": summarize(ratios)["median"] if ratios else None,
+                "ttft_ratio_fp32_full_median": summarize(fp32)["median"] if fp32 else None,
                 "prompt_tokens_mean": _mean(r.get("prompt_tokens") for r in mine),
                 "conversation_tokens_mean": _mean(r.get("conversation_tokens") for r in mine),
                 "deduplicated_chunks": sum(r.get("deduplicated_chunks") or 0 for r in mine),
@@ -247,18 +270,26 @@ def _turns(records: list[dict], method: str) -> list[dict]:
     return out
 
 
-def turns_table(summary: dict) -> str:
+def _dtype_of(summary: dict, workload: str, method: str, default: str | None = None) -> str:
+    """A method's dtype in a workload's summary (``default``: the run's, for results without it)."""
+    s = summary.get(workload, {}).get("methods", {}).get(method) or {}
+    return s.get("dtype") or default or "—"
+
+
+def turns_table(summary: dict, dtype: str | None = None) -> str:
     """Per turn of the conversations: TTFT, paired speed-up, reused conversation tokens (markdown)."""
     lines = [
-        "| method | turn | prompt tokens | TTFT median (s) | TTFT × full | conversation tokens reused | "
-        "chunks deduplicated | ROUGE-L vs full |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | dtype | turn | prompt tokens | TTFT median (s) | TTFT × full | TTFT × fp32 full | "
+        "conversation tokens reused | chunks deduplicated | ROUGE-L vs full |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, ts in summary.get("conversations", {}).get("turns", {}).items():
         for t in ts:
             lines.append(
-                f"| {m} | {t['turn'] + 1} | {_fmt(t['prompt_tokens_mean'], '.0f')} | {_fmt(t['ttft_median_s'])} | "
-                f"{_fmt(t['ttft_ratio_full_median'])} | {_fmt(t['conversation_tokens_mean'], '.0f')} | "
+                f"| {m} | {_dtype_of(summary, 'conversations', m, dtype)} | {t['turn'] + 1} | "
+                f"{_fmt(t['prompt_tokens_mean'], '.0f')} | {_fmt(t['ttft_median_s'])} | "
+                f"{_fmt(t['ttft_ratio_full_median'])} | {_fmt(t.get('ttft_ratio_fp32_full_median'))} | "
+                f"{_fmt(t['conversation_tokens_mean'], '.0f')} | "
                 f"{t['deduplicated_chunks']} | {_fmt(t['rouge_l_full'])} |"
             )
     return "\n".join(lines)
@@ -272,16 +303,17 @@ def aggregate(records: list[dict], n_windows: int = 5) -> dict:
     out = {}
     for wl, rs in by_workload.items():
         methods = list(dict.fromkeys(r["method"] for r in rs))
-        out[wl] = {"methods": {m: _method_summary(rs, m) for m in methods}}
+        ref = fp32_full(rs)
+        out[wl] = {"methods": {m: _method_summary(rs, m, ref) for m in methods}, "fp32_full": ref}
         if "hf" in methods:  # our full prefill against transformers' own forward, paired per request
             out[wl]["full_over_hf"] = summarize(paired_ratios(rs, "full", "hf"))
         if wl == "stream":
-            out[wl]["windows"] = {m: _windows(rs, m, n_windows) for m in methods}
+            out[wl]["windows"] = {m: _windows(rs, m, n_windows, ref) for m in methods}
             out[wl]["steady_state"] = {
                 m: _steady(out[wl]["windows"][m], [r for r in rs if r["method"] == m]) for m in methods if m != "full"
             }
         if wl == "conversations":
-            out[wl]["turns"] = {m: _turns(rs, m) for m in methods}
+            out[wl]["turns"] = {m: _turns(rs, m, ref) for m in methods}
         if wl.startswith("retrieval/"):
             out[wl]["retrieval"] = retrieval_summary(rs)
     return out
@@ -291,11 +323,13 @@ def _fmt(v, spec: str = ".3f", none: str = "—") -> str:
     return none if v is None else format(v, spec)
 
 
-def markdown_table(summary: dict, workload: str) -> str:
-    """The benchmark table of one workload (markdown)."""
+def markdown_table(summary: dict, workload: str, dtype: str | None = None) -> str:
+    """The benchmark table of one workload (markdown); ``dtype``: the run's, for results that do not
+    record one per method."""
     methods = summary[workload]["methods"]
     head = (
-        "| method | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | total (s) | "
+        "| method | dtype | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | "
+        "TTFT × fp32 full (paired median) | total (s) | "
         "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
         "mean abs Δ log p(gold) vs full | answer drift vs full (nats/token) | recomputed | chunk hits |"
     )
@@ -305,15 +339,19 @@ def markdown_table(summary: dict, workload: str) -> str:
         if key == "blend" and s.get("recompute_ratio") is not None:
             name = f"blend (r={s['recompute_ratio']:g})"
         ratio = s["ttft_ratio_full"]["median"] if s["ttft_ratio_full"] else (1.0 if name == "full" else None)
+        fp32 = s.get("ttft_ratio_fp32_full")
+        fp32 = fp32["median"] if fp32 else None
         ident = f"{s['identical_full']}/{s['identical_of']}" if s["identical_of"] else ("ref" if key == "full" else "—")
         lines.append(
             "| "
             + " | ".join(
                 [
                     name,
+                    s.get("dtype") or dtype or "—",
                     _fmt(s["ttft_s"]["median"]),
                     _fmt(s["ttft_s"]["p90"]),
                     _fmt(ratio, ".3f") + ("" if ratio is None else "×"),
+                    _fmt(fp32, ".3f") + ("" if fp32 is None else "×"),
                     _fmt(s["total_s"]["median"]),
                     _fmt(s["rouge_l_full"]) if name != "full" else "ref",
                     _fmt(s["first_word_agree_full"], ".0%") if name != "full" else "ref",
@@ -338,32 +376,34 @@ def markdown_table(summary: dict, workload: str) -> str:
     return "\n".join(lines)
 
 
-def windows_table(summary: dict) -> str:
+def windows_table(summary: dict, dtype: str | None = None) -> str:
     """Hit rate and paired speed-up per window of the stream, then steady state per method (markdown)."""
     wins = summary.get("stream", {}).get("windows", {})
     lines = [
-        "| method | window | requests | chunk hit rate | TTFT median (s) | TTFT × full |",
-        "|---|---|---|---|---|---|",
+        "| method | dtype | window | requests | chunk hit rate | TTFT median (s) | TTFT × full | TTFT × fp32 full |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m, ws in wins.items():
         for w in ws:
             lines.append(
-                f"| {m} | {w['window'] + 1} | {w['requests'][0]}–{w['requests'][1]} | "
+                f"| {m} | {_dtype_of(summary, 'stream', m, dtype)} | {w['window'] + 1} | "
+                f"{w['requests'][0]}–{w['requests'][1]} | "
                 f"{_fmt(w['hit_rate'], '.0%')} | {_fmt(w['ttft_median_s'])} | "
-                f"{_fmt(w['ttft_ratio_full_median'])} |"
+                f"{_fmt(w['ttft_ratio_full_median'])} | {_fmt(w.get('ttft_ratio_fp32_full_median'))} |"
             )
     steady = summary.get("stream", {}).get("steady_state", {})
     if steady:
         mib = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
         lines += [
             "",
-            "| method | speed-up, 2nd window | speed-up, last window | last / 2nd | memory max / budget (MiB) "
-            "| disk max / budget (MiB) |",
-            "|---|---|---|---|---|---|",
+            "| method | dtype | speed-up over full, 2nd window | speed-up over full, last window | last / 2nd | "
+            "memory max / budget (MiB) | disk max / budget (MiB) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for m, st in steady.items():
             lines.append(
-                f"| {m} | {_fmt(st.get('speedup_second'), '.2f')} | {_fmt(st.get('speedup_last'), '.2f')} | "
+                f"| {m} | {_dtype_of(summary, 'stream', m, dtype)} | {_fmt(st.get('speedup_second'), '.2f')} | "
+                f"{_fmt(st.get('speedup_last'), '.2f')} | "
                 f"{_fmt(st.get('last_over_second'), '.2f')} | {mib(st.get('memory_max_bytes'))} / "
                 f"{mib(st.get('memory_budget_bytes'))} | {mib(st.get('disk_max_bytes'))} / "
                 f"{mib(st.get('disk_budget_bytes'))} |"
@@ -395,7 +435,7 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
         "retrieval/writeback": "(r) retrieval corpus, the store filled by write-back (cold start)",
     }
     for wl in summary:
-        md += [f"## {names.get(wl, wl)}", "", markdown_table(summary, wl), ""]
+        md += [f"## {names.get(wl, wl)}", "", markdown_table(summary, wl, meta.get("dtype")), ""]
         if wl == "stream":
             st = extras.get("stream") or {}
             if st:
@@ -406,11 +446,11 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
                     f"{st['store'].get('memory_budget_bytes', 0) / 2**20:.0f} MiB per method.",
                     "",
                 ]
-            md += [windows_table(summary), ""]
+            md += [windows_table(summary, meta.get("dtype")), ""]
         if wl == "conversations":
-            md += [turns_table(summary), ""]
+            md += [turns_table(summary, meta.get("dtype")), ""]
         if wl.startswith("retrieval/"):
-            md += _retrieval_md(summary[wl]["retrieval"], extras.get(wl) or {})
+            md += _retrieval_md(summary[wl]["retrieval"], extras.get(wl) or {}, meta.get("dtype"))
     if meta.get("wall_s") is not None:
         cpu = meta.get("cpu_s")
         md.append(
@@ -423,7 +463,7 @@ def write_results(out_dir: Path, meta: dict, records: list[dict], summary: dict,
     return {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
 
 
-def _retrieval_md(per_method: dict, facts: dict) -> list[str]:
+def _retrieval_md(per_method: dict, facts: dict, dtype: str | None = None) -> list[str]:
     md = []
     if facts:
         md += [
@@ -435,8 +475,8 @@ def _retrieval_md(per_method: dict, facts: dict) -> list[str]:
             + ". Every method has its own engine and store.",
             "",
         ]
-    md += [retrieval_table(per_method, "all"), ""]
-    md += [retrieval_table(per_method, "many_hits", facts.get("min_hits"), facts.get("top_k")), ""]
+    md += [retrieval_table(per_method, "all", dtype=dtype), ""]
+    md += [retrieval_table(per_method, "many_hits", facts.get("min_hits"), facts.get("top_k"), dtype=dtype), ""]
     return md
 
 
@@ -483,18 +523,30 @@ def compare_table(docs: list[dict], workload: str = "questions") -> str:
     sums = [d.get("summary") or aggregate(d["records"]) for d in docs]
     methods = list(dict.fromkeys(m for s in sums for m in s.get(workload, {}).get("methods", {})))
     head = (
-        "| method | " + " | ".join(f"{c} TTFT (s) | {c} × full (within run) | {c} ROUGE-L vs full" for c in cols) + " |"
+        "| method | "
+        + " | ".join(
+            f"{c} dtype | {c} TTFT (s) | {c} × full (within run) | {c} × fp32 full (within run) | {c} ROUGE-L vs full"
+            for c in cols
+        )
+        + " |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for m in methods:
         cells = []
-        for s in sums:
+        for d, s in zip(docs, sums):
             ms = s.get(workload, {}).get("methods", {}).get(m)
             if ms is None:
-                cells += ["—", "—", "—"]
+                cells += ["—"] * 5
                 continue
             ratio = ms["ttft_ratio_full"]["median"] if ms["ttft_ratio_full"] else None
-            cells += [_fmt(ms["ttft_s"]["median"]), _fmt(ratio), _fmt(ms["rouge_l_full"])]
+            fp32 = ms.get("ttft_ratio_fp32_full")
+            cells += [
+                ms.get("dtype") or d["meta"].get("dtype") or "—",
+                _fmt(ms["ttft_s"]["median"]),
+                _fmt(ratio),
+                _fmt(fp32["median"] if fp32 else None),
+                _fmt(ms["rouge_l_full"]),
+            ]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     sigs = [signature(d["meta"]) for d in docs]
     diff = [k for k in SIGNATURE_FIELDS if any(s[k] != sigs[0][k] for s in sigs)]

@@ -90,7 +90,7 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
     store = {"memory_budget_bytes": int(budget)} if budget else {}
     max_new = ctx.opt("retrieval_max_new_tokens", 32)
     workload = f"retrieval/{mode}"
-    with MethodEngines(base) as engines:
+    with MethodEngines(base, ctx.load) as engines:
         runners = engines.runners(methods, {mode: store})
         owned = engines.owned
         _warm_up(ctx, runners, owned)

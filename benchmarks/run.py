@@ -223,12 +223,14 @@ def run_bench(
         stream_items = load_dataset(opts.dataset, opts.stream_questions)
     owned = engine is None
     t_start, cpu_start = time.perf_counter(), time.process_time()
+    load = None  # a method in another dtype (full+dtype=float32): the model loaded in it, when we load it
     if engine is None:
         if engine_factory is None:
             from kvrag import Engine
 
             model, overrides = opts.model, dict(opts.config)
             engine_factory = lambda: Engine.from_pretrained(model, **overrides)  # noqa: E731
+            load = lambda config, store: Engine.from_pretrained(config=config, store=store)  # noqa: E731
         engine = engine_factory()
     out_dir = Path(opts.out)
     ctx = None
@@ -274,7 +276,7 @@ def run_bench(
             corpus_order=opts.corpus_order,
             embedder=opts.embedder,
         )
-        ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress))
+        ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress), load=load)
         paths: dict = {}
         for name in names:
             WORKLOADS[name](ctx, stream_items if name == "stream" else items)

@@ -8,7 +8,8 @@
   registered selection takes, written bare, goes to ``selection_params``, and the method's
   selection becomes the engine's). Values are JSON where they parse (``12``, ``0.5``, ``true``,
   ``[2.0,1.5]``), else plain strings (``sink``). A method with overrides runs on an engine of its
-  own built with them (same weights).
+  own built with them (same weights). ``full`` takes only ``dtype`` (``full+dtype=float32``: a float32
+  reference beside a run in another dtype, on the model loaded in that dtype).
 
 A comma separates methods in a list; commas inside brackets belong to a value
 (``full,hkvd@0.15+filter_schedule=[3.0,2.0]``). The name a method's results are filed under is
@@ -32,8 +33,9 @@ __all__ = [
     "STORE_FIELDS",
 ]
 
-#: Fields no method may override: every method of a run runs the same weights on the same device.
-FIXED_FIELDS = frozenset({"model", "dtype", "device", "cache_dir", "num_threads"})
+#: Fields no method may override: every method of a run runs the same model on the same device
+#: (``dtype`` is not among them: ``full+dtype=float32`` is a reference, see :mod:`benchmarks.methods`).
+FIXED_FIELDS = frozenset({"model", "device", "cache_dir", "num_threads"})
 #: Fields of the store itself: an override of one needs a store of the method's own.
 STORE_FIELDS = frozenset(
     {
@@ -139,8 +141,12 @@ def parse_spec(text: str, known: set[str] | dict) -> MethodSpec:
     fixed = sorted(FIXED_FIELDS & overrides.keys())
     if fixed:
         raise InvalidRequestError(
-            f"method {name!r}: {', '.join(fixed)} cannot differ between methods (same weights, same device); "
+            f"method {name!r}: {', '.join(fixed)} cannot differ between methods (same model, same device); "
             "set it for the whole run with --config"
+        )
+    if overrides.get("dtype") == "auto":
+        raise InvalidRequestError(
+            f"method {name!r}: name a dtype (float32, bfloat16, float16); the run's is --config dtype"
         )
     return MethodSpec(name, base, arg.strip() if sep else None, tuple(overrides.items()))
 

@@ -65,6 +65,7 @@ class RunContext:
     extras: dict = field(default_factory=dict)  # per-workload facts (store budgets, pools, ...)
     progress: Callable | None = None  # tqdm-like factory: progress(iterable, desc=..., total=...)
     method_engines: MethodEngines | None = None  # an engine per method over the run's store (built on demand)
+    load: Callable | None = None  # load(config, store): the run's model in another dtype (MethodEngines)
 
     def opt(self, name: str, default=None):
         return self.options.get(name, default)
@@ -72,7 +73,7 @@ class RunContext:
     def engine_for(self, method: Method):
         """The engine ``method`` runs on where the methods share the run's store (workloads a, c)."""
         if self.method_engines is None:
-            self.method_engines = MethodEngines(self.engine)
+            self.method_engines = MethodEngines(self.engine, self.load)
         return self.method_engines.shared(method)
 
     def close(self) -> None:
@@ -328,7 +329,7 @@ def run_stream(ctx: RunContext, items: list[QAItem]) -> list[dict]:
     overrides = dict(memory_budget_bytes=int(budget))
     if base.config.disk_tier:  # bounded too: as many bytes as memory (at fp16 rest: twice the tokens)
         overrides["disk_budget_bytes"] = int(ctx.opt("stream_disk_budget_bytes") or budget)
-    engines = MethodEngines(base)
+    engines = MethodEngines(base, ctx.load)
     try:
         runners = engines.runners(methods, {p: dict(overrides, eviction_policy=p) for p in policies})
         owned = engines.owned

@@ -204,7 +204,8 @@ def load_dataset_from(data):
 
 
 def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
-    """The CLI over a model directory (the tiny random Llama saved with save_pretrained)."""
+    """The CLI over a model directory (the tiny random Llama saved with save_pretrained); the bf16 full
+    prefill beside the (explicitly) float32 run loads the directory's model in bf16."""
     model_dir = tmp_path / "tiny"
     tiny_model.save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
@@ -223,8 +224,10 @@ def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
             str(model_dir),
             "--config",
             f'cache_dir="{tmp_path / "cache"}"',
+            "--config",
+            "dtype=float32",
             "--methods",
-            "hf,full,prefix,reuse,blend,blend@1.0",
+            "hf,full,full+dtype=bfloat16,prefix,reuse,blend,blend@1.0",
             "--max-new-tokens",
             "4",
             "--workloads",
@@ -256,7 +259,10 @@ def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
     ):
         assert key in meta
     a = doc["summary"]["questions"]["methods"]
-    assert set(a) == {"full", "hf", "prefix", "reuse", "blend", "blend@1.0"}
+    assert set(a) == {"full", "hf", "full+dtype=bfloat16", "prefix", "reuse", "blend", "blend@1.0"}
+    assert a["full+dtype=bfloat16"]["dtype"] == "bfloat16" and a["blend"]["dtype"] == "float32"
+    assert doc["summary"]["questions"]["fp32_full"] == "full"  # a float32 run: its own full
+    assert a["full+dtype=bfloat16"]["ttft_ratio_fp32_full"]["n"] == 2
     assert a["blend@1.0"]["identical_full"] == 2 and a["prefix"]["identical_full"] == 2
     assert a["reuse"]["chunk_hit_rate"] == 1.0 and a["blend"]["chunk_hit_rate"] == 1.0
     assert a["blend"]["ttft_ratio_full"]["n"] == 2
@@ -277,6 +283,73 @@ def test_end_to_end_tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
     # merging a run with itself is refused; compare shows each run's own ratios
     assert bench_main(["merge", str(out), str(out), "--out", str(tmp_path / "m")]) == 2
     assert bench_main(["compare", str(out)]) == 0
+
+
+def test_a_float32_full_prefill_beside_a_bfloat16_run(tmp_path, tiny_model, tiny_tokenizer):
+    """make bench's setting, small: the run in bf16 and ``full+dtype=float32`` beside it (an engine
+    handed in: a converted copy of its model). Every row names its dtype; every TTFT is divided by
+    the bf16 full's and by the float32 full's on the same request; the float32 full's drift against
+    the bf16 full is measured; blend still finds what the run warmed."""
+    from kvrag import Engine
+    from tests.helpers import as_dtype
+
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(2, passages=3, words=10)))
+    engine = Engine.from_model(as_dtype(tiny_model, "bfloat16"), tiny_tokenizer, cache_dir=str(tmp_path / "c"))
+    try:
+        res = run_bench(
+            BenchOptions(
+                dataset=str(data),
+                n=2,
+                top_k=3,
+                methods="hf,full,full+dtype=float32,blend@0.3",
+                max_new_tokens=3,
+                workloads="a",
+                out=str(tmp_path / "o"),
+                plots=False,
+                progress=False,
+            ),
+            engine=engine,
+        )
+    finally:
+        engine.close()
+    a = res["summary"]["questions"]
+    assert a["fp32_full"] == "full+dtype=float32"
+    m = a["methods"]
+    assert {k: s["dtype"] for k, s in m.items()} == {
+        "full": "bfloat16",
+        "hf": "bfloat16",
+        "full+dtype=float32": "float32",
+        "blend@0.3": "bfloat16",
+    }
+    for name in ("full", "hf", "blend@0.3"):
+        assert m[name]["ttft_ratio_fp32_full"]["n"] == 2
+    assert m["full+dtype=float32"]["ttft_ratio_fp32_full"]["median"] == 1.0  # the reference itself
+    assert m["full+dtype=float32"]["ttft_ratio_full"]["n"] == 2  # float32 full over bf16 full, paired
+    rows = [r for r in res["records"] if r["method"] == "full+dtype=float32"]
+    assert all(r["chunk_hits"] == 0 and r["dtype"] == "float32" for r in rows)
+    assert all(r.get("answer_drift_full") is not None for r in rows)  # bf16 full vs float32 full
+    assert m["blend@0.3"]["chunk_hit_rate"] == 1.0
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "| method | dtype |" in md and "TTFT × fp32 full" in md
+    assert "| full+dtype=float32 | float32 |" in md and "| blend@0.3 | bfloat16 |" in md
+
+
+def test_tables_without_a_float32_reference_or_recorded_dtypes():
+    """Records from before the dtype was recorded (and runs without a float32 full): the run's dtype
+    fills the column and "× fp32 full" reads "—"; a float32 run's own full is its float32 reference."""
+    from benchmarks.report import aggregate, markdown_table
+
+    doc = _doc("A")
+    summary = aggregate(doc["records"])
+    assert summary["questions"]["fp32_full"] is None
+    table = markdown_table(summary, "questions", dtype="float32")
+    assert "| blend | float32 | 1.000 | 1.000 | 0.500× | — |" in table
+    recs = [dict(r, dtype="float32") for r in doc["records"]]
+    summary = aggregate(recs)
+    assert summary["questions"]["fp32_full"] == "full"
+    assert summary["questions"]["methods"]["blend"]["ttft_ratio_fp32_full"]["median"] == 0.5
+    assert "| full | float32 | 2.000 | 2.000 | 1.000× | 1.000× |" in markdown_table(summary, "questions")
 
 
 def test_stream_compares_policies_side_by_side_within_budgets(tmp_path, tiny_model, tiny_tokenizer):

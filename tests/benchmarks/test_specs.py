@@ -37,6 +37,50 @@ def test_specs_carry_a_ratio_and_engine_overrides():
         "recompute_ratio": 0.3,
         "prefix_cache": False,
     }
+    # full takes a dtype of its own: a float32 reference beside the run's full
+    full, fp32 = parse_methods("full,full+dtype=float32")
+    assert (fp32.name, fp32.mode, fp32.overrides, fp32.uses_store) == (
+        "full+dtype=float32",
+        "full",
+        {"dtype": "float32"},
+        False,
+    )
+    assert full.overrides == {}
+
+
+def test_a_method_in_another_dtype_gets_the_model_in_that_dtype(tiny_engine, tiny_model, tiny_tokenizer):
+    """``full+dtype=...`` runs on an engine of its own, in every workload: built by ``load`` where the
+    bench loaded the model (the model in that dtype), else over a converted copy of the run's model;
+    a store of its own, closed with the others. A method in the run's dtype shares its weights."""
+    import torch
+
+    from benchmarks.engines import MethodEngines
+    from kvrag import Engine
+    from tests.helpers import as_dtype
+
+    ref = parse_methods("full+dtype=bfloat16")[1]
+    loaded = []
+
+    def load(config, store):
+        loaded.append((config.dtype, store))
+        return Engine.from_model(as_dtype(tiny_model, "bfloat16"), tiny_tokenizer, config=config)
+
+    with MethodEngines(tiny_engine, load) as engines:
+        own = engines.shared(ref)
+        assert engines.reference(ref) is own and engines.runners([ref], {"lru": {}})[0][2] is own
+        assert loaded == [("bfloat16", None)]  # once per method, with no store: it builds its own
+        assert own.store is not tiny_engine.store and own.fingerprint != tiny_engine.fingerprint
+    with MethodEngines(tiny_engine) as engines:
+        converted = engines.reference(ref)
+        assert converted.hf_model is not tiny_engine.hf_model and converted.config.dtype == "bfloat16"
+        assert converted.hf_model.dtype == torch.bfloat16 and tiny_engine.hf_model.dtype == torch.float32
+        assert converted.store is not tiny_engine.store and converted.fingerprint != tiny_engine.fingerprint
+        same = engines.reference(parse_methods("full+dtype=float32")[1])
+        assert same.hf_model is tiny_engine.hf_model and same.store is not tiny_engine.store
+    for engine in (own, converted, same):  # closed with the others; the run's engine stays open
+        with pytest.raises(InvalidRequestError, match="closed"):
+            engine.generate(prompt="still open?", max_new_tokens=1)
+    assert tiny_engine.count_tokens("still open") > 0
 
 
 def test_a_list_splits_on_commas_outside_brackets():
@@ -59,9 +103,14 @@ def test_a_list_splits_on_commas_outside_brackets():
         ("probe@0.15+selection=magic", "unknown selection 'magic'; registered: "),
         ("probe@0.15+max_new_tokens=3", "sampling.max_new_tokens"),
         ("probe@0.15+eviction_policy=3", "eviction_policy must be"),
-        ("probe@0.15+dtype=bfloat16", "same weights"),
-        ("probe@0.15+model=x", "same weights"),
+        ("probe@0.15+dtype=bfloat16", "only full takes a dtype"),
+        ("auto+dtype=float32", "only full takes a dtype"),
+        ("full+dtype=auto", "name a dtype"),
+        ("full+dtype=float8", "dtype"),
+        ("probe@0.15+model=x", "same model"),
+        ("full+num_threads=1", "same model"),
         ("full+recompute_ratio=0.3", "reference"),
+        ("full+dtype=float32+recompute_ratio=0.3", "takes only a dtype"),
         ("hf+mode=full", "transformers"),
         ("probe@", "nothing after"),
         ("probe@x", "not a number"),
