@@ -191,7 +191,9 @@ class EngineConfig:
             mapping of its fields): ``max_new_tokens=64``, ``temperature=0.0`` (greedy),
             ``top_p=1.0``, ``seed=None``, no ``stop`` strings. Fields left ``None`` keep those
             defaults; a request's own fields override these one by one.
-        memory_budget_bytes: byte budget of the in-memory KV tier (2 GiB).
+        memory_budget_bytes: byte budget of the in-memory KV tier; ``"auto"`` (default): a quarter
+            of the machine's memory (or of the container's limit), at most half of what is free
+            when the engine starts (:mod:`kvrag.engine.store.budget`). A cap, not a reservation.
         disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``), shared by
             every process that uses that directory. Off by default: an embedded library does not
             fill the user's home with gigabytes unasked, and tests and notebooks leave nothing
@@ -342,7 +344,7 @@ class EngineConfig:
     selection_params: Mapping[str, object] | None = None
     prefix_block_tokens: int = 16
     prefix_cache: bool = True
-    memory_budget_bytes: int = 2 * 1024**3
+    memory_budget_bytes: int | str = "auto"
     disk_tier: bool = False
     disk_budget_bytes: int = 20 * 1024**3
     disk_dtype: str = "float16"
@@ -394,8 +396,9 @@ class EngineConfig:
         self.selection_params = _check_selection_params(self.selection_params)
         if self.prefix_block_tokens < 1:
             raise InvalidRequestError("prefix_block_tokens must be >= 1")
-        if self.memory_budget_bytes < 0:
-            raise InvalidRequestError("memory_budget_bytes must be >= 0")
+        b = self.memory_budget_bytes
+        if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise InvalidRequestError(f"memory_budget_bytes must be 'auto' or an integer >= 0, got {b!r}")
         if self.disk_budget_bytes < 0:
             raise InvalidRequestError("disk_budget_bytes must be >= 0")
         if self.disk_dtype not in DTYPE_NAMES:

@@ -9,7 +9,7 @@ import torch
 
 from kvrag import Engine, SamplingParams
 from kvrag.config import EngineConfig
-from kvrag.engine.store import DiskStore, MemoryStore, TieredStore, build_store, serial
+from kvrag.engine.store import DiskStore, KVRecord, MemoryStore, TieredStore, build_store, serial
 from kvrag.engine.store.codec import AtRest, CodedRecord, Int8Codec, PlainCodec
 from kvrag.engine.store.remote import RemoteStore
 from kvrag.errors import InvalidRequestError
@@ -152,3 +152,18 @@ def test_config_validates_the_remote_fields():
     ):
         with pytest.raises(InvalidRequestError):
             EngineConfig(**bad)
+
+
+def test_a_clone_keeps_the_codes_and_decoding_to_encode_again_would_not():
+    codec = Int8Codec()
+    rec = codec.at_rest(record(4, tokens=130))
+    twin = rec.clone()
+    assert isinstance(twin, CodedRecord) and codec.at_rest(twin) is twin
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(twin.parts, rec.parts))
+    assert twin.meta == rec.meta and twin.meta is not rec.meta
+    # why a copy must stay codes: the decoded floats quantize again onto other levels
+    again = codec.at_rest(KVRecord(rec.token_ids, rec.k, rec.v))
+    assert not all(torch.equal(a, b) for a, b in zip(again.parts, rec.parts))
+    plain = record(5)
+    copy = plain.clone()
+    assert torch.equal(copy.k, plain.k) and copy.k.data_ptr() != plain.k.data_ptr() and copy.meta == plain.meta

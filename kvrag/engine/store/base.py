@@ -112,6 +112,19 @@ class KVRecord:
         """K and V [Hkv, T, D] of one layer (a streamed record waits for that layer only)."""
         return self.k[layer], self.v[layer]
 
+    def clone(self) -> KVRecord:
+        """A copy with tensors and meta of its own, in the same form (another store may keep it)."""
+        return KVRecord(
+            self.token_ids.clone(),
+            self.k.clone(),
+            self.v.clone(),
+            kind=self.kind,
+            context=self.context,
+            meta=dict(self.meta),
+            stats={n: t.clone() for n, t in self.stats.items()},
+            tier=self.tier,
+        )
+
     def matches(self, token_ids) -> bool:
         """True if this record holds exactly these tokens."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)

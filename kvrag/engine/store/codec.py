@@ -138,8 +138,9 @@ def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, to
     return q, scale, lo
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float() + lo.float()
+def _dequantize_(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32 codes) turned into ``x * scale + lo`` in place (scale and minimum broadcast)."""
+    return x.mul_(scale.float()).add_(lo.float())
 
 
 class Int8Codec(Codec):
@@ -191,9 +192,14 @@ class Int8Codec(Codec):
     def decode_layer(self, parts):
         kq, vq, ks, kl, vs, vl = parts
         h, t, d = kq.shape
-        expand = torch.arange(t) // self.group  # token -> its group
-        k = _dequantize(kq, ks[:, expand], kl[:, expand])
-        v = _dequantize(vq, vs.unsqueeze(-1), vl.unsqueeze(-1))
+        # in place, scales broadcast over their group (no [H, T, D] copy of them): this runs on the
+        # prefill's critical path, once per layer and chunk hit
+        k = kq.float()
+        whole = t // self.group  # groups of ``group`` tokens; a shorter last one follows
+        body = k[:, : whole * self.group].view(h, whole, self.group, d)
+        _dequantize_(body, ks[:, :whole, None], kl[:, :whole, None])
+        _dequantize_(k[:, whole * self.group :], ks[:, whole:], kl[:, whole:])
+        v = _dequantize_(vq.float(), vs.unsqueeze(-1), vl.unsqueeze(-1))
         return k, v
 
     def at_rest(self, record):
@@ -263,6 +269,20 @@ class CodedRecord:
     def v(self) -> torch.Tensor:
         return torch.stack([self.layer(i)[1] for i in range(self.num_layers)])
 
+    def clone(self) -> CodedRecord:
+        """A copy with parts and meta of its own, still as codes: a store of the same codec keeps
+        them as they are (decoding and encoding again would round twice)."""
+        return CodedRecord(
+            self.codec,
+            self.token_ids.clone(),
+            [p.clone() for p in self.parts],
+            kind=self.kind,
+            context=self.context,
+            meta=dict(self.meta),
+            stats={n: t.clone() for n, t in self.stats.items()},
+            tier=self.tier,
+        )
+
     def matches(self, token_ids) -> bool:
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         return ids.shape == self.token_ids.shape and bool(torch.equal(ids, self.token_ids))
@@ -271,26 +291,34 @@ class CodedRecord:
 class AtRest:
     """What a store does to a record before it keeps it: chunks through the codec, the rest plain.
 
-    Exact-prefix blocks (``kind="prefix"``) stay plain in ``dtype`` even with the 8-bit codec: they
-    are small, and prefix reuse promises the KV that was computed. The conversion is idempotent
-    (a record already at rest passes through), so every tier may apply it.
+    Exact-prefix blocks (``kind="prefix"``) stay plain even with the 8-bit codec: they are small,
+    and prefix reuse promises the KV that was computed. The conversion is idempotent (a record
+    already at rest passes through), so every tier may apply it.
 
     Args:
         codec: ``plain`` or ``int8``.
-        dtype: the plain at-rest dtype (``float16``, ``bfloat16``, ``float32``).
+        dtype: the plain at-rest dtype (``float16``, ``bfloat16``, ``float32``); ``None``: plain
+            records are kept as computed, in the compute dtype (a store of the memory tier alone,
+            where nothing needs one dtype across tiers).
     """
 
-    def __init__(self, codec: str = "plain", dtype: str | torch.dtype = "float16") -> None:
-        self.plain = PlainCodec(dtype)
-        self.codec = make_codec(codec, dtype)
+    def __init__(self, codec: str = "plain", dtype: str | torch.dtype | None = "float16") -> None:
+        self.plain = None if dtype is None else PlainCodec(dtype)
+        self.codec = self.plain if codec == "plain" else make_codec(codec)
         #: names the representation in keys and entry names (stores of other codecs never mix)
-        self.tag = self.codec.tag
+        self.tag = "" if self.codec is None else self.codec.tag
+
+    @property
+    def name(self) -> str:
+        """The codec's header name; ``plain`` for records kept as computed."""
+        return "plain" if self.codec is None else self.codec.name
 
     def __call__(self, record):
-        return (self.codec if record.kind == "chunk" else self.plain).at_rest(record)
+        codec = self.codec if record.kind == "chunk" else self.plain
+        return record if codec is None else codec.at_rest(record)
 
     def codec_of(self, record) -> Codec:
-        """The codec a record at rest is written with."""
+        """The codec a record at rest is written with (tiers that write bytes have a plain dtype)."""
         return record.codec if isinstance(record, CodedRecord) else self.plain
 
 

@@ -18,6 +18,9 @@ class MemoryStore(KVStore):
     Args:
         budget_bytes: the most bytes of records kept (a record larger than this is refused).
         policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``).
+        at_rest: what a put keeps of a record (:class:`~kvrag.engine.store.codec.AtRest`: chunk KV
+            as 8-bit codes, say); ``None``: the record as given. A tier stack converts records
+            itself, once for every tier, and leaves this ``None``.
 
     A ``speculative`` put (an entry kept ahead of need, :meth:`put`) takes only free room or the room
     of other speculative entries not used yet (oldest first), never an entry a request kept: it is
@@ -25,12 +28,14 @@ class MemoryStore(KVStore):
     last, so ordinary puts evict it first.
     """
 
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | str | None = None) -> None:
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | str | None = None, *, at_rest=None) -> None:
         self.budget_bytes = int(budget_bytes)
         self.policy = make_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
+        self.at_rest = at_rest
         self._items: dict[StoreKey, KVRecord] = {}
         self._sizes: dict[StoreKey, int] = {}
         self._bytes = 0
+        self._tokens = 0  # tokens of the resident records: bytes per token is what the at-rest form costs
         self._lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0, "speculative_refused": 0}
         self._pins: Counter = Counter()
@@ -89,6 +94,8 @@ class MemoryStore(KVStore):
         self, key: StoreKey, record: KVRecord, *, speculative: bool = False
     ) -> list[tuple[StoreKey, KVRecord]] | None:
         """Like :meth:`put`; returns the evicted entries (``None`` if the record was refused)."""
+        if self.at_rest is not None:
+            record = self.at_rest(record)  # outside the lock: encoding is the costly part
         size = record.nbytes
         evicted: list[tuple[StoreKey, KVRecord]] = []
         with self._lock:
@@ -111,6 +118,7 @@ class MemoryStore(KVStore):
             self._items[key] = record
             self._sizes[key] = size
             self._bytes += size
+            self._tokens += record.num_tokens
             self.policy.insert(key, size, speculative)
             if speculative:
                 self._speculative[key] = None
@@ -132,6 +140,7 @@ class MemoryStore(KVStore):
             return False
         self._speculative.pop(key, None)
         self._bytes -= self._sizes.pop(key)
+        self._tokens -= rec.num_tokens
         self.policy.remove(key)
         return True
 
@@ -159,12 +168,18 @@ class MemoryStore(KVStore):
                 self._drop(key)
 
     def stats(self) -> dict:
+        """Counters (hits, misses, puts, evictions, rejected, speculative_refused) and what is held:
+        ``entries``, ``bytes``, ``tokens`` (of every entry, variants and prefix blocks included),
+        ``bytes_per_token`` (``None`` when empty), ``budget_bytes``, ``codec``, ``policy``."""
         with self._lock:
             return dict(
                 self._stats,
                 entries=len(self._items),
                 bytes=self._bytes,
+                tokens=self._tokens,
+                bytes_per_token=self._bytes / self._tokens if self._tokens else None,
                 budget_bytes=self.budget_bytes,
+                codec=None if self.at_rest is None else self.at_rest.name,
                 policy=self.policy.describe(),
             )
 

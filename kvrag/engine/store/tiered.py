@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvrag.engine.model.dtypes import dtype_name, torch_dtype
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
+from kvrag.engine.store.budget import memory_budget
 from kvrag.engine.store.codec import AtRest
 from kvrag.engine.store.disk import DiskStore
 from kvrag.engine.store.memory import MemoryStore
@@ -249,8 +250,8 @@ class TieredStore(KVStore):
         Top level: ``hits``/``misses``/``hit_rate`` (any tier), ``promotions`` (disk or remote hits
         copied to memory), ``swap_outs`` (memory evictions the disk had dropped, written again),
         ``disk_writes_skipped``/``remote_writes_skipped`` (already there), ``policy``, ``dtype``,
-        ``codec``. ``memory``: hits, misses, puts, evictions, rejected, entries, bytes, budget_bytes,
-        policy state. ``disk``: hits, misses, puts, evictions, damaged, write_errors, skipped,
+        ``codec``. ``memory``: hits, misses, puts, evictions, rejected, entries, bytes, tokens,
+        bytes_per_token, budget_bytes, policy state. ``disk``: hits, misses, puts, evictions, damaged, write_errors, skipped,
         written_bytes, entries, bytes, budget_bytes, directory. ``load``: bytes and seconds read from
         disk, records streamed, ``throughput_bytes_per_s``. ``remote`` (with a remote tier): its
         counters (:meth:`RemoteStore.stats`) and its own ``load``.
@@ -263,7 +264,7 @@ class TieredStore(KVStore):
             memory=mem,
             load=self.meter.stats(),
             dtype=dtype_name(self.dtype),
-            codec=self.at_rest.codec.name,
+            codec=self.at_rest.name,
         )
         if self.disk is not None:
             out["disk"] = self.disk.stats()
@@ -282,21 +283,25 @@ class TieredStore(KVStore):
 def build_store(config) -> KVStore:
     """The store an :class:`EngineConfig` asks for.
 
-    Without ``disk_tier``, ``remote_url`` or a codec this is a :class:`MemoryStore` that keeps KV in
-    the compute dtype (exact reuse). Otherwise a :class:`TieredStore`: memory, a disk tier over
-    ``<cache_dir>/kv`` (the per-user cache directory when ``cache_dir`` is unset) if
-    ``disk_tier``, and a :class:`~kvrag.engine.store.remote.RemoteStore` at ``remote_url`` if set.
-    A disk directory that cannot be opened is skipped with a warning; a server that is down is
-    kept (it is retried with backoff).
+    The memory tier's budget is ``memory_budget_bytes`` (``"auto"``: a share of the machine's
+    memory, :mod:`kvrag.engine.store.budget`). Without ``disk_tier`` or ``remote_url`` this is a
+    :class:`MemoryStore` that keeps chunk KV as the codec says (``kv_codec``) and everything else
+    as computed, in the compute dtype (exact prefix blocks stay exact). Otherwise a
+    :class:`TieredStore`: memory, a disk tier over ``<cache_dir>/kv`` (the per-user cache directory
+    when ``cache_dir`` is unset) if ``disk_tier``, and a
+    :class:`~kvrag.engine.store.remote.RemoteStore` at ``remote_url`` if set, all holding plain KV
+    in ``disk_dtype``. A disk directory that cannot be opened is skipped with a warning; a server
+    that is down is kept (it is retried with backoff).
 
     Raises:
         InvalidRequestError: ``eviction_policy`` names no policy of :data:`~kvrag.engine.store.policy.POLICIES`.
     """
     check_policy(config.eviction_policy)
-    memory = MemoryStore(config.memory_budget_bytes, config.eviction_policy)
+    budget = memory_budget(config.memory_budget_bytes)
     codec = config.resolved_kv_codec()
-    if not config.disk_tier and not config.remote_url and codec == "plain":
-        return memory
+    if not config.disk_tier and not config.remote_url:
+        return MemoryStore(budget, config.eviction_policy, at_rest=AtRest(codec, dtype=None))
+    memory = MemoryStore(budget, config.eviction_policy)
     disk = remote = None
     if config.disk_tier:
         directory = Path(config.resolved_cache_dir()) / "kv"
