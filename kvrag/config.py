@@ -280,6 +280,12 @@ class EngineConfig:
             lowers it. The ratio then depends on measured load speed, so turn it off for answers
             that must not depend on timing (on by default). The ratio used is in
             ``GenerationStats.recompute_ratio``.
+        cost_model: price each plan before it runs and serve a request whose reuse cannot beat a
+            full prefill (too little cached) as a full prefill, or with exact KV only; it still
+            writes back what it computes (:mod:`kvrag.engine.reuse.paths`, on by default). The
+            prices are learned from this engine's own prefills, so the path can depend on timing;
+            ``GenerationStats.path`` says which ran. Off: the requested mode runs whenever anything
+            is cached.
         eviction_policy: which entry goes first when a tier is over budget, a policy of
             :mod:`kvrag.engine.store.policy` (checked when the store is built): ``pgdsf`` (the
             default: RAGCache's Greedy-Dual-Size-Frequency, with costs from the engine's own
@@ -354,6 +360,7 @@ class EngineConfig:
     kv_codec: str = "auto"
     prefetch: bool = True
     loading_controller: bool = True
+    cost_model: bool = True
     eviction_policy: str = "pgdsf"
     namespace: str = "default"
     chunk_context: str = "neighbor"

@@ -123,7 +123,7 @@ class Engine:
         log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
-        self.costs = CostFeedback(self.store, self.adapter.n_layers, config.loading_controller)
+        self.costs = CostFeedback(self.store, self.adapter.n_layers, config.loading_controller, config.cost_model)
         window = self.adapter.max_positions
         self.context_window = min(window, config.max_context) if config.max_context else window
         bos = tokenizer.bos_token_id
@@ -139,6 +139,7 @@ class Engine:
         self.planner = Planner(
             self.variants,
             PrefixCache(self.store, self.fingerprint, config.prefix_block_tokens),
+            self.costs.paths,
             fingerprint=self.fingerprint,
             namespace=config.namespace,
             context_label=context_label(config.chunk_context, self.sink_ids),
@@ -689,7 +690,11 @@ class Engine:
         return self._run_job(job, tokens, bounded=False)
 
     def _prefill(self, req: Request, *, capacity: int, pause: Pause | None = None) -> tuple[Plan, PrefillResult]:
-        """Plan and run a request's prefill (on the engine thread); a damaged cached entry re-plans it."""
+        """Plan and run a request's prefill (on the engine thread); a damaged cached entry re-plans it.
+
+        The plan's path is settled by the cost model once it holds everything it could reuse (the
+        conversation's turn included): a request whose reuse cannot win runs as a full prefill
+        (or reuses exact KV only), and still writes back what it computes."""
         cfg = self.config
         use_prefix = cfg.prefix_cache and req.mode != "full"
         attempts, limit = 0, 1
@@ -706,14 +711,18 @@ class Engine:
                 namespace=req.namespace,
                 auto=auto,
             )
+            if req.conversation is not None and attempts == 0:  # the kept turn this prompt continues, if any
+                req.follow = self.conversations.follow(req.conversation, plan.ids)
+            spans = self.conversations.attach(plan, req.follow) if req.follow is not None and not plan.is_full else []
+            self.planner.choose(plan)
+            blended = {start for start, _ in plan.chunk_records}  # what of the turn's KV the chosen path still uses
+            req.conversation_spans = [(a, b) for a, b in spans if b <= plan.prefix_len or a in blended]
             if attempts == 0:
                 limit = len(plan.cached_spans()) + 1
             attempts += 1
-            if req.conversation is not None and not plan.is_full:
-                req.conversation_spans = self.conversations.attach(plan, req.conversation)
             self.costs.adjust(plan)
             capture_end = 0
-            if use_prefix and not plan.is_full:
+            if use_prefix and mode != "full":
                 # prefix mode keeps the whole exact prompt (as vLLM does); the others keep the text
                 # before the first chunk (system prompt, instructions), which every request repeats.
                 capture_end = plan.exact_end() if mode == "prefix" else min(plan.exact_end(), plan.first_chunk_start())
@@ -735,7 +744,7 @@ class Engine:
                     raise
                 log.debug("kvrag: a cached entry was damaged; re-planning the request", exc_info=True)
                 continue
-            self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0)
+            self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0, res.recomputed_tokens)
             return plan, res
 
     def _budget(self, req: Request) -> tuple[float, bool, float | None]:
@@ -793,7 +802,14 @@ class Engine:
         req = seq.req
         if req.conversation is not None:
             chunk_texts = [s.text for s in seq.plan.segments if s.kind == "chunk"]
-            self.conversations.record(req.conversation, req.ids.tolist() + seq.generated, seq.buf, chunk_texts)
+            self.conversations.record(
+                req.conversation,
+                req.ids.tolist() + seq.generated,
+                seq.buf,
+                chunk_texts,
+                prompt_len=int(req.ids.shape[0]),
+                follow=req.follow,
+            )
         total = time.perf_counter() - seq.t0
         seq.stats.completion_tokens = len(seq.generated)
         seq.stats.decode_s = total - seq.ttft

@@ -69,7 +69,13 @@ class GenerationStats:
     """What a request did.
 
     Attributes:
-        mode: prefill mode used.
+        mode: the prefill mode the request asked for.
+        path: how its prefill ran: ``full`` (every token computed), ``prefix`` (only exact KV
+            reused: an exact prefix, exact chunk variants), ``blend`` or ``reuse``. A request whose
+            reuse cannot beat a full prefill (nothing cached, or too little: the engine's cost
+            model) runs ``full`` or ``prefix``, and still writes back what it computed.
+        path_reason: why that path (``requested``, ``nothing cached``, or the cost model's
+            prediction, e.g. ``blend predicted 1.12 of a full prefill``).
         recompute_ratio: share of the blended cached tokens recomputed (``blend``): the ratio asked
             for, or with ``recompute_ratio="auto"`` the share the request measured it needed.
         auto: the budget was measured per request (``recompute_ratio="auto"`` with a probe).
@@ -83,6 +89,7 @@ class GenerationStats:
             recomputed chunk tokens).
         compute_fraction: token-layers computed / token-layers of a full prefill.
         chunk_hits / chunk_misses: chunks whose KV was / was not reused.
+        chunks_found: chunks whose KV the cache held, reused or not (``path`` ``full`` computes them).
         chunks: per chunk, in prompt order.
         conversation_tokens: prompt tokens whose KV came from the conversation's previous turn
             (exact prefix + shifted history runs; included in ``cached_tokens``).
@@ -98,6 +105,8 @@ class GenerationStats:
     mode: str
     recompute_ratio: float
     prompt_tokens: int
+    path: str = ""
+    path_reason: str = ""
     auto: bool = False
     cached_tokens: int = 0
     prefix_tokens: int = 0
@@ -107,6 +116,7 @@ class GenerationStats:
     compute_fraction: float = 1.0
     chunk_hits: int = 0
     chunk_misses: int = 0
+    chunks_found: int = 0
     chunks: list[ChunkInfo] = field(default_factory=list)
     conversation_tokens: int = 0
     conversation_spans: list[tuple[int, int]] = field(default_factory=list)

@@ -372,6 +372,20 @@ def test_write_back_makes_misses_hits(tiny_engine, docs):
     assert g.stats.chunk_hits == 2
 
 
+def test_a_request_with_nothing_cached_runs_full_and_still_writes_back(tiny_engine, docs):
+    g = tiny_engine.generate(docs[:3], PREFIX, SUFFIX)  # blend asked (the default), the store empty
+    assert (g.stats.mode, g.stats.path, g.stats.path_reason) == ("blend", "full", "nothing cached")
+    assert g.stats.chunks_found == g.stats.cached_tokens == g.stats.recomputed_tokens == 0
+    assert g.stats.compute_fraction == 1.0
+    assert g.token_ids == tiny_engine.generate(docs[:3], PREFIX, SUFFIX, mode="full").token_ids
+    tiny_engine.flush()
+    # what it computed was kept (mode="full" keeps nothing): the next request finds every chunk
+    assert tiny_engine.lookup(docs[:3], PREFIX, SUFFIX).chunks_stored == 3
+    again = tiny_engine.generate(docs[:3], PREFIX, SUFFIX)
+    assert again.stats.chunks_found == 3 and again.stats.path != "full"
+    assert again.stats.cached_tokens > 0
+
+
 def test_reuse_mode_computes_only_uncached_tokens(family_engine, docs):
     family_engine.warm(docs)
     g = family_engine.generate(docs, PREFIX, SUFFIX, mode="reuse")

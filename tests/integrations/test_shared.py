@@ -35,6 +35,8 @@ from kvrag.integrations._shared import (
 
 STATS = GenerationStats(
     mode="blend",
+    path="blend",
+    path_reason="predicted 0.40 of a full prefill",
     recompute_ratio=0.25,
     prompt_tokens=100,
     cached_tokens=70,
@@ -45,6 +47,7 @@ STATS = GenerationStats(
     compute_fraction=0.4,
     chunk_hits=3,
     chunk_misses=1,
+    chunks_found=3,
     conversation_tokens=20,
     conversation_spans=[(0, 12), (30, 38)],
     deduplicated_chunks=2,
@@ -133,6 +136,8 @@ def test_metadata_maps_every_stat():
         "ttft_s": 0.5,
         "total_s": 0.75,
         "mode": "blend",
+        "path": "blend",
+        "path_reason": "predicted 0.40 of a full prefill",
         "recompute_ratio": 0.25,
         "prompt_tokens": 100,
         "completion_tokens": 5,
@@ -143,6 +148,7 @@ def test_metadata_maps_every_stat():
         "compute_fraction": 0.4,
         "chunk_hits": 3,
         "chunk_misses": 1,
+        "chunks_found": 3,
         "conversation_id": "c-1",
         "conversation_tokens": 20,
         "conversation_spans": [[0, 12], [30, 38]],

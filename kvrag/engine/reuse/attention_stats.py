@@ -46,19 +46,23 @@ class Tap:
     def __init__(self, positions: list[int], n_layers: int) -> None:
         self.positions = torch.tensor(positions, dtype=torch.long)
         self.q: list[torch.Tensor | None] = [None] * n_layers  # per layer [H, S, D]
-        self._index = {p: i for i, p in enumerate(positions)}
+        self._on: dict = {}  # device -> positions there
 
     def observe(self, layer: int, pos: torch.Tensor, q: torch.Tensor) -> None:
-        if not self._index:
+        # a few small tensor ops per layer, no Python loop over the rows: it runs inside every prefill
+        # that writes a chunk back, including the full prefill of a request with nothing cached
+        if not self.positions.numel() or not pos.numel():
             return
-        hit = torch.isin(pos, self.positions.to(pos.device))
-        if not bool(hit.any()):
+        positions = self._on.get(pos.device)
+        if positions is None:
+            positions = self._on[pos.device] = self.positions.to(pos.device)
+        rows = torch.searchsorted(pos, positions).clamp_(max=pos.numel() - 1)  # [S]: pos is increasing
+        seen = pos[rows] == positions  # [S]
+        if not bool(seen.any()):
             return
-        rows = hit.nonzero().squeeze(1)
         if self.q[layer] is None:
-            self.q[layer] = q.new_zeros((q.shape[0], len(self._index), q.shape[2]))
-        slots = torch.tensor([self._index[int(p)] for p in pos[rows].tolist()], device=q.device)
-        self.q[layer][:, slots] = q[:, rows]
+            self.q[layer] = q.new_zeros((q.shape[0], positions.numel(), q.shape[2]))
+        self.q[layer][:, seen] = q[:, rows[seen]]
 
     def complete(self) -> bool:
         return all(q is not None for q in self.q)

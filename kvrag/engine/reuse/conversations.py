@@ -25,9 +25,23 @@ After each turn the engine keeps the turn's token ids (prompt + generated answer
   docs-first layouts an earlier turn's documents are no longer in the prompt, so nothing is
   dropped there (dropping would remove the only copy).
 
+**Side calls.** A chat app makes other calls under the same conversation id: a chat engine
+condenses the question, a chain contextualises it, a memory summarises. Such a call does not
+continue the kept turn, and neither must it pay for it nor replace it. A prompt *continues* a kept
+turn when it repeats the end of that turn's prompt (its last message and the assistant header,
+rendered by the chat template) and goes on past it, at the start (exact prefix) or shifted
+(docs-first): the turn is in its history. A side call quotes the history as text inside one message
+of its own, so it repeats no turn's end. Only a continuing call reuses the turn's KV. A
+conversation keeps two turns: the *main* one, the last call recorded that continued one (or its
+first), and a *side* one. A call that continues a kept turn becomes the main one and the turn it
+continued the side one (a chain that contextualises the question with the history, then answers
+with it, alternates the two); a call that continues none is served without the conversation's KV
+(the prefix and chunk caches still apply) and is kept as the side turn: the main one stays.
+
 ``mode="full"`` and ``blend`` at ratio 1.0 never reuse anything (an exact full prefill); ``prefix``
 mode reuses the exact prefix only. The number of live conversations is bounded (LRU,
-``EngineConfig.max_conversations``); each keeps about ``tokens x kv_bytes_per_token`` bytes.
+``EngineConfig.max_conversations``); each keeps about ``tokens x kv_bytes_per_token`` bytes of its
+two turns.
 """
 
 from __future__ import annotations
@@ -45,7 +59,7 @@ from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.store.base import KVRecord
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["ConversationState", "Conversations", "match_runs", "check_conversation_id", "MIN_RUN"]
+__all__ = ["ConversationState", "Continuation", "Conversations", "match_runs", "check_conversation_id", "MIN_RUN"]
 
 #: Shortest run of equal tokens reused at a shifted position (shorter ones are template fragments
 #: such as ``<|im_end|>\n<|im_start|>user\n`` that may match in the wrong place).
@@ -71,11 +85,12 @@ class ConversationState:
     """What a conversation keeps between turns.
 
     Attributes:
-        ids: token ids of the last turn (prompt + generated tokens whose KV exists).
+        ids: token ids of the turn (prompt + generated tokens whose KV exists).
         k: [L, Hkv, T, D] keys of those tokens, without RoPE.
         v: [L, Hkv, T, D] values.
-        chunks: content ids of every chunk the conversation placed in its context so far.
-        turns: turns recorded.
+        chunks: content ids of every chunk this line of turns placed in its context so far.
+        turns: turns recorded on this line.
+        prompt_len: tokens of ``ids`` that were the turn's prompt (its answer follows).
     """
 
     ids: list[int]
@@ -83,6 +98,7 @@ class ConversationState:
     v: torch.Tensor
     chunks: set[str] = field(default_factory=set)
     turns: int = 0
+    prompt_len: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +113,28 @@ class ConversationState:
             kind=kind,
             context="conversation",
         )
+
+
+@dataclass(slots=True)
+class Continuation:
+    """How a prompt continues a kept turn: ``prefix`` tokens in common at the start, then ``runs``
+    ``(new_pos, old_pos, length)`` of the turn found shifted (:func:`match_runs`)."""
+
+    state: ConversationState
+    prefix: int
+    runs: list[tuple[int, int, int]]
+
+    def continues(self, n_new: int) -> bool:
+        """Whether a prompt of ``n_new`` tokens goes on from the turn: it repeats the end of the turn's
+        prompt (its last message and the assistant header, at least :data:`MIN_RUN` tokens unless at
+        the start) and has more after it, the turn's answer and what followed; or it is the turn's
+        prompt again (the same turn asked again)."""
+        end = self.state.prompt_len
+        if end <= 0:
+            return False
+        if self.prefix == n_new == end:
+            return True
+        return any(j < end <= j + n and i + end - j < n_new for i, j, n in [(0, 0, self.prefix), *self.runs])
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -161,7 +199,7 @@ def _subtract(a: int, b: int, covered: list[tuple[int, int]]) -> list[tuple[int,
 
 
 class Conversations:
-    """Live conversations of one engine: bounded LRU map id -> :class:`ConversationState`.
+    """Live conversations of one engine: bounded LRU map id -> its kept turns (main, side).
 
     Thread-safe. States are replaced whole at the end of each turn and never written into, so a
     request can read one while another turn of the same conversation finishes.
@@ -170,7 +208,8 @@ class Conversations:
     def __init__(self, adapter: ModelAdapter, max_live: int) -> None:
         self.adapter = adapter
         self.max_live = max_live
-        self._live: OrderedDict[str, ConversationState] = OrderedDict()
+        # id -> [main, side]: the turn calls continue, and the last call that continued none
+        self._live: OrderedDict[str, list[ConversationState | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -179,12 +218,23 @@ class Conversations:
     def __contains__(self, conversation_id: str) -> bool:
         return conversation_id in self._live
 
-    def get(self, conversation_id: str) -> ConversationState | None:
+    def kept(self, conversation_id: str) -> list[ConversationState]:
+        """The conversation's kept turns, the main one first (empty if it is not live)."""
         with self._lock:
-            state = self._live.get(conversation_id)
-            if state is not None:
-                self._live.move_to_end(conversation_id)
-            return state
+            turns = self._live.get(conversation_id)
+            if turns is None:
+                return []
+            self._live.move_to_end(conversation_id)
+            return [t for t in turns if t is not None]
+
+    def get(self, conversation_id: str) -> ConversationState | None:
+        """The conversation's main turn (the last one a call continued), or None."""
+        with self._lock:
+            turns = self._live.get(conversation_id)
+            if turns is None:
+                return None
+            self._live.move_to_end(conversation_id)
+            return turns[0] if turns[0] is not None else turns[1]
 
     def end(self, conversation_id: str) -> bool:
         with self._lock:
@@ -198,14 +248,14 @@ class Conversations:
 
     def dedup(self, conversation_id: str, parts: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int]:
         """Drop chunk parts that an earlier turn placed and whose earlier copy is still in the prompt."""
-        state = self.get(conversation_id)
-        if state is None or not state.chunks:
+        placed = set().union(*(t.chunks for t in self.kept(conversation_id)))
+        if not placed:
             return parts, 0
         out: list[tuple[str, str]] = []
         before: list[str] = []
         dropped = 0
         for kind, text in parts:
-            if kind == "chunk" and content_id(text) in state.chunks and text in "".join(before):
+            if kind == "chunk" and content_id(text) in placed and text in "".join(before):
                 dropped += 1
                 continue
             out.append((kind, text))
@@ -214,20 +264,29 @@ class Conversations:
 
     # -- reuse -------------------------------------------------------------------------------------
 
-    def attach(self, plan: Plan, conversation_id: str) -> list[tuple[int, int]]:
-        """Put the conversation's kept KV into ``plan``; returns the prompt spans [a, b) it covers.
+    def follow(self, conversation_id: str, ids: list[int]) -> Continuation | None:
+        """The kept turn the prompt ``ids`` continues (:meth:`Continuation.continues`; the main turn
+        first), or None: the call is a side call, or the conversation has no turn yet."""
+        for state in self.kept(conversation_id):
+            prefix = common_prefix(state.ids, ids, len(ids))
+            found = Continuation(state, prefix, match_runs(state.ids, ids, prefix, len(ids)))
+            if found.continues(len(ids)):
+                return found
+        return None
+
+    def attach(self, plan: Plan, follow: Continuation) -> list[tuple[int, int]]:
+        """Put the KV of the kept turn the prompt continues into ``plan``; returns the prompt spans
+        [a, b) it covers.
 
         The exact common prefix becomes the plan's prefix (if longer than what the prefix cache
         found); in ``blend``/``reuse`` mode, runs of the kept sequence found elsewhere in the
         prompt become cached spans, HKVD candidates like chunk hits.
         """
-        state = self.get(conversation_id)
-        if state is None:
-            return []
+        state = follow.state
         new = plan.ids
         limit = len(new) - 1  # the last prompt token is always computed
         spans: list[tuple[int, int]] = []
-        prefix = common_prefix(state.ids, new, limit)
+        prefix = min(follow.prefix, limit)
         if prefix > plan.prefix_len:
             plan.prefix_len = prefix
             plan.prefix_records = [(0, state.record(0, prefix, new, 0, "prefix"))]
@@ -235,27 +294,41 @@ class Conversations:
             plan.exact_records = [(s, r) for s, r in plan.exact_records if s >= prefix]
             for use in plan.chunks:
                 if use.start + use.length <= prefix:
-                    use.hit, use.source = True, "prefix"
+                    use.hit, use.found, use.source = True, True, "prefix"
                 elif use.start < prefix and use.source in ("store", "tree"):
                     use.hit, use.source = False, "computed"
             spans.append((0, prefix))
         if plan.mode not in ("blend", "reuse"):
             return spans
-        covered = sorted((s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records)
+        covered = sorted(
+            [(0, plan.prefix_len)] + [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
+        )
         first_run = len(spans)
-        for i, j, n in match_runs(state.ids, new, plan.prefix_len, limit):
-            for a, b in _subtract(i, i + n, covered):
+        for i, j, n in follow.runs:
+            for a, b in _subtract(i, min(i + n, limit), covered):
                 plan.chunk_records.append((a, state.record(j + (a - i), b - a, new, a, "conversation")))
                 spans.append((a, b))
         plan.chunk_records.sort(key=lambda sr: sr[0])
         for use in plan.chunks:
             end = use.start + use.length
             if not use.hit and any(a <= use.start and end <= b for a, b in spans[first_run:]):
-                use.hit, use.source = True, "conversation"
+                use.hit, use.found, use.source = True, True, "conversation"
         return spans
 
-    def record(self, conversation_id: str, ids: list[int], buf: KVBuffer, chunk_texts: list[str]) -> None:
-        """Keep a finished turn: ``ids`` whose KV is in ``buf`` [0, len(ids)) (keys with RoPE)."""
+    def record(
+        self,
+        conversation_id: str,
+        ids: list[int],
+        buf: KVBuffer,
+        chunk_texts: list[str],
+        *,
+        prompt_len: int,
+        follow: Continuation | None,
+    ) -> None:
+        """Keep a finished turn: ``ids`` (its prompt's ``prompt_len`` tokens, then its answer) whose KV
+        is in ``buf`` [0, len(ids)) (keys with RoPE). A turn that continued a kept one (``follow``)
+        becomes the main turn and the one it continued the side turn; one that continued none
+        becomes the side turn (the main one stays), or the main one when there is none."""
         if self.max_live <= 0:
             return
         n = min(len(ids), buf.length)
@@ -266,11 +339,18 @@ class Conversations:
             for layer in range(buf.k.shape[0]):  # undo each layer's own RoPE
                 k[layer] = self.adapter.remove_rope(buf.k[layer, :, :n], *rope.layer(layer))
         v = buf.v[:, :, :n]
+        old = follow.state if follow is not None else None
+        chunks = set(old.chunks) if old is not None else set()
+        chunks.update(content_id(t) for t in chunk_texts)
+        state = ConversationState(ids, k, v, chunks, old.turns + 1 if old is not None else 1, min(prompt_len, n))
         with self._lock:
-            old = self._live.pop(conversation_id, None)
-            chunks = set(old.chunks) if old is not None else set()
-            chunks.update(content_id(t) for t in chunk_texts)
-            turns = old.turns + 1 if old is not None else 1
-            self._live[conversation_id] = ConversationState(ids, k, v, chunks, turns)
+            main, side = self._live.pop(conversation_id, None) or (None, None)
+            if old is not None:
+                main, side = state, old
+            elif main is None:
+                main = state
+            else:  # a side call: the main turn stays
+                side = state
+            self._live[conversation_id] = [main, side]
             while len(self._live) > self.max_live:
                 self._live.popitem(last=False)

@@ -20,9 +20,22 @@ from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, SelectionParams, configured_params, get_selection, selection_params
 from kvrag.engine.store.base import KVRecord
 from kvrag.engine.types import ChunkInfo, GenerationStats
-from kvrag.kernels import rope_rotate
+from kvrag.kernels import rope_rotate_into
 
-__all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
+__all__ = [
+    "PrefillOptions",
+    "PrefillResult",
+    "SpanSource",
+    "CapturePart",
+    "span_mask",
+    "prefill",
+    "extend",
+    "generation_stats",
+    "CAPTURE_GAP",
+]
+
+#: Capture ranges at most this many tokens apart share one capture (the text between chunks is short).
+CAPTURE_GAP = 64
 
 
 class SpanSource:
@@ -46,7 +59,7 @@ class SpanSource:
         for start, rec in self.spans:
             end = start + rec.num_tokens
             k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
-            buf.k[layer, :, start:end] = rope_rotate(k.to(dtype), cos[start:end], sin[start:end])
+            rope_rotate_into(buf.k[layer, :, start:end], k.to(dtype), cos[start:end], sin[start:end])
             buf.v[layer, :, start:end] = v.to(dtype)
 
 
@@ -113,24 +126,69 @@ class PrefillResult:
     measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
 
 
-def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
-    """The prefix-cache capture (its reused partial block copied in) and the missed chunks' captures."""
-    capture = None
+class CapturePart(KVCapture):
+    """Positions [start, end) of a larger :class:`KVCapture`: what a reader gets is its own copy.
+
+    A prefill feeds one capture per run of nearby ranges (a layer's fresh KV is copied once, not once
+    per chunk); the prefix cache and the write-back each read their part after the first token, off
+    the critical path, and own what they keep (a record never pins the whole capture).
+    """
+
+    def __init__(self, whole: KVCapture, start: int, end: int) -> None:  # no allocation: views of ``whole``
+        self.start, self.end = start, end
+        self.k_view = whole.k[:, :, start - whole.start : end - whole.start]  # [L, Hkv, T, D]
+        self.v_view = whole.v[:, :, start - whole.start : end - whole.start]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.k_view.contiguous()
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.v_view.contiguous()
+
+
+def _merged(adapter: ModelAdapter, ranges: list[tuple[int, int]]) -> tuple[list[KVCapture], list[CapturePart]]:
+    """One capture per run of ``ranges`` at most :data:`CAPTURE_GAP` apart, and a part for each range
+    (in the order given)."""
+    wholes: list[KVCapture] = []
+    runs: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if runs and a - runs[-1][1] <= CAPTURE_GAP:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    wholes = [KVCapture(adapter, a, b) for a, b in runs]
+    parts = [CapturePart(next(w for w in wholes if w.start <= a and b <= w.end), a, b) for a, b in ranges]
+    return wholes, parts
+
+
+def _captures(
+    adapter: ModelAdapter, plan: Plan, options: PrefillOptions
+) -> tuple[list[KVCapture], CapturePart | None, dict[int, CapturePart]]:
+    """The captures a prefill feeds; the prefix-cache part (its reused partial block copied in) and
+    the missed chunks' parts."""
+    ranges: list[tuple[int, int]] = []
+    cap_start = plan.prefix_len - plan.prefix_len % options.capture_block
     if options.capture_end > plan.prefix_len:
-        cap_start = plan.prefix_len - plan.prefix_len % options.capture_block
-        capture = KVCapture(adapter, cap_start, options.capture_end)
-        if cap_start < plan.prefix_len:  # the reused partial block: copy it from its record
-            start, rec = plan.prefix_records[-1]
-            a = cap_start - start
-            capture.k[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
-            capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
-    chunk_caps = {}
+        ranges.append((cap_start, options.capture_end))
+    chunks = []
     cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
         seg = plan.segments[i]
         if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
-            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end)
-    return capture, chunk_caps
+            chunks.append(i)
+            ranges.append((seg.start, seg.end))
+    if not ranges:
+        return [], None, {}
+    wholes, parts = _merged(adapter, ranges)
+    capture = parts.pop(0) if options.capture_end > plan.prefix_len else None
+    if capture is not None and cap_start < plan.prefix_len:  # the reused partial block: copy it from its record
+        start, rec = plan.prefix_records[-1]
+        a = cap_start - start
+        capture.k_view[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
+        capture.v_view[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
+    return wholes, capture, dict(zip(chunks, parts))
 
 
 def prefill(
@@ -143,8 +201,8 @@ def prefill(
 ) -> PrefillResult:
     """Compute the KV of a plan's prompt into a new buffer of ``capacity`` positions.
 
-    ``full`` (and ``blend`` at ratio 1.0) computes every row; ``prefix`` and ``reuse`` compute the
-    rows without cached KV; ``blend`` hands the prefill to the selection strategy of
+    By the plan's path: ``full`` computes every row; ``prefix`` and ``reuse`` compute the rows
+    without cached KV; ``blend`` hands the prefill to the selection strategy of
     ``options.selection`` (:mod:`kvrag.engine.reuse.selection`). ``pause`` reaches every layer pass
     (:func:`~kvrag.engine.model.runner.forward`).
     """
@@ -153,8 +211,7 @@ def prefill(
     trace = Trace()
     all_pos = torch.arange(n, device=adapter.device)
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
-    capture, chunk_caps = _captures(adapter, plan, options)
-    captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
+    captures, capture, chunk_caps = _captures(adapter, plan, options)
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     taps = [tap] if tap is not None else []
@@ -170,7 +227,7 @@ def prefill(
     rows = ~span_mask(n, plan.exact_spans(), adapter.device)  # [N] not reused exactly
     measured: dict = {}
     kept_taps = dict.fromkeys(chunk_caps, tap)
-    if plan.mode == "blend" and plan.ratio > 0 and plan.chunk_records:
+    if plan.path == "blend" and plan.ratio > 0 and plan.chunk_records:
         params = options.params if options.params is not None else selection_params(options.selection)
         options = dataclasses.replace(options, params=params.resolved(adapter.n_layers))
         blend = BlendPass(
@@ -227,6 +284,8 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
     blended = sum(r.num_tokens for _, r in plan.chunk_records)
     return GenerationStats(
         mode=plan.mode,
+        path=plan.path,
+        path_reason=plan.reason,
         recompute_ratio=(res.recomputed_tokens / blended if blended else 0.0) if plan.auto else plan.ratio,
         auto=plan.auto,
         prompt_tokens=n,
@@ -238,6 +297,7 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
         compute_fraction=res.trace.token_layers / full_work if full_work else 0.0,
         chunk_hits=sum(c.hit for c in plan.chunks),
         chunk_misses=sum(not c.hit for c in plan.chunks),
+        chunks_found=sum(c.found for c in plan.chunks),
         chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier, c.fix) for c in plan.chunks],
         prefill_s=prefill_s,
     )

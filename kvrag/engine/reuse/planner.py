@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrag.engine.reuse.paths import PathCosts
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import Segment, prompt_ids
 from kvrag.engine.reuse.variants import ExactDigest, StoredVariants, context_id, fix_overhead
@@ -36,6 +37,7 @@ class ChunkUse:
     context: tuple[str, ...] = ()  # content ids of the chunks before it in this prompt
     digest: str | None = None  # digest of every token before it (see kvrag.engine.reuse.variants)
     fix: float | None = None  # the used variant's cache fix overhead (Cache-Craft's CFO without alpha)
+    found: bool = False  # the cache held its KV (reused, or computed anyway: see Plan.path)
 
 
 def reuses_nothing(mode: str, ratio: float | str, auto: bool = False) -> bool:
@@ -51,6 +53,11 @@ class Plan:
     Plain data over token ids and store records; :func:`kvrag.engine.reuse.fusion.prefill` turns it
     into tensors (the prompt's ids, the masks of :meth:`exact_spans` and :meth:`blended_spans`).
     ``ids`` are always the segments' ids, in order (set from them, never given).
+
+    ``mode`` is what the request asked for (what its write-back keeps follows it); ``path`` is how
+    the prefill runs: ``full`` (every token computed), ``prefix`` (only exact KV reused), ``blend``
+    or ``reuse``. It starts as the mode (``full`` where the mode reuses nothing) and
+    :meth:`Planner.choose` may lower it (:meth:`fall_back`); ``reason`` says why.
     """
 
     mode: str
@@ -64,9 +71,12 @@ class Plan:
     chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of blended hits
     exact_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of exact variants
     chunks: list[ChunkUse] = field(default_factory=list)
+    path: str = field(init=False)
+    reason: str = ""
 
     def __post_init__(self) -> None:
         self.ids = prompt_ids(self.segments)
+        self.path = "full" if reuses_nothing(self.mode, self.ratio, self.auto) else self.mode
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +84,22 @@ class Plan:
 
     @property
     def is_full(self) -> bool:
-        """Every token is computed, nothing reused (:func:`reuses_nothing`)."""
-        return reuses_nothing(self.mode, self.ratio, self.auto)
+        """Every token is computed, nothing reused: the mode reuses nothing (:func:`reuses_nothing`),
+        or the plan fell back to a full prefill."""
+        return self.path == "full"
+
+    def fall_back(self, path: str, reason: str) -> None:
+        """Run as ``path`` instead: ``prefix`` keeps only the exact KV (the exact prefix, exact chunk
+        variants), ``full`` keeps nothing. Chunks whose KV is dropped are computed (``found`` stays)."""
+        if path not in ("full", "prefix"):
+            raise ValueError(f"a plan falls back to 'full' or 'prefix', not {path!r}")
+        self.chunk_records = []
+        if path == "full":
+            self.prefix_len, self.prefix_records, self.exact_records = 0, [], []
+        for use in self.chunks:
+            if use.hit and (path == "full" or use.source in ("store", "conversation")):
+                use.hit, use.source, use.tier, use.fix = False, "computed", "", None
+        self.path, self.reason = path, reason
 
     @property
     def boundaries(self) -> list[int]:
@@ -119,6 +143,7 @@ class Planner:
     Args:
         variants: the chunks' stored variants (store lookups, the variant index).
         prefix_cache: exact prompt prefixes in the store.
+        costs: the cost model that picks a plan's path (:meth:`choose`); default a new one.
         fingerprint: the model's fingerprint (weights + tokenizer + dtype), part of every chunk key.
         namespace: the default tenant; a request may name another.
         context_label: how chunk KV was computed (part of every chunk key: records computed behind
@@ -131,6 +156,7 @@ class Planner:
         self,
         variants: StoredVariants,
         prefix_cache: PrefixCache,
+        costs: PathCosts | None = None,
         *,
         fingerprint: str,
         namespace: str,
@@ -143,6 +169,7 @@ class Planner:
         self.namespace = namespace
         self.context_label = context_label
         self.kv_shape = tuple(kv_shape)
+        self.costs = costs if costs is not None else PathCosts(self.kv_shape[0])
 
     def chunk_key(self, ids: list[int], namespace: str | None = None) -> StoreKey:
         """Key of a chunk's KV for a tenant (default: the engine's namespace)."""
@@ -200,7 +227,7 @@ class Planner:
             plan.chunks.append(use)
             before.append(context_id(s.ids))
             if s.end <= plan.prefix_len:
-                use.hit, use.source = True, "prefix"
+                use.hit, use.found, use.source = True, True, "prefix"
                 continue
             if s.start < plan.prefix_len:
                 continue
@@ -213,7 +240,8 @@ class Planner:
                 info, rec = self.variants.best(key, s.ids, use.context, use.digest)
             if rec is None:
                 continue
-            use.hit, use.tier, use.fix = True, rec.tier, fix_overhead(info, use.context, use.digest)
+            use.hit, use.found, use.tier = True, True, rec.tier
+            use.fix = fix_overhead(info, use.context, use.digest)
             if info.exact is not None and info.exact == use.digest:
                 use.source = "tree"
                 plan.exact_records.append((s.start, rec))
@@ -222,4 +250,15 @@ class Planner:
                 plan.chunk_records.append((s.start, rec))
             if not exact_only:  # a refresh is not a use
                 self.variants.used(info, use.fix)
+        return plan
+
+    def choose(self, plan: Plan) -> Plan:
+        """Settle the path ``plan`` runs (the cost model, :mod:`kvrag.engine.reuse.paths`): a plan whose
+        reuse is not predicted to win falls back to ``prefix`` or ``full``. Call it once what the
+        plan reuses is complete (a conversation's KV attached). Returns the plan."""
+        path, reason = self.costs.choose(plan)
+        if path != plan.path:
+            plan.fall_back(path, reason)
+        else:
+            plan.reason = reason
         return plan

@@ -1,9 +1,10 @@
-"""What prefills cost, fed back: the engine's own cost profile, PGDSF's miss costs, and
-CacheBlend's loading controller (§5.1) raising the recompute ratio while recompute hides under
-loading from a slower tier."""
+"""What prefills cost, fed back: the engine's own cost profile, PGDSF's miss costs, the cost model
+that picks each plan's path (:mod:`kvrag.engine.reuse.paths`), and CacheBlend's loading controller
+(§5.1) raising the recompute ratio while recompute hides under loading from a slower tier."""
 
 from __future__ import annotations
 
+from kvrag.engine.reuse.paths import PathCosts
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.store.base import KVStore
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
@@ -13,16 +14,20 @@ __all__ = ["CostFeedback"]
 
 
 class CostFeedback:
-    """Args: the engine's store, its model's layer count, whether the loading controller is on."""
+    """Args: the engine's store, its model's layer count, whether the loading controller is on,
+    whether plans are priced (``EngineConfig.cost_model``)."""
 
-    def __init__(self, store: KVStore, n_layers: int, loading_controller: bool) -> None:
+    def __init__(self, store: KVStore, n_layers: int, loading_controller: bool, cost_model: bool = True) -> None:
         self.store, self.n_layers, self.enabled = store, n_layers, loading_controller
         self.profile = CostProfile()  # this engine's own prefill times
+        self.paths = PathCosts(
+            n_layers, enabled=cost_model
+        )  # each path's cost against a full prefill (the planner asks it)
         self.loading = LoadingController(getattr(store, "meter", None) or ThroughputMeter())
 
     def adjust(self, plan: Plan) -> None:
         """Before a blend prefill: raise ``plan.ratio`` while recompute hides under loading."""
-        if not self.enabled or plan.mode != "blend" or plan.is_full:
+        if not self.enabled or plan.path != "blend":
             return
         streaming = [  # disk or remote hits, still streaming in
             r for _, r in plan.exact_records + plan.chunk_records if hasattr(r, "pending_bytes")
@@ -31,10 +36,12 @@ class CostFeedback:
             t_full = self.profile.full_prefill(plan.num_tokens, self.n_layers)
             plan.ratio = self.loading.ratio_for_records(plan.ratio, streaming, t_full)
 
-    def observe(self, plan: Plan, token_layers: int, seconds: float) -> None:
-        """After a prefill: feed the cost profile, and tell the store what its misses cost (PGDSF)."""
+    def observe(self, plan: Plan, token_layers: int, seconds: float, recomputed: int = 0) -> None:
+        """After a prefill: feed the cost profile and the path costs, and tell the store what its
+        misses cost (PGDSF)."""
         cached = plan.cached_tokens
         self.profile.record(cached, plan.num_tokens - cached, seconds, token_layers)
+        self.paths.observe(plan, token_layers, seconds, recomputed)
         if plan.mode in ("blend", "reuse"):
             missed = [c.key for c in plan.chunks if c.source == "computed"]
             per_token = self.profile.seconds_per_token(cached, plan.num_tokens - cached)

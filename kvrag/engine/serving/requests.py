@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -41,6 +41,7 @@ class Request:
     conversation: str | None = None  # the conversation's key (its id, scoped to the namespace)
     deduplicated: int = 0
     conversation_spans: list | None = None
+    follow: Any = None  # the kept turn of the conversation its prompt continues (reuse.conversations.Continuation)
 
 
 class RequestArgs(TypedDict, total=False):

@@ -16,6 +16,8 @@ METADATA_KEYS = frozenset(
         "ttft_s",
         "total_s",
         "mode",
+        "path",
+        "path_reason",
         "recompute_ratio",
         "prompt_tokens",
         "completion_tokens",
@@ -26,6 +28,7 @@ METADATA_KEYS = frozenset(
         "compute_fraction",
         "chunk_hits",
         "chunk_misses",
+        "chunks_found",
         "conversation_id",
         "conversation_tokens",
         "conversation_spans",
@@ -35,7 +38,8 @@ METADATA_KEYS = frozenset(
 
 
 def call_metadata(generation: Generation, *, model_name: str | None, conversation_id: str | None) -> dict[str, Any]:
-    """What a finished request did, flat: TTFT, cache read, chunk hits/misses, recompute, mode.
+    """What a finished request did, flat: TTFT, cache read, chunk hits/misses, recompute, mode and
+    the path its prefill took (``full`` where reuse could not win: see ``GenerationStats.path``).
 
     ``cache_read`` counts prompt tokens whose KV was reused (exact prefix, chunk hits and the
     conversation's previous turn), ``exact_tokens`` those of them reused exactly (the exact prefix
@@ -49,6 +53,8 @@ def call_metadata(generation: Generation, *, model_name: str | None, conversatio
         "ttft_s": generation.ttft_s,
         "total_s": generation.total_s,
         "mode": s.mode,
+        "path": s.path,
+        "path_reason": s.path_reason,
         "recompute_ratio": s.recompute_ratio,
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.completion_tokens,
@@ -59,6 +65,7 @@ def call_metadata(generation: Generation, *, model_name: str | None, conversatio
         "compute_fraction": s.compute_fraction,
         "chunk_hits": s.chunk_hits,
         "chunk_misses": s.chunk_misses,
+        "chunks_found": s.chunks_found,
         "conversation_id": conversation_id,
         "conversation_tokens": s.conversation_tokens,
         "conversation_spans": [list(span) for span in s.conversation_spans],

@@ -79,6 +79,45 @@ def test_docs_first_history_is_reused_at_shifted_positions(conv_engine):
     assert g3.stats.conversation_tokens == 0 and g3.stats.cached_tokens == 0
 
 
+def condense(engine, question, answer, follow_up):
+    """A chat engine's side call: its own template, the history quoted as text (LlamaIndex's condense)."""
+    history = f"user: {question}\nassistant: {answer}"
+    text = f"Rewrite the follow-up as a standalone question.\n{history}\nfollow-up: {follow_up}"
+    return render(engine, [{"role": "user", "content": text}])
+
+
+def test_a_side_call_is_served_without_the_conversation_and_does_not_replace_it(conv_engine):
+    e = conv_engine
+    docs = make_docs(5)
+    e.register(docs)
+    g1 = e.generate(prompt=render(e, append_only([(docs[:2], QUESTION1, None)])), conversation_id="s")
+    side = e.generate(prompt=condense(e, QUESTION1, g1.text, QUESTION2), conversation_id="s")
+    assert side.stats.conversation_tokens == 0 and side.stats.conversation_spans == []
+    # the next turn continues turn 1, whose KV is still the conversation's main turn
+    p2 = render(e, append_only([(docs[:2], QUESTION1, g1.text), (docs[2:4], QUESTION2, None)]))
+    g2 = e.generate(prompt=p2, conversation_id="s")
+    assert g2.stats.conversation_tokens >= g1.stats.prompt_tokens
+    assert e.conversations.get("s").turns == 2  # turn 1 + turn 2; the side call is kept beside them
+    # and a side call with the same id after it still finds nothing of the conversation
+    again = e.generate(prompt=condense(e, QUESTION2, g2.text, "who built the tower?"), conversation_id="s")
+    assert again.stats.conversation_tokens == 0
+
+
+def test_a_conversation_that_starts_over_follows_its_new_line(conv_engine):
+    e = conv_engine
+    docs = make_docs(5)
+    e.register(docs)
+    e.generate(prompt=render(e, append_only([(docs[:2], QUESTION1, None)])), conversation_id="o")
+    b1 = e.generate(prompt=render(e, append_only([(docs[2:4], QUESTION2, None)])), conversation_id="o")
+    assert b1.stats.conversation_tokens == 0  # a new first turn continues nothing: kept beside the old one
+    p2 = render(e, append_only([(docs[2:4], QUESTION2, b1.text), (docs[4:], QUESTION1, None)]))
+    b2 = e.generate(prompt=p2, conversation_id="o")
+    assert b2.stats.conversation_tokens >= b1.stats.prompt_tokens
+    main = e.conversations.get("o")
+    assert main.turns == 2 and main.prompt_len == b2.stats.prompt_tokens  # b1 then b2: the new line is the main one
+    assert e.conversations.kept("o")[1].prompt_len == b1.stats.prompt_tokens  # the turn it continued, beside it
+
+
 def test_ratio_one_without_dedup_equals_full_prefill(conv_engine):
     e = conv_engine
     docs = make_docs(5)

@@ -1,0 +1,170 @@
+"""Which path a prefill takes: reuse is run only where the cost model says it wins.
+
+Reusing cached KV is not free. The rows a blend computes are spread along the prompt, so their
+attention runs in masked blocks instead of one causal pass; a probe measures before it chooses;
+cached KV is rotated into place layer by layer. With little of the prompt cached, that costs more
+than it saves (on this CPU a blend with one cached chunk of six cost more than the full prefill).
+So a plan is priced before it runs, against the paths that reuse less:
+
+- ``full``: every token computed: the reference, cost 1;
+- ``prefix``: only exact KV reused (the exact prefix, exact chunk variants): the full prefill's
+  numbers for ``(n - exact) / n`` of its work;
+- ``blend`` / ``reuse``: the plan as made (blended chunk hits, the conversation's shifted history).
+
+A path's predicted cost, relative to a full prefill of the same prompt, is the share of a full
+prefill's token-layers it computes plus that path's *overhead*, learned online: after each
+prefill of at least :data:`LEARN_MIN_TOKENS` tokens, its seconds over a full prefill's of that
+length (:class:`~kvrag.engine.store.profile.CostProfile` of the full prefills this engine ran)
+minus the share of token-layers it computed, a running mean. An overhead not learned yet is 0
+(the work alone decides). A path that reuses more is taken only when it is predicted at least
+:data:`MARGIN` cheaper than the best path that reuses less: the full prefill is exact, so a tie
+goes to it. Plain Python over plans: testable without a model.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvrag.engine.store.profile import CostProfile
+
+if TYPE_CHECKING:
+    from kvrag.engine.reuse.planner import Plan
+
+__all__ = ["PathCosts", "Price", "MARGIN", "LEARN_MIN_TOKENS", "LEARN_WINDOW"]
+
+#: A path that reuses more is taken only if predicted this much cheaper (share of a full prefill).
+MARGIN = 0.05
+
+#: Shorter prefills teach the cost model nothing: fixed per-call costs dominate them.
+LEARN_MIN_TOKENS = 1024
+
+#: The running means weigh about this many recent prefills.
+LEARN_WINDOW = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """A path's predicted cost for one plan, relative to a full prefill of the same prompt."""
+
+    path: str
+    work: float  # share of a full prefill's token-layers it computes
+    overhead: float  # what the path costs beyond its work, learned (0 until then)
+
+    @property
+    def cost(self) -> float:
+        return self.work + self.overhead
+
+
+class PathCosts:
+    """The cost model of prefill paths (thread-safe).
+
+    Args:
+        n_layers: the model's layers (a plan's work is counted in token-layers).
+        enabled: price plans (``EngineConfig.cost_model``); off, a plan keeps its mode's path
+            whenever anything is cached.
+        margin: see :data:`MARGIN`.
+        min_tokens: see :data:`LEARN_MIN_TOKENS`.
+    """
+
+    def __init__(
+        self, n_layers: int, *, enabled: bool = True, margin: float = MARGIN, min_tokens: int = LEARN_MIN_TOKENS
+    ) -> None:
+        self.n_layers, self.enabled, self.margin, self.min_tokens = n_layers, enabled, margin, min_tokens
+        self.full = CostProfile()  # seconds of the full prefills this engine ran
+        self._overhead: dict[str, tuple[float, int]] = {}  # path -> (running mean, observations)
+        self._recompute: tuple[float, int] = (0.0, 0)  # share of blended tokens an ``auto`` blend recomputed
+        self._lock = threading.Lock()
+
+    # -- prediction ------------------------------------------------------------------------------
+
+    def overhead(self, path: str) -> float:
+        """The path's learned overhead (0 before it has been observed)."""
+        with self._lock:
+            return self._overhead.get(path, (0.0, 0))[0]
+
+    def recompute_share(self, plan: Plan) -> float:
+        """The share of its blended tokens a blend plan is expected to recompute: the ratio asked for;
+        with ``auto`` the mean measured so far, within the plan's cap (the cap before any)."""
+        if not plan.auto:
+            return plan.ratio
+        with self._lock:
+            mean, count = self._recompute
+        return min(plan.ratio, mean) if count else plan.ratio
+
+    def price(self, plan: Plan, path: str) -> Price:
+        """What running ``plan`` as ``path`` is predicted to cost (``full``, ``prefix``, or the plan's own)."""
+        n = plan.num_tokens
+        if path == "full" or n == 0:
+            return Price("full", 1.0, 0.0)
+        exact = plan.exact_tokens
+        blended = sum(r.num_tokens for _, r in plan.chunk_records)
+        if path == "prefix":
+            computed = n - exact
+        elif path == "reuse":
+            computed = n - exact - blended
+        else:  # blend
+            computed = n - exact - blended * (1.0 - self.recompute_share(plan))
+        return Price(path, max(computed, 1) / n, self.overhead(path))
+
+    def choose(self, plan: Plan) -> tuple[str, str]:
+        """The path ``plan`` should run and why: ``(path, reason)``.
+
+        ``full`` when nothing is cached (or the plan reuses nothing); otherwise the cheapest of
+        ``full``, ``prefix`` (when exact KV is cached) and the plan's own path, a path that reuses
+        more taken only when predicted :data:`MARGIN` cheaper than the best before it.
+        """
+        if plan.is_full:
+            return "full", "requested"
+        if not plan.cached_spans():
+            return "full", "nothing cached"
+        if not self.enabled:
+            return plan.path, "requested"
+        own = plan.path if plan.chunk_records else "prefix"  # without blended KV, only exact KV is reused
+        best = self.price(plan, "full")
+        for path in dict.fromkeys(["prefix", own] if plan.exact_tokens else [own]):
+            price = self.price(plan, path)
+            if price.cost <= best.cost - self.margin:
+                best = price
+        if best.path == own:
+            return own, f"predicted {best.cost:.2f} of a full prefill"
+        return best.path, f"{own} predicted {self.price(plan, own).cost:.2f} of a full prefill"
+
+    # -- learning --------------------------------------------------------------------------------
+
+    def observe(self, plan: Plan, token_layers: int, seconds: float, recomputed: int = 0) -> None:
+        """A prefill ran ``plan``: ``token_layers`` computed in ``seconds``, ``recomputed`` blended tokens
+        recomputed through the last layer."""
+        n = plan.num_tokens
+        if n < self.min_tokens or not seconds > 0:
+            return
+        if plan.path == "full":
+            self.full.record(0, n, seconds, token_layers)
+            return
+        blended = sum(r.num_tokens for _, r in plan.chunk_records)
+        with self._lock:
+            if plan.path == "blend" and plan.auto and blended:
+                self._recompute = _mean(self._recompute, recomputed / blended)
+        reference = self.full.full_prefill(n, self.n_layers) if self.full.observations else None
+        if not reference:  # no full prefill seen yet: nothing to compare with
+            return
+        work = token_layers / (n * self.n_layers)
+        with self._lock:
+            self._overhead[plan.path] = _mean(self._overhead.get(plan.path, (0.0, 0)), seconds / reference - work)
+
+    def stats(self) -> dict:
+        """What the model has learned: each path's overhead and observations, ``auto``'s recompute share."""
+        with self._lock:
+            return {
+                "overhead": {p: {"mean": m, "observations": c} for p, (m, c) in self._overhead.items()},
+                "auto_recompute": self._recompute[0] if self._recompute[1] else None,
+                "full_prefills": self.full.observations,
+            }
+
+
+def _mean(state: tuple[float, int], value: float) -> tuple[float, int]:
+    """A running mean over about the last :data:`LEARN_WINDOW` values."""
+    mean, count = state
+    count += 1
+    return mean + (value - mean) / min(count, LEARN_WINDOW), count
