@@ -14,11 +14,21 @@ helps the other). Each flow starts cold, the store emptied: chunk KV comes only 
 own write-back. Checks per flow, over the requests with at least ``--min-hits`` chunk hits (at
 least ``--min-requests`` of them): mean ROUGE-L against the full chain's answer >= 0.85, and the
 median of TTFT x full minus the share of prompt tokens not found in the store <= 0.25 (new passages
-are computed in full; that part is not the engine's to save). Prints the figures and a PASS/FAIL
-line per check; exits 1 if one fails. Timings mean something only on a quiet machine.
+are computed in full; that part is not the engine's to save). Over every request, grouped by the
+chunks whose KV the store held (issue 34: never slower than a full prefill when the cache cannot
+help): median TTFT x full <= 1.03 with none found, <= 1.0 with 1-3 found (the path each request took
+is in its row). ``--chat`` also runs a LlamaIndex ``condense_plus_context`` chat engine, every call
+against the same call under ``mode="full"`` (:mod:`benchmarks.acceptance.chat_engine`). Prints the
+figures and a PASS/FAIL line per check; exits 1 if one fails. Timings mean something only on a quiet
+machine.
 
-    python -m benchmarks.acceptance.rag [--data PATH] [--n 20] [--requests 40] [--flows lcel,classic,llamaindex]
-                                     [--top-k 6] [--max-tokens 32] [--zipf 1.0] [--seed 0] [--out results.json]
+    python -m benchmarks.acceptance.rag [--data PATH] [--n 20] [--skip 0] [--requests 40]
+        [--flows lcel,classic,llamaindex] [--top-k 6] [--max-tokens 32] [--zipf 1.0] [--seed 0]
+        [--chat [--chat-conversations 2] [--chat-turns 3]] [--out results.json]
+
+The issue-34 run (held-out passages, the LCEL app and the chat engine, one command):
+
+    python -m benchmarks.acceptance.rag --skip 20 --flows lcel --chat
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from _rag_data import MiniLMEmbeddings, dataset_path, format_docs  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 
+from benchmarks.acceptance import chat_engine  # noqa: E402
 from benchmarks.corpus import Corpus, make_embedder, question_stream  # noqa: E402
 from benchmarks.data import load_dataset  # noqa: E402
 from benchmarks.metrics import rouge_l, summarize  # noqa: E402
@@ -44,6 +55,8 @@ from benchmarks.report_retrieval import retrieval_figures, retrieval_table  # no
 SYSTEM = "Answer the question from the context, in one short sentence.\n\n{context}"
 FLOWS = ("lcel", "classic", "llamaindex")
 RESULTS: list[tuple[str, bool, str]] = []
+#: Requests grouped by the chunks whose KV the store held: (name, fewest, most, most median TTFT x full).
+FOUND_GROUPS = (("0 found", 0, 0, 1.03), ("1-3 found", 1, 3, 1.0), (">= 4 found", 4, None, None))
 #: (which LLM: "kvrag" or "full", question) -> (answer, the call's kvrag figures)
 Ask = Callable[[str, str], tuple[str, dict]]
 
@@ -157,6 +170,9 @@ def record(ask, text: str, meta: dict, full_text: str, full_meta: dict, min_hits
         "uncached_share": uncached,
         "ttft_excess_full": ratio - uncached,
         "chunk_hits": meta["chunk_hits"],
+        "chunks_found": meta["chunks_found"],
+        "path": meta["path"],
+        "path_reason": meta["path_reason"],
         "chunks": meta["chunk_hits"] + meta["chunk_misses"],
         "many_hits": meta["chunk_hits"] >= min_hits,
         "rouge_l_full": rouge_l(text, full_text),
@@ -207,7 +223,29 @@ def report(name: str, rows: list[dict], args) -> dict:
             f"{excess:.3f} (need <= 0.25; TTFT x full median {many['ttft_ratio_full']['median']:.3f}, "
             f"not in store {many['uncached_share']:.1%} on average)",
         )
+    figures["found"] = found_groups(name, rows)
     return figures
+
+
+def found_groups(name: str, rows: list[dict]) -> dict:
+    """Median TTFT x full of the requests by chunks found in the store, each group's check, the paths taken."""
+    out = {}
+    for group, lo, hi, limit in FOUND_GROUPS:
+        sel = [r for r in rows if r["chunks_found"] >= lo and (hi is None or r["chunks_found"] <= hi)]
+        ratios = summarize(r["ttft_ratio_full"] for r in sel)
+        paths = {p: sum(r["path"] == p for r in sel) for p in sorted({r["path"] for r in sel})}
+        out[group] = {"n": len(sel), "ttft_ratio_full": ratios, "paths": paths}
+        median = ratios["median"]
+        text = f"{len(sel)} requests" + (
+            f", median TTFT x full {median:.3f} (p10 {ratios['p10']:.3f}, p90 {ratios['p90']:.3f}), paths {paths}"
+            if sel
+            else ""
+        )
+        if limit is None or not sel:
+            print(f"      {name}: {group}: {text}", flush=True)
+        else:
+            check(f"{name}: {group}: median TTFT x full <= {limit}", median <= limit, text)
+    return out
 
 
 def main() -> None:
@@ -223,6 +261,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-hits", type=int, default=4, help="chunk hits of the requests the checks are over")
     ap.add_argument("--min-requests", type=int, default=10, help="fewest such requests for a verdict")
+    ap.add_argument("--chat", action="store_true", help="also run the condense_plus_context chat engine check")
+    chat_engine.add_arguments(ap, "chat-")
     ap.add_argument("--out", help="write every request's row and the figures here (JSON)")
     args = ap.parse_args()
     flows = [f.strip() for f in args.flows.split(",") if f.strip()]
@@ -253,8 +293,16 @@ def main() -> None:
         flow_rows = run_flow(name, ask, engine, asks, args)
         figures[name] = report(name, flow_rows, args)
         rows += flow_rows
+    chat_rows = []
+    if args.chat:
+        chat_args = argparse.Namespace(
+            conversations=args.chat_conversations, turns=args.chat_turns, top_k=args.top_k, max_tokens=args.max_tokens
+        )
+        chat_rows = chat_engine.run(items, corpus, chat_args)
+        RESULTS.append(("chat engine", chat_engine.check(chat_rows, args.chat_max_ratio), ""))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "figures": figures, "records": rows}, indent=1))
+        out = {"args": vars(args), "figures": figures, "records": rows, "chat": chat_rows}
+        Path(args.out).write_text(json.dumps(out, indent=1))
     failed = [name for name, ok, _ in RESULTS if not ok]
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
     sys.exit(1 if failed else 0)
