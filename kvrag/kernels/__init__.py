@@ -20,12 +20,14 @@ from kvrag.kernels.reference import (
     QUERY_BLOCK,
     attention_ref,
     kv_deviation_ref,
+    rope_rotate_into_ref,
     rope_rotate_ref,
     topk_ref,
 )
 
 __all__ = [
     "rope_rotate",
+    "rope_rotate_into",
     "attention",
     "kv_deviation",
     "topk",
@@ -88,6 +90,13 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
         return rope_rotate_triton(x, cos, sin)
     return rope_rotate_ref(x, cos, sin)
+
+
+def rope_rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``out[...] = rope_rotate(x, cos, sin)`` (``out`` [heads, T, D], e.g. a view of a KV buffer)."""
+    if _triton_for(x):
+        return out.copy_(rope_rotate(x, cos, sin))
+    return rope_rotate_into_ref(out, x, cos, sin)
 
 
 def attention(

@@ -9,16 +9,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rope_rotate_ref", "attention_ref", "kv_deviation_ref", "topk_ref", "QUERY_BLOCK"]
+__all__ = ["rope_rotate_ref", "rope_rotate_into_ref", "attention_ref", "kv_deviation_ref", "topk_ref", "QUERY_BLOCK"]
 
 #: Selected queries are attended in position-ordered blocks of this many rows, each block against
 #: the key prefix it can see (keys up to its last position) instead of the whole sequence.
 QUERY_BLOCK = 64
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``[-sin1, sin2]`` of sin ``[..., D]`` split in halves."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def rope_rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,8 +27,20 @@ def rope_rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
     Applied to keys stored without RoPE (kvrag's store), this places them at the positions of
     ``cos``/``sin``.
+
+    transformers' ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, computed
+    as ``x * cos + [x2, x1] * [-sin1, sin2]``: the same products (a sign moves from one factor to
+    the other) summed in the same order, so the same bits, with the sign flipped on the [T, D]
+    table instead of on x and ``[x2, x1]`` a roll of x's last dimension.
     """
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * _signed_sin(sin)
+
+
+def rope_rotate_into_ref(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``out[...] = rope_rotate_ref(x, cos, sin)``, bit for bit, written into ``out`` (a view of a
+    KV buffer, say): one temporary of x's size instead of four and a copy."""
+    torch.mul(x, cos, out=out)
+    return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(_signed_sin(sin)))
 
 
 def attention_ref(

@@ -82,6 +82,21 @@ def test_rope_rotate_matches_reference(tk, dtype):
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_rope_reference_is_transformers_formula_bit_for_bit(dtype):
+    t, d = 37, 64
+    x = rand(t, 3, d, dtype=dtype, seed=3).transpose(0, 1)  # [3, T, D] strided
+    cos, sin = tables(torch.arange(t) * 7 + 3, d, dtype)
+    rotate_half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+    theirs = x * cos + rotate_half * sin  # transformers' apply_rotary_pos_emb
+    assert torch.equal(R.rope_rotate_ref(x, cos, sin), theirs)
+    buf = torch.full((3, t + 9, d), float("nan"), dtype=dtype)
+    out = R.rope_rotate_into_ref(buf[:, 4 : 4 + t], x, cos, sin)  # into a strided view of a buffer
+    assert torch.equal(out, theirs) and torch.equal(buf[:, 4 : 4 + t], theirs)
+    assert buf[:, :4].isnan().all() and buf[:, 4 + t :].isnan().all()
+    assert torch.equal(K.rope_rotate_into(torch.empty_like(x), x, cos, sin), theirs)
+
+
 def test_rope_empty_and_bad_inputs(tk):
     def z(*shape):
         return torch.zeros(*shape, device=tk.device)

@@ -113,8 +113,10 @@ def test_info_says_what_the_engine_runs(tiny_engine):
     assert info.dtype == "float32" and info.threads == torch.get_num_threads()
     assert info.context_window == tiny_engine.context_window
     assert info.gate_ok and info.gate.startswith("passed in float32: placement ")
+    assert info.decode.startswith("plain: float32")  # packed decode weights are for bfloat16
     assert set(info.to_dict()) == {
-        "model", "family", "dtype", "dtype_reason", "device", "threads", "context_window", "gate_ok", "gate"
+        "model", "family", "dtype", "dtype_reason", "device", "threads", "context_window", "gate_ok", "gate",
+        "decode",
     }  # fmt: skip
 
 
