@@ -123,7 +123,9 @@ class Engine:
         log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
-        self.costs = CostFeedback(self.store, self.adapter.n_layers, config.loading_controller, config.cost_model)
+        self.costs = CostFeedback(
+            self.store, self.adapter.n_layers, config.loading_controller, config.cost_model, self.adapter.device.type
+        )
         window = self.adapter.max_positions
         self.context_window = min(window, config.max_context) if config.max_context else window
         bos = tokenizer.bos_token_id

@@ -15,15 +15,19 @@ A path's predicted cost, relative to a full prefill of the same prompt, is the s
 prefill's token-layers it computes plus that path's *overhead*, learned online: after each
 prefill of at least :data:`LEARN_MIN_TOKENS` tokens, its seconds over a full prefill's of that
 length (:class:`~kvrag.engine.store.profile.CostProfile` of the full prefills this engine ran)
-minus the share of token-layers it computed, a running mean. An overhead not learned yet is 0
-(the work alone decides). A path that reuses more is taken only when it is predicted at least
-:data:`MARGIN` cheaper than the best path that reuses less: the full prefill is exact, so a tie
-goes to it. Plain Python over plans: testable without a model.
+minus the share of token-layers it computed, a running mean. Before a path has been observed its
+overhead is a prior: on a CPU, blend's is :data:`CPU_BLEND_OVERHEAD` (the reference attention's
+masked blocks and the probe); otherwise 0 (the work alone decides). A path that reuses more is
+taken only when it is predicted at least :data:`MARGIN` cheaper than the best path that reuses
+less: the full prefill is exact, so a tie goes to it. Prompts shorter than
+:data:`LEARN_MIN_TOKENS` keep their mode's path: there the prices are unknown, and the choice
+costs milliseconds either way. Plain Python over plans: testable without a model.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +36,7 @@ from kvrag.engine.store.profile import CostProfile
 if TYPE_CHECKING:
     from kvrag.engine.reuse.planner import Plan
 
-__all__ = ["PathCosts", "Price", "MARGIN", "LEARN_MIN_TOKENS", "LEARN_WINDOW"]
+__all__ = ["PathCosts", "Price", "MARGIN", "LEARN_MIN_TOKENS", "LEARN_WINDOW", "CPU_BLEND_OVERHEAD"]
 
 #: A path that reuses more is taken only if predicted this much cheaper (share of a full prefill).
 MARGIN = 0.05
@@ -42,6 +46,11 @@ LEARN_MIN_TOKENS = 1024
 
 #: The running means weigh about this many recent prefills.
 LEARN_WINDOW = 8
+
+#: Blend's overhead on a CPU before this engine has measured its own, as a share of a full prefill:
+#: measured with the bundled model in bfloat16 on 2 cores, 3.6K-token prompts with 1 to 4 of 6
+#: chunks cached (blend TTFT / full TTFT minus the share of token-layers computed: 0.30 to 0.47).
+CPU_BLEND_OVERHEAD = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,23 +73,31 @@ class PathCosts:
         n_layers: the model's layers (a plan's work is counted in token-layers).
         enabled: price plans (``EngineConfig.cost_model``); off, a plan keeps its mode's path
             whenever anything is cached.
+        prior: each path's overhead before it is observed (default 0).
         margin: see :data:`MARGIN`.
         min_tokens: see :data:`LEARN_MIN_TOKENS`.
     """
 
     def __init__(
-        self, n_layers: int, *, enabled: bool = True, margin: float = MARGIN, min_tokens: int = LEARN_MIN_TOKENS
+        self,
+        n_layers: int,
+        *,
+        enabled: bool = True,
+        prior: Mapping[str, float] | None = None,
+        margin: float = MARGIN,
+        min_tokens: int = LEARN_MIN_TOKENS,
     ) -> None:
         self.n_layers, self.enabled, self.margin, self.min_tokens = n_layers, enabled, margin, min_tokens
         self.full = CostProfile()  # seconds of the full prefills this engine ran
-        self._overhead: dict[str, tuple[float, int]] = {}  # path -> (running mean, observations)
+        # path -> (running mean, observations); a prior is the mean before any (the first replaces it)
+        self._overhead: dict[str, tuple[float, int]] = {p: (float(v), 0) for p, v in (prior or {}).items()}
         self._recompute: tuple[float, int] = (0.0, 0)  # share of blended tokens an ``auto`` blend recomputed
         self._lock = threading.Lock()
 
     # -- prediction ------------------------------------------------------------------------------
 
     def overhead(self, path: str) -> float:
-        """The path's learned overhead (0 before it has been observed)."""
+        """The path's overhead: learned, else its prior, else 0."""
         with self._lock:
             return self._overhead.get(path, (0.0, 0))[0]
 
@@ -111,15 +128,16 @@ class PathCosts:
     def choose(self, plan: Plan) -> tuple[str, str]:
         """The path ``plan`` should run and why: ``(path, reason)``.
 
-        ``full`` when nothing is cached (or the plan reuses nothing); otherwise the cheapest of
-        ``full``, ``prefix`` (when exact KV is cached) and the plan's own path, a path that reuses
-        more taken only when predicted :data:`MARGIN` cheaper than the best before it.
+        ``full`` when nothing is cached (or the plan reuses nothing); otherwise, for a prompt of at
+        least ``min_tokens``, the cheapest of ``full``, ``prefix`` (when exact KV is cached) and the
+        plan's own path, a path that reuses more taken only when predicted :data:`MARGIN` cheaper
+        than the best before it.
         """
         if plan.is_full:
             return "full", "requested"
         if not plan.cached_spans():
             return "full", "nothing cached"
-        if not self.enabled:
+        if not self.enabled or plan.num_tokens < self.min_tokens:
             return plan.path, "requested"
         own = plan.path if plan.chunk_records else "prefix"  # without blended KV, only exact KV is reused
         best = self.price(plan, "full")

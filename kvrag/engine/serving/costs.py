@@ -4,7 +4,7 @@ that picks each plan's path (:mod:`kvrag.engine.reuse.paths`), and CacheBlend's 
 
 from __future__ import annotations
 
-from kvrag.engine.reuse.paths import PathCosts
+from kvrag.engine.reuse.paths import CPU_BLEND_OVERHEAD, PathCosts
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.store.base import KVStore
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
@@ -15,14 +15,17 @@ __all__ = ["CostFeedback"]
 
 class CostFeedback:
     """Args: the engine's store, its model's layer count, whether the loading controller is on,
-    whether plans are priced (``EngineConfig.cost_model``)."""
+    whether plans are priced (``EngineConfig.cost_model``), the model's device type (the path
+    costs' prior)."""
 
-    def __init__(self, store: KVStore, n_layers: int, loading_controller: bool, cost_model: bool = True) -> None:
+    def __init__(
+        self, store: KVStore, n_layers: int, loading_controller: bool, cost_model: bool = True, device: str = "cpu"
+    ) -> None:
         self.store, self.n_layers, self.enabled = store, n_layers, loading_controller
         self.profile = CostProfile()  # this engine's own prefill times
-        self.paths = PathCosts(
-            n_layers, enabled=cost_model
-        )  # each path's cost against a full prefill (the planner asks it)
+        # what each path costs against a full prefill: the planner asks it for each plan's path
+        prior = {"blend": CPU_BLEND_OVERHEAD} if device == "cpu" else {}
+        self.paths = PathCosts(n_layers, enabled=cost_model, prior=prior)
         self.loading = LoadingController(getattr(store, "meter", None) or ThroughputMeter())
 
     def adjust(self, plan: Plan) -> None:

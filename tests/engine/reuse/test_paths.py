@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag.engine.reuse.paths import LEARN_WINDOW, MARGIN, PathCosts
+from kvrag.engine.reuse.paths import CPU_BLEND_OVERHEAD, LEARN_WINDOW, MARGIN, PathCosts
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.variants import ExactDigest, context_id
 from tests.engine.reuse.test_planner import LEAD, QUESTION, make_planner, prompt, record
 
 LAYERS = 2  # the pretend model's (test_planner.KV_SHAPE)
+
+
+def priced() -> PathCosts:
+    """A cost model that prices these small plans (a real one keeps short prompts on their mode's path)."""
+    return PathCosts(LAYERS, min_tokens=1)
 
 
 def docs(n: int, size: int = 40) -> list[list[int]]:
@@ -23,8 +28,7 @@ def docs(n: int, size: int = 40) -> list[list[int]]:
 def plan_with(cached: int, of: int, *, mode: str = "blend", ratio: float = 0.15, costs: PathCosts | None = None):
     """A blend plan over ``of`` chunks of which the first ``cached`` are stored (computed elsewhere)."""
     planner, variants = make_planner()
-    if costs is not None:
-        planner.costs = costs
+    planner.costs = costs if costs is not None else priced()
     chunks = docs(of)
     for d in chunks[:cached]:
         variants.keep(planner.chunk_key(d), record(d), ())
@@ -85,7 +89,7 @@ def test_exact_kv_alone_is_reused_when_blending_the_rest_does_not_win():
         before = tuple(context_id(c) for c in chunks[:i])
         variants.keep(planner.chunk_key(d), record(d), before, exact.at(segments[i + 1].start))
     variants.keep(planner.chunk_key(chunks[3]), record(chunks[3]), ())  # the last one from elsewhere
-    planner.costs = PathCosts(LAYERS)
+    planner.costs = priced()
     plan = planner.plan(segments, mode="blend", ratio=0.15, use_prefix=False)
     assert len(plan.exact_records) == 3 and len(plan.chunk_records) == 1
     planner.costs._overhead["blend"] = (0.5, LEARN_WINDOW)  # blending has proved dear on this machine
@@ -102,6 +106,25 @@ def test_a_tiny_exact_prefix_is_not_worth_its_overhead():
     assert planner.costs.price(plan, "prefix").cost > 1 - MARGIN
     planner.choose(plan)
     assert plan.path == "full" and plan.prefix_len == 0 and plan.prefix_records == []
+
+
+def test_short_prompts_keep_their_modes_path():
+    planner, plan = plan_with(1, 6, costs=PathCosts(LAYERS, min_tokens=plan_with(1, 6)[1].num_tokens + 1))
+    planner.costs.margin = 0.5  # would lose by far if it were priced
+    assert planner.choose(plan).path == "blend" and plan.reason == "requested"
+
+
+def test_a_prior_overhead_holds_until_the_path_is_observed():
+    costs = PathCosts(LAYERS, prior={"blend": CPU_BLEND_OVERHEAD}, min_tokens=1)
+    planner, plan = plan_with(2, 6, costs=costs)  # a third of the prompt cached: 0.72 of the work + 0.3
+    assert costs.price(plan, "blend").overhead == CPU_BLEND_OVERHEAD
+    assert planner.choose(plan).path == "full"
+    # one observed blend replaces the prior: here it cost no more than its work
+    planner, blended = plan_with(2, 6, costs=costs)
+    costs.observe(Plan(mode="full", ratio=1.0, segments=plan.segments), plan.num_tokens * LAYERS, 1.0)
+    costs.observe(blended, round(0.7 * plan.num_tokens * LAYERS), 0.7)
+    assert costs.overhead("blend") == pytest.approx(0.0, abs=0.01)
+    assert planner.choose(blended).path == "blend"
 
 
 def test_the_overhead_is_learned_from_prefills_against_full_ones():

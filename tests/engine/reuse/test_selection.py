@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvrag.engine.reuse.selection.probe as probe_module
-from kvrag import Engine, InvalidRequestError
+from kvrag import InvalidRequestError
 from kvrag.config import EngineConfig
 from kvrag.engine.reuse.selection import (
     HKVDParams,
@@ -187,17 +187,11 @@ def test_epic_at_ratio_one_and_with_every_token_budgeted_is_the_full_prefill(tin
     one = tiny_engine.generate(docs, PREFIX, SUFFIX, selection="epic", recompute_ratio=1.0, max_new_tokens=8)
     assert one.token_ids == full.token_ids
     assert torch.equal(last_logits(tiny_engine, docs, "blend", 1.0, "epic"), last_logits(tiny_engine, docs, "full"))
-    # the cost model does not run a blend that recomputes everything: it cannot beat the full prefill
-    priced = tiny_engine.generate(docs, PREFIX, SUFFIX, selection="epic", recompute_ratio=0.9999, max_new_tokens=8)
-    assert priced.stats.path in ("full", "prefix") and priced.stats.recomputed_tokens == 0
-    assert priced.token_ids == full.token_ids
     # a ratio just under 1.0 still budgets every cached token: epic's own pass recomputes them all
-    with Engine.from_model(tiny_engine.hf_model, tiny_engine.tokenizer, cost_model=False) as engine:
-        engine.warm(docs)
-        nearly = engine.generate(docs, PREFIX, SUFFIX, selection="epic", recompute_ratio=0.9999, max_new_tokens=8)
-        assert nearly.stats.path == "blend"
-        assert nearly.stats.recomputed_tokens == nearly.stats.cached_tokens - nearly.stats.prefix_tokens > 0
-        assert nearly.token_ids == full.token_ids
-        torch.testing.assert_close(
-            last_logits(engine, docs, "blend", 0.9999, "epic"), last_logits(engine, docs, "full")
-        )
+    nearly = tiny_engine.generate(docs, PREFIX, SUFFIX, selection="epic", recompute_ratio=0.9999, max_new_tokens=8)
+    assert nearly.stats.path == "blend"  # a prompt this short is not priced (kvrag.engine.reuse.paths)
+    assert nearly.stats.recomputed_tokens == nearly.stats.cached_tokens - nearly.stats.prefix_tokens > 0
+    assert nearly.token_ids == full.token_ids
+    torch.testing.assert_close(
+        last_logits(tiny_engine, docs, "blend", 0.9999, "epic"), last_logits(tiny_engine, docs, "full")
+    )
