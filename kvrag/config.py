@@ -38,8 +38,8 @@ __all__ = [
 MODES = ("full", "prefix", "blend", "reuse")
 #: What a chunk's KV is computed behind: a neighbouring document, or the sink token alone.
 CHUNK_CONTEXTS = ("neighbor", "sink")
-#: How chunk KV is held at rest in a tiered store (:mod:`kvrag.engine.store.codec`): ``plain`` in
-#: ``disk_dtype``; ``int8``: 8-bit codes with scales (keys per channel, values per token).
+#: How chunk KV is held at rest (:mod:`kvrag.engine.store.codec`): ``plain`` (as computed in memory
+#: alone, ``disk_dtype`` with tiers); ``int8``: 8-bit codes with scales (keys per channel, values per token).
 KV_CODECS = ("plain", "int8")
 _REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
@@ -257,22 +257,25 @@ class EngineConfig:
         max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
         prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
         prefix_block_tokens: block size of the exact prefix cache (16 tokens).
-        disk_dtype: dtype of KV at rest with a disk or remote tier, in memory and on disk alike, so
-            that a chunk reads back the same from either (``float16``, the default, halves the
-            bytes of ``float32``; ``float32`` keeps the KV exact). Without those tiers, memory keeps
-            the compute dtype.
+        disk_dtype: dtype of plain KV at rest with a disk or remote tier (exact-prefix blocks, and
+            chunks with ``kv_codec="plain"``), in memory and on disk alike, so that an entry reads
+            back the same from either (``float16``, the default, halves the bytes of ``float32``;
+            ``float32`` keeps the KV exact). Without those tiers, memory keeps plain KV as computed.
         remote_timeout_s: seconds a remote call may take (connect, each read or write) before the
             server counts as down (1.0).
         remote_ttl_s: seconds a remote entry lives after its last write or hit (7 days; ``None``:
             until the server evicts it).
-        kv_codec: how chunk KV is held at rest when the store has tiers (``plain``: in
-            ``disk_dtype``; ``int8``: 8-bit codes with scales, ~1.9x smaller than fp16, for tiers
-            that move bytes). The codec is applied once, when a chunk is first stored, and every
-            tier (memory included) holds its result, so answers never depend on the tier that
-            served a chunk. ``int8`` also turns a memory-only store into one that keeps codes.
-            Exact-prefix blocks stay plain. ``auto`` (default): ``int8`` when ``remote_url`` is
-            set (measured on the dev bench: answer drift +0.0003 nats/token against fp16, 1.9x
-            fewer bytes to move; docs/scale-out.md), ``plain`` otherwise.
+        kv_codec: how chunk KV is held at rest, in every tier: ``int8``, 8-bit codes with scales
+            (keys per channel, values per token; ~12 KB a token on SmolLM2, against 23 KB in
+            bfloat16 and 46 KB in float32), decoded layer by layer as a prefill places them; or
+            ``plain``: as computed in memory alone, in ``disk_dtype`` with a disk or remote tier.
+            The codec is applied once, when a chunk is first stored, and every tier (memory
+            included) holds its result, so answers never depend on the tier that served a chunk.
+            Exact-prefix blocks stay plain. ``auto`` (default): ``int8`` with a remote tier (fewer
+            bytes to move, docs/scale-out.md), else ``plain``: KV in a 16-bit compute dtype is half
+            of float32's already, and kept as computed it costs no decoding and keeps exact reuse
+            exact (on the dev bench in bfloat16, 8-bit codes in memory drifted no more from the
+            full prefill but added ~3% of a full prefill to a blend's TTFT).
         prefetch: stream disk and remote hits layer by layer while the prefill computes (else read
             them whole first; on by default).
         loading_controller: in ``blend``, raise a request's recompute ratio while the extra

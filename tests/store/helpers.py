@@ -218,5 +218,5 @@ class Payload:
 
 def entry_path(store, k) -> str:
     with store._cache.transact():
-        ((name,),) = store._cache._sql("SELECT filename FROM Cache WHERE key = ?", (f"{k.namespace}/{k.digest}",))
+        ((name,),) = store._cache._sql("SELECT filename FROM Cache WHERE key = ?", (store._name(k),))
     return os.path.join(store.directory, name)

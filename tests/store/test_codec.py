@@ -129,14 +129,16 @@ def test_engine_answers_alike_from_memory_disk_and_remote(tiny_model, tiny_token
     assert mem.token_ids == disk.token_ids == remote.token_ids
 
 
-def test_the_codec_defaults_to_int8_only_with_a_remote_tier(tmp_path, remote_server):
-    assert EngineConfig().resolved_kv_codec() == "plain"
+def test_the_codec_defaults_to_int8_with_a_remote_tier(tmp_path, remote_server):
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert EngineConfig(dtype=dtype).resolved_kv_codec() == "plain"
     assert EngineConfig(disk_tier=True).resolved_kv_codec() == "plain"
     assert EngineConfig(remote_url="redis://h:6379/0").resolved_kv_codec() == "int8"
     assert EngineConfig(remote_url="redis://h:6379/0", kv_codec="plain").resolved_kv_codec() == "plain"
+    assert build_store(EngineConfig(dtype="bfloat16")).at_rest.name == "plain"  # memory alone: as computed
     store = build_store(EngineConfig(remote_url=remote_server.url, disk_tier=True, cache_dir=str(tmp_path)))
     try:
-        assert store.remote.at_rest.tag == store.disk.at_rest.tag == AtRest("int8").tag
+        assert store.remote.at_rest.tag == store.disk.at_rest.tag == store.at_rest.tag == AtRest("int8").tag
     finally:
         store.close()
 

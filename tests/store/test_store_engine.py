@@ -123,7 +123,7 @@ def test_200_damaged_entries_are_misses_never_crashes_never_wrong(tiny_model, ti
         how = kinds[n % 5]
         if how == "pickle-row":  # the index row replaced by diskcache's default (pickling) disk layer
             plain = diskcache.Cache(str(store.disk.directory))
-            plain.set(f"{keys[i].namespace}/{keys[i].digest}", Payload(marker))
+            plain.set(store.disk._name(keys[i]), Payload(marker))  # the entry as named in this codec
             plain.close()
         else:
             _damage(entry_path(store.disk, keys[i]), how, rng, marker)
