@@ -3,25 +3,26 @@
 Reusing cached KV is not free. The rows a blend computes are spread along the prompt, so their
 attention runs in masked blocks instead of one causal pass; a probe measures before it chooses;
 cached KV is rotated into place layer by layer. With little of the prompt cached, that costs more
-than it saves (on this CPU a blend with one cached chunk of six cost more than the full prefill).
-So a plan is priced before it runs, against the paths that reuse less:
+than it saves (on this CPU a blend with one or two cached chunks of six cost more than the full
+prefill). So a plan is priced before it runs, against the paths that reuse less:
 
 - ``full``: every token computed: the reference, cost 1;
 - ``prefix``: only exact KV reused (the exact prefix, exact chunk variants): the full prefill's
   numbers for ``(n - exact) / n`` of its work;
 - ``blend`` / ``reuse``: the plan as made (blended chunk hits, the conversation's shifted history).
 
-A path's predicted cost, relative to a full prefill of the same prompt, is the share of a full
-prefill's token-layers it computes plus that path's *overhead*, learned online: after each
-prefill of at least :data:`LEARN_MIN_TOKENS` tokens, its seconds over a full prefill's of that
-length (:class:`~kvrag.engine.store.profile.CostProfile` of the full prefills this engine ran)
-minus the share of token-layers it computed, a running mean. Before a path has been observed its
-overhead is a prior: on a CPU, blend's is :data:`CPU_BLEND_OVERHEAD` (the reference attention's
-masked blocks and the probe); otherwise 0 (the work alone decides). A path that reuses more is
-taken only when it is predicted at least :data:`MARGIN` cheaper than the best path that reuses
-less: the full prefill is exact, so a tie goes to it. Prompts shorter than
-:data:`LEARN_MIN_TOKENS` keep their mode's path: there the prices are unknown, and the choice
-costs milliseconds either way. Plain Python over plans: testable without a model.
+A path's predicted cost, relative to a full prefill of the same prompt, is a line in its *work*
+(the share of a full prefill's token-layers it computes): ``a + m * work``, per path, fitted online
+by least squares: after each prefill of at least :data:`LEARN_MIN_TOKENS` tokens, its seconds over
+a full prefill's of that length (:class:`~kvrag.engine.store.profile.CostProfile` of the full
+prefills this engine ran) against its work, recent prefills weighing most (:data:`LEARN_WINDOW`).
+A prior line, worth two prefills (at work 0.25 and 0.75), holds the fit until there are data and
+keeps it from tilting on data of one kind: on a CPU, blend's is :data:`CPU_BLEND_LINE` (measured);
+otherwise the work alone (``a = 0, m = 1``). A path that reuses more is taken only when predicted
+at least :data:`MARGIN` cheaper than the best path that reuses less: the full prefill is exact, so
+a tie goes to it. Prompts shorter than :data:`LEARN_MIN_TOKENS` keep their mode's path: there the
+prices are unknown, and the choice costs milliseconds either way. Plain Python over plans: testable
+without a model.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvrag.engine.store.profile import CostProfile
 if TYPE_CHECKING:
     from kvrag.engine.reuse.planner import Plan
 
-__all__ = ["PathCosts", "Price", "MARGIN", "LEARN_MIN_TOKENS", "LEARN_WINDOW", "CPU_BLEND_OVERHEAD"]
+__all__ = ["PathCosts", "Price", "CostLine", "MARGIN", "LEARN_MIN_TOKENS", "LEARN_WINDOW", "CPU_BLEND_LINE"]
 
 #: A path that reuses more is taken only if predicted this much cheaper (share of a full prefill).
 MARGIN = 0.05
@@ -44,13 +45,13 @@ MARGIN = 0.05
 #: Shorter prefills teach the cost model nothing: fixed per-call costs dominate them.
 LEARN_MIN_TOKENS = 1024
 
-#: The running means weigh about this many recent prefills.
+#: The fits weigh about this many recent prefills (older ones fade geometrically).
 LEARN_WINDOW = 8
 
-#: Blend's overhead on a CPU before this engine has measured its own, as a share of a full prefill:
-#: measured with the bundled model in bfloat16 on 2 cores, 3.6K-token prompts with 1 to 4 of 6
-#: chunks cached (blend TTFT / full TTFT minus the share of token-layers computed: 0.30 to 0.47).
-CPU_BLEND_OVERHEAD = 0.3
+#: Blend's cost on a CPU before this engine has timed its own, ``(a, m)``: TTFT / full TTFT =
+#: a + m * work. Fitted to 17 blends of the bundled model in bfloat16 on this project's 2-core
+#: machine (3.6K-token prompts, 1 to 6 of 6 chunks cached): 0.21 + 1.26 * work.
+CPU_BLEND_LINE = (0.2, 1.25)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +60,42 @@ class Price:
 
     path: str
     work: float  # share of a full prefill's token-layers it computes
-    overhead: float  # what the path costs beyond its work, learned (0 until then)
+    cost: float  # predicted seconds / a full prefill's
 
-    @property
-    def cost(self) -> float:
-        return self.work + self.overhead
+
+class CostLine:
+    """``cost = a + m * work``, fitted by weighted least squares (not thread-safe: PathCosts locks).
+
+    Args:
+        prior: ``(a, m)`` before any data, worth one observation at work 0.25 and one at 0.75.
+    """
+
+    PRIOR_AT = (0.25, 0.75)
+
+    def __init__(self, prior: tuple[float, float] = (0.0, 1.0)) -> None:
+        a, m = prior
+        self._prior = [(w, a + m * w) for w in self.PRIOR_AT]
+        self._sums = [0.0] * 5  # observations' weighted n, sum w, sum c, sum w^2, sum w*c
+        self.observations = 0
+
+    def add(self, work: float, cost: float) -> None:
+        keep = 1.0 - 1.0 / LEARN_WINDOW
+        self._sums = [x * keep for x in self._sums]
+        for i, x in enumerate((1.0, work, cost, work * work, work * cost)):
+            self._sums[i] += x
+        self.observations += 1
+
+    def fit(self) -> tuple[float, float]:
+        """``(a, m)`` of the data and the prior."""
+        n, sw, sc, sww, swc = self._sums
+        for w, c in self._prior:
+            n, sw, sc, sww, swc = n + 1, sw + w, sc + c, sww + w * w, swc + w * c
+        m = (n * swc - sw * sc) / (n * sww - sw * sw)  # > 0 denominator: the prior's two works differ
+        return (sc - m * sw) / n, m
+
+    def cost(self, work: float) -> float:
+        a, m = self.fit()
+        return a + m * work
 
 
 class PathCosts:
@@ -73,7 +105,7 @@ class PathCosts:
         n_layers: the model's layers (a plan's work is counted in token-layers).
         enabled: price plans (``EngineConfig.cost_model``); off, a plan keeps its mode's path
             whenever anything is cached.
-        prior: each path's overhead before it is observed (default 0).
+        prior: each path's ``(a, m)`` before it is observed (default ``(0, 1)``: its work).
         margin: see :data:`MARGIN`.
         min_tokens: see :data:`LEARN_MIN_TOKENS`.
     """
@@ -89,17 +121,18 @@ class PathCosts:
     ) -> None:
         self.n_layers, self.enabled, self.margin, self.min_tokens = n_layers, enabled, margin, min_tokens
         self.full = CostProfile()  # seconds of the full prefills this engine ran
-        # path -> (running mean, observations); a prior is the mean before any (the first replaces it)
-        self._overhead: dict[str, tuple[float, int]] = {p: (float(v), 0) for p, v in (prior or {}).items()}
+        self._priors = dict(prior or {})
+        self._lines: dict[str, CostLine] = {}  # path -> its cost line
         self._recompute: tuple[float, int] = (0.0, 0)  # share of blended tokens an ``auto`` blend recomputed
         self._lock = threading.Lock()
 
     # -- prediction ------------------------------------------------------------------------------
 
-    def overhead(self, path: str) -> float:
-        """The path's overhead: learned, else its prior, else 0."""
-        with self._lock:
-            return self._overhead.get(path, (0.0, 0))[0]
+    def _line(self, path: str) -> CostLine:
+        line = self._lines.get(path)
+        if line is None:
+            line = self._lines[path] = CostLine(self._priors.get(path, (0.0, 1.0)))
+        return line
 
     def recompute_share(self, plan: Plan) -> float:
         """The share of its blended tokens a blend plan is expected to recompute: the ratio asked for;
@@ -114,7 +147,7 @@ class PathCosts:
         """What running ``plan`` as ``path`` is predicted to cost (``full``, ``prefix``, or the plan's own)."""
         n = plan.num_tokens
         if path == "full" or n == 0:
-            return Price("full", 1.0, 0.0)
+            return Price("full", 1.0, 1.0)
         exact = plan.exact_tokens
         blended = sum(r.num_tokens for _, r in plan.chunk_records)
         if path == "prefix":
@@ -123,7 +156,9 @@ class PathCosts:
             computed = n - exact - blended
         else:  # blend
             computed = n - exact - blended * (1.0 - self.recompute_share(plan))
-        return Price(path, max(computed, 1) / n, self.overhead(path))
+        work = max(computed, 1) / n
+        with self._lock:
+            return Price(path, work, self._line(path).cost(work))
 
     def choose(self, plan: Plan) -> tuple[str, str]:
         """The path ``plan`` should run and why: ``(path, reason)``.
@@ -167,15 +202,16 @@ class PathCosts:
         reference = self.full.full_prefill(n, self.n_layers) if self.full.observations else None
         if not reference:  # no full prefill seen yet: nothing to compare with
             return
-        work = token_layers / (n * self.n_layers)
         with self._lock:
-            self._overhead[plan.path] = _mean(self._overhead.get(plan.path, (0.0, 0)), seconds / reference - work)
+            self._line(plan.path).add(token_layers / (n * self.n_layers), seconds / reference)
 
     def stats(self) -> dict:
-        """What the model has learned: each path's overhead and observations, ``auto``'s recompute share."""
+        """What the model has learned: each path's line (``a``, ``m``) and observations, ``auto``'s
+        recompute share."""
         with self._lock:
+            lines = {p: (line.fit(), line.observations) for p, line in self._lines.items()}
             return {
-                "overhead": {p: {"mean": m, "observations": c} for p, (m, c) in self._overhead.items()},
+                "lines": {p: {"a": a, "m": m, "observations": c} for p, ((a, m), c) in lines.items()},
                 "auto_recompute": self._recompute[0] if self._recompute[1] else None,
                 "full_prefills": self.full.observations,
             }

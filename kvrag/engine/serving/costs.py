@@ -4,7 +4,7 @@ that picks each plan's path (:mod:`kvrag.engine.reuse.paths`), and CacheBlend's 
 
 from __future__ import annotations
 
-from kvrag.engine.reuse.paths import CPU_BLEND_OVERHEAD, PathCosts
+from kvrag.engine.reuse.paths import CPU_BLEND_LINE, PathCosts
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.store.base import KVStore
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
@@ -24,7 +24,7 @@ class CostFeedback:
         self.store, self.n_layers, self.enabled = store, n_layers, loading_controller
         self.profile = CostProfile()  # this engine's own prefill times
         # what each path costs against a full prefill: the planner asks it for each plan's path
-        prior = {"blend": CPU_BLEND_OVERHEAD} if device == "cpu" else {}
+        prior = {"blend": CPU_BLEND_LINE} if device == "cpu" else {}
         self.paths = PathCosts(n_layers, enabled=cost_model, prior=prior)
         self.loading = LoadingController(getattr(store, "meter", None) or ThroughputMeter())
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag.engine.reuse.paths import CPU_BLEND_OVERHEAD, LEARN_WINDOW, MARGIN, PathCosts
+from kvrag.engine.reuse.paths import CPU_BLEND_LINE, LEARN_WINDOW, MARGIN, PathCosts
 from kvrag.engine.reuse.planner import Plan
+from kvrag.engine.reuse.segments import prompt_ids
 from kvrag.engine.reuse.variants import ExactDigest, context_id
 from tests.engine.reuse.test_planner import LEAD, QUESTION, make_planner, prompt, record
 
@@ -89,10 +90,9 @@ def test_exact_kv_alone_is_reused_when_blending_the_rest_does_not_win():
         before = tuple(context_id(c) for c in chunks[:i])
         variants.keep(planner.chunk_key(d), record(d), before, exact.at(segments[i + 1].start))
     variants.keep(planner.chunk_key(chunks[3]), record(chunks[3]), ())  # the last one from elsewhere
-    planner.costs = priced()
+    planner.costs = PathCosts(LAYERS, prior={"blend": (0.5, 1.0)}, min_tokens=1)  # blending is dear here
     plan = planner.plan(segments, mode="blend", ratio=0.15, use_prefix=False)
     assert len(plan.exact_records) == 3 and len(plan.chunk_records) == 1
-    planner.costs._overhead["blend"] = (0.5, LEARN_WINDOW)  # blending has proved dear on this machine
     planner.choose(plan)
     assert plan.path == "prefix" and plan.reason.startswith("blend predicted")
     assert [u.source for u in plan.chunks] == ["tree", "tree", "tree", "computed"]
@@ -114,41 +114,46 @@ def test_short_prompts_keep_their_modes_path():
     assert planner.choose(plan).path == "blend" and plan.reason == "requested"
 
 
-def test_a_prior_overhead_holds_until_the_path_is_observed():
-    costs = PathCosts(LAYERS, prior={"blend": CPU_BLEND_OVERHEAD}, min_tokens=1)
-    planner, plan = plan_with(2, 6, costs=costs)  # a third of the prompt cached: 0.72 of the work + 0.3
-    assert costs.price(plan, "blend").overhead == CPU_BLEND_OVERHEAD
+def observe_blends(costs: PathCosts, segments, a: float, m: float, times: int) -> None:
+    """``times`` blends over ``segments`` whose seconds follow ``a + m * work`` (a full prefill: 1 s)."""
+    n = len(prompt_ids(segments))
+    costs.observe(Plan(mode="full", ratio=1.0, segments=segments), n * LAYERS, 1.0)
+    for i in range(times):
+        work = (0.3, 0.7)[i % 2]
+        blend = Plan(mode="blend", ratio=0.15, segments=segments)
+        costs.observe(blend, round(work * n * LAYERS), a + m * work)
+
+
+def test_the_prior_line_holds_until_the_path_is_timed():
+    costs = PathCosts(LAYERS, prior={"blend": CPU_BLEND_LINE}, min_tokens=1)
+    planner, plan = plan_with(2, 6, costs=costs)  # a third of the prompt cached: 0.73 of the work
+    work = 1 - 80 * 0.85 / plan.num_tokens
+    assert costs.price(plan, "blend").cost == pytest.approx(CPU_BLEND_LINE[0] + CPU_BLEND_LINE[1] * work)
     assert planner.choose(plan).path == "full"
-    # one observed blend replaces the prior: here it cost no more than its work
+    # blends on this engine cost no more than their work: the fit leaves the prior
     planner, blended = plan_with(2, 6, costs=costs)
-    costs.observe(Plan(mode="full", ratio=1.0, segments=plan.segments), plan.num_tokens * LAYERS, 1.0)
-    costs.observe(blended, round(0.7 * plan.num_tokens * LAYERS), 0.7)
-    assert costs.overhead("blend") == pytest.approx(0.0, abs=0.01)
+    observe_blends(costs, blended.segments, 0.0, 1.0, LEARN_WINDOW)
+    assert costs.price(blended, "blend").cost < 1 - MARGIN
     assert planner.choose(blended).path == "blend"
+    assert costs.stats()["lines"]["blend"]["observations"] == LEARN_WINDOW
 
 
-def test_the_overhead_is_learned_from_prefills_against_full_ones():
+def test_the_line_is_learned_from_prefills_against_full_ones():
     costs = PathCosts(LAYERS, min_tokens=100)
     planner, plan = plan_with(3, 6, costs=costs)
-    assert planner.costs.price(plan, "blend").overhead == 0.0
-    n = plan.num_tokens
-    full = Plan(mode="full", ratio=1.0, segments=plan.segments)
-    costs.observe(full, n * LAYERS, 1.0)  # a full prefill of this prompt takes 1 s
-    costs.observe(plan, round(0.6 * n * LAYERS), 1.05)  # a blend computing 60% of it took 1.05 s
-    assert costs.overhead("blend") == pytest.approx(0.45, abs=0.01)
-    # the same plan priced again: 0.59 of the work + 0.45 is no better than a full prefill
-    assert costs.price(plan, "blend").cost == pytest.approx(1 - 120 * 0.85 / n + 0.45, abs=0.01)
-    planner.choose(plan)
-    assert plan.path == "full"
-    assert costs.stats()["overhead"]["blend"]["observations"] == 1
+    work = 1 - 120 * 0.85 / plan.num_tokens
+    assert costs.price(plan, "blend").cost == pytest.approx(work)  # no prior: the work alone
+    observe_blends(costs, plan.segments, 0.6, 1.0, 4 * LEARN_WINDOW)  # blends that cost their work + 0.6
+    a, m = costs._lines["blend"].fit()
+    assert m == pytest.approx(1.0, abs=0.05) and 0.45 < a < 0.6  # the data, with the prior's weight of two
+    assert planner.choose(plan).path == "full"  # 0.59 of the work + ~0.5 is no win
 
 
 def test_short_prefills_teach_nothing():
     costs = PathCosts(LAYERS)  # default: prefills under LEARN_MIN_TOKENS tokens are not timed
     _, plan = plan_with(3, 6, costs=costs)
-    costs.observe(Plan(mode="full", ratio=1.0, segments=plan.segments), plan.num_tokens * LAYERS, 1.0)
-    costs.observe(plan, plan.num_tokens, 5.0)
-    assert costs.full.observations == 0 and costs.overhead("blend") == 0.0
+    observe_blends(costs, plan.segments, 5.0, 1.0, 2)
+    assert costs.full.observations == 0 and costs.stats()["lines"] == {}
 
 
 def test_auto_expects_the_recompute_share_it_measured():
