@@ -22,20 +22,7 @@ from kvrag.engine.store.base import KVRecord
 from kvrag.engine.types import ChunkInfo, GenerationStats
 from kvrag.kernels import rope_rotate_into
 
-__all__ = [
-    "PrefillOptions",
-    "PrefillResult",
-    "SpanSource",
-    "CapturePart",
-    "span_mask",
-    "prefill",
-    "extend",
-    "generation_stats",
-    "CAPTURE_GAP",
-]
-
-#: Capture ranges at most this many tokens apart share one capture (the text between chunks is short).
-CAPTURE_GAP = 64
+__all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
 
 
 class SpanSource:
@@ -126,69 +113,28 @@ class PrefillResult:
     measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
 
 
-class CapturePart(KVCapture):
-    """Positions [start, end) of a larger :class:`KVCapture`: what a reader gets is its own copy.
+def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
+    """The prefix-cache capture (its reused partial block copied in) and the missed chunks' captures.
 
-    A prefill feeds one capture per run of nearby ranges (a layer's fresh KV is copied once, not once
-    per chunk); the prefix cache and the write-back each read their part after the first token, off
-    the critical path, and own what they keep (a record never pins the whole capture).
-    """
-
-    def __init__(self, whole: KVCapture, start: int, end: int) -> None:  # no allocation: views of ``whole``
-        self.start, self.end = start, end
-        self.k_view = whole.k[:, :, start - whole.start : end - whole.start]  # [L, Hkv, T, D]
-        self.v_view = whole.v[:, :, start - whole.start : end - whole.start]
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.k_view.contiguous()
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.v_view.contiguous()
-
-
-def _merged(adapter: ModelAdapter, ranges: list[tuple[int, int]]) -> tuple[list[KVCapture], list[CapturePart]]:
-    """One capture per run of ``ranges`` at most :data:`CAPTURE_GAP` apart, and a part for each range
-    (in the order given)."""
-    wholes: list[KVCapture] = []
-    runs: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if runs and a - runs[-1][1] <= CAPTURE_GAP:
-            runs[-1][1] = max(runs[-1][1], b)
-        else:
-            runs.append([a, b])
-    wholes = [KVCapture(adapter, a, b) for a, b in runs]
-    parts = [CapturePart(next(w for w in wholes if w.start <= a and b <= w.end), a, b) for a, b in ranges]
-    return wholes, parts
-
-
-def _captures(
-    adapter: ModelAdapter, plan: Plan, options: PrefillOptions
-) -> tuple[list[KVCapture], CapturePart | None, dict[int, CapturePart]]:
-    """The captures a prefill feeds; the prefix-cache part (its reused partial block copied in) and
-    the missed chunks' parts."""
-    ranges: list[tuple[int, int]] = []
-    cap_start = plan.prefix_len - plan.prefix_len % options.capture_block
+    One capture per range: merging them into one cost more (measured: a capture past glibc's mmap
+    threshold, ~32 MB, is mapped afresh and page-faults on every request; chunk-sized ones reuse
+    the heap)."""
+    capture = None
     if options.capture_end > plan.prefix_len:
-        ranges.append((cap_start, options.capture_end))
-    chunks = []
+        cap_start = plan.prefix_len - plan.prefix_len % options.capture_block
+        capture = KVCapture(adapter, cap_start, options.capture_end)
+        if cap_start < plan.prefix_len:  # the reused partial block: copy it from its record
+            start, rec = plan.prefix_records[-1]
+            a = cap_start - start
+            capture.k[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
+            capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
+    chunk_caps = {}
     cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
         seg = plan.segments[i]
         if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
-            chunks.append(i)
-            ranges.append((seg.start, seg.end))
-    if not ranges:
-        return [], None, {}
-    wholes, parts = _merged(adapter, ranges)
-    capture = parts.pop(0) if options.capture_end > plan.prefix_len else None
-    if capture is not None and cap_start < plan.prefix_len:  # the reused partial block: copy it from its record
-        start, rec = plan.prefix_records[-1]
-        a = cap_start - start
-        capture.k_view[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
-        capture.v_view[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
-    return wholes, capture, dict(zip(chunks, parts))
+            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end)
+    return capture, chunk_caps
 
 
 def prefill(
@@ -211,7 +157,8 @@ def prefill(
     trace = Trace()
     all_pos = torch.arange(n, device=adapter.device)
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
-    captures, capture, chunk_caps = _captures(adapter, plan, options)
+    capture, chunk_caps = _captures(adapter, plan, options)
+    captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     taps = [tap] if tap is not None else []
