@@ -66,6 +66,8 @@ class RequestArgs(TypedDict, total=False):
             answer) is reused where the new prompt repeats it (exact prefix, and shifted history
             runs in blend/reuse), and this turn is kept for the next one
             (:mod:`kvrag.engine.reuse.conversations`). ``mode="full"`` and ratio 1.0 reuse nothing.
+            A call whose prompt does not continue a kept turn (a chat engine's condense or summary
+            call) reuses none of the conversation's KV and is kept beside its main turn, not over it.
         dedup: drop chunks that an earlier turn of the conversation already placed in the prompt
             (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
         namespace: the tenant whose cache this request uses (default ``config.namespace``):
