@@ -497,6 +497,7 @@ class Engine:
                     recompute_ratio=target,
                     selection="probe",
                 )
+                req.priced = False  # calibration measures the blend, whatever it costs here
                 n = int(req.ids.shape[0])  # the prefill runs on the engine thread, as requests do
                 plan, res = self._run_internal(lambda pause, r=req, n=n: self._prefill(r, capacity=n, pause=pause), n)
                 measured.add(
@@ -716,7 +717,7 @@ class Engine:
             if req.conversation is not None and attempts == 0:  # the kept turn this prompt continues, if any
                 req.follow = self.conversations.follow(req.conversation, plan.ids)
             spans = self.conversations.attach(plan, req.follow) if req.follow is not None and not plan.is_full else []
-            self.planner.choose(plan)
+            self.planner.choose(plan, price=req.priced)
             blended = {start for start, _ in plan.chunk_records}  # what of the turn's KV the chosen path still uses
             req.conversation_spans = [(a, b) for a, b in spans if b <= plan.prefix_len or a in blended]
             if attempts == 0:

@@ -160,19 +160,20 @@ class PathCosts:
         with self._lock:
             return Price(path, work, self._line(path).cost(work))
 
-    def choose(self, plan: Plan) -> tuple[str, str]:
+    def choose(self, plan: Plan, *, price: bool = True) -> tuple[str, str]:
         """The path ``plan`` should run and why: ``(path, reason)``.
 
         ``full`` when nothing is cached (or the plan reuses nothing); otherwise, for a prompt of at
         least ``min_tokens``, the cheapest of ``full``, ``prefix`` (when exact KV is cached) and the
         plan's own path, a path that reuses more taken only when predicted :data:`MARGIN` cheaper
-        than the best before it.
+        than the best before it. ``price=False`` keeps the plan's own path whenever anything is
+        cached (a measurement of that path, e.g. calibration).
         """
         if plan.is_full:
             return "full", "requested"
         if not plan.cached_spans():
             return "full", "nothing cached"
-        if not self.enabled or plan.num_tokens < self.min_tokens:
+        if not (self.enabled and price) or plan.num_tokens < self.min_tokens:
             return plan.path, "requested"
         own = plan.path if plan.chunk_records else "prefix"  # without blended KV, only exact KV is reused
         best = self.price(plan, "full")

@@ -252,11 +252,12 @@ class Planner:
                 self.variants.used(info, use.fix)
         return plan
 
-    def choose(self, plan: Plan) -> Plan:
+    def choose(self, plan: Plan, *, price: bool = True) -> Plan:
         """Settle the path ``plan`` runs (the cost model, :mod:`kvrag.engine.reuse.paths`): a plan whose
-        reuse is not predicted to win falls back to ``prefix`` or ``full``. Call it once what the
-        plan reuses is complete (a conversation's KV attached). Returns the plan."""
-        path, reason = self.costs.choose(plan)
+        reuse is not predicted to win falls back to ``prefix`` or ``full`` (``price=False``: only a
+        plan with nothing cached does). Call it once what the plan reuses is complete (a
+        conversation's KV attached). Returns the plan."""
+        path, reason = self.costs.choose(plan, price=price)
         if path != plan.path:
             plan.fall_back(path, reason)
         else:

@@ -42,6 +42,7 @@ class Request:
     deduplicated: int = 0
     conversation_spans: list | None = None
     follow: Any = None  # the kept turn of the conversation its prompt continues (reuse.conversations.Continuation)
+    priced: bool = True  # the cost model may lower its path (off for a measurement of its mode: calibration)
 
 
 class RequestArgs(TypedDict, total=False):

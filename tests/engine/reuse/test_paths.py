@@ -172,6 +172,10 @@ def test_off_the_requested_path_runs_whenever_anything_is_cached():
     assert (plan.path, plan.reason) == ("blend", "requested") and len(plan.chunk_records) == 1
     planner, plan = plan_with(0, 6, costs=PathCosts(LAYERS, enabled=False))
     assert planner.choose(plan).path == "full"
+    # a measurement of the mode itself (calibration) asks for its path unpriced
+    planner, plan = plan_with(1, 6)
+    planner.costs.margin = 0.5
+    assert planner.choose(plan, price=False).path == "blend"
 
 
 def test_fall_back_refuses_a_path_that_reuses_more():
