@@ -372,6 +372,8 @@ def test_a_speculative_put_never_evicts_what_requests_kept(policy):
     assert not m.put(key(13), record(13), speculative=True)
     assert m.put(key(3), record(3))
     assert m.contains(key(3)) and m.stats()["bytes"] <= m.budget_bytes
+    # entries 10 and 11 went unused; the last put evicted an entry a request had used
+    assert (m.stats()["evictions"], m.stats()["speculative_evictions"]) == (3, 2)
 
 
 def test_tiers_rank_a_speculative_entry_last_on_disk(tmp_path):

@@ -37,7 +37,15 @@ class MemoryStore(KVStore):
         self._bytes = 0
         self._tokens = 0  # tokens of the resident records: bytes per token is what the at-rest form costs
         self._lock = threading.Lock()
-        self._stats = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0, "speculative_refused": 0}
+        self._stats = {
+            "hits": 0,
+            "misses": 0,
+            "puts": 0,
+            "evictions": 0,
+            "speculative_evictions": 0,
+            "rejected": 0,
+            "speculative_refused": 0,
+        }
         self._pins: Counter = Counter()
         self._speculative: dict[StoreKey, None] = {}  # resident, put speculative, not hit since (oldest first)
 
@@ -112,6 +120,7 @@ class MemoryStore(KVStore):
             while self._items and self._bytes + size > self.budget_bytes:
                 victim = spare.pop(0) if speculative else self._victim()
                 evicted.append((victim, self._items[victim]))
+                self._stats["speculative_evictions"] += victim in self._speculative
                 self.policy.evicted(victim)  # before _drop: PGDSF raises its clock to the victim's priority
                 self._drop(victim)
                 self._stats["evictions"] += 1
@@ -168,7 +177,9 @@ class MemoryStore(KVStore):
                 self._drop(key)
 
     def stats(self) -> dict:
-        """Counters (hits, misses, puts, evictions, rejected, speculative_refused) and what is held:
+        """Counters (hits, misses, puts, evictions, rejected, speculative_refused;
+        ``speculative_evictions``: those of ``evictions`` that dropped a speculative entry no lookup
+        had used) and what is held:
         ``entries``, ``bytes``, ``tokens`` (of every entry, variants and prefix blocks included),
         ``bytes_per_token`` (``None`` when empty), ``budget_bytes``, ``codec``, ``policy``."""
         with self._lock:

@@ -250,8 +250,8 @@ class TieredStore(KVStore):
         Top level: ``hits``/``misses``/``hit_rate`` (any tier), ``promotions`` (disk or remote hits
         copied to memory), ``swap_outs`` (memory evictions the disk had dropped, written again),
         ``disk_writes_skipped``/``remote_writes_skipped`` (already there), ``policy``, ``dtype``,
-        ``codec``. ``memory``: hits, misses, puts, evictions, rejected, entries, bytes, tokens,
-        bytes_per_token, budget_bytes, policy state. ``disk``: hits, misses, puts, evictions,
+        ``codec``. ``memory``: :meth:`MemoryStore.stats` (counters, entries, bytes, tokens,
+        bytes_per_token, budget_bytes, policy state). ``disk``: hits, misses, puts, evictions,
         damaged, write_errors, skipped, written_bytes, entries, bytes, budget_bytes, directory.
         ``load``: bytes and seconds read from disk, records streamed, ``throughput_bytes_per_s``.
         ``remote`` (with a remote tier): its counters (:meth:`RemoteStore.stats`) and its own ``load``.
