@@ -14,6 +14,13 @@ __all__ = ["rope_rotate_ref", "rope_rotate_into_ref", "attention_ref", "kv_devia
 #: Selected queries are attended in position-ordered blocks of this many rows, each block against
 #: the key prefix it can see (keys up to its last position) instead of the whole sequence.
 QUERY_BLOCK = 64
+#: Rows that cover much of the sequence are cheaper as one causal pass over every position up to
+#: the last row (the other queries zero, their outputs dropped): SDPA's causal path skips the
+#: masked half without reading a mask. Taken when that pass's query-key pairs (n^2/2) are at most
+#: this many times the blocks' (rows x keys each block reads). Measured here (bf16, 2 cores, 3.9K
+#: keys, rows in 16-token runs): equal at 71% of the positions (ratio 1.4); one causal pass 1.5x
+#: faster at 86% (a blend with one chunk cached of six), the blocks 3.7x faster at 18% (a 15% blend).
+CAUSAL_PAIRS_FACTOR = 1.4
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -96,6 +103,13 @@ def attention_ref(
         return F.scaled_dot_product_attention(
             q[None], k[None, :, lo : first + 1], v[None, :, lo : first + 1], scale=scale, enable_gqa=gqa
         )[0]
+    if window is None and _one_causal_pass(q_pos, last, block):
+        n = last + 1
+        padded = q.new_zeros(q.shape[0], n, q.shape[2])
+        padded[:, q_pos] = q
+        return F.scaled_dot_product_attention(
+            padded[None], k[None, :, :n], v[None, :, :n], is_causal=True, scale=scale, enable_gqa=gqa
+        )[0, :, q_pos]
     masks = {} if masks is None else masks
     out = torch.empty_like(q)
     for start in range(0, tq, block):
@@ -120,6 +134,16 @@ def attention_ref(
             enable_gqa=gqa,
         )[0]
     return out
+
+
+def _one_causal_pass(q_pos: torch.Tensor, last: int, block: int) -> bool:
+    """Whether one causal pass over positions [0, last] reads fewer query-key pairs, weighed by
+    :data:`CAUSAL_PAIRS_FACTOR`, than the blocks of ``block`` rows each against its key prefix."""
+    ends = q_pos[block - 1 :: block].tolist()
+    if len(ends) * block < q_pos.numel():
+        ends.append(last)
+    blocks = sum(min(block, q_pos.numel() - i * block) * (end + 1) for i, end in enumerate(ends))
+    return (last + 1) * (last + 2) / 2 <= CAUSAL_PAIRS_FACTOR * blocks
 
 
 def kv_deviation_ref(

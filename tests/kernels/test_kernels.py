@@ -330,13 +330,24 @@ def test_kernels_compile_for_a_gpu_target(tmp_path):
     assert "4 kernel builds compiled" in done.stdout
 
 
+def test_rows_covering_most_positions_take_one_causal_pass():
+    """A blend's few scattered rows run in masked blocks; rows covering most of the sequence (one
+    chunk of six cached) in one causal pass over every position up to the last row."""
+    n = 3900
+    few = torch.tensor([b * 16 + i for b in range(0, n // 16, 6) for i in range(16)])  # 1 block in 6
+    most = torch.cat((torch.arange(0, 600), torch.arange(1200, n)))  # a 600-token chunk cached
+    assert not R._one_causal_pass(few, int(few[-1]), R.QUERY_BLOCK)
+    assert R._one_causal_pass(most, int(most[-1]), R.QUERY_BLOCK)
+
+
 @pytest.mark.parametrize("first", [0, 1, 7, 30, 31, 50])
 @pytest.mark.parametrize("window", [None, 1, 9, 40])
 def test_attention_reference_paths_match_dense_softmax(first, window):
-    """Every path of the reference (square causal, padded tail, masked blocks, sliding windows,
-    decoding in a window) against plain math."""
+    """Every path of the reference (square causal, padded tail, masked blocks, one causal pass over
+    rows with gaps, sliding windows, decoding in a window) against plain math."""
     s, d = 61, 16
-    for q_pos in (torch.arange(first, s), _selection("scattered", s)[_selection("scattered", s) >= first]):
+    gapped = torch.arange(first, s)[(torch.arange(first, s) < 40) | (torch.arange(first, s) >= 48)]  # a cached chunk
+    for q_pos in (torch.arange(first, s), _selection("scattered", s)[_selection("scattered", s) >= first], gapped):
         q = rand(6, q_pos.numel(), d, seed=13)
         k, v = rand(2, s, d, seed=14), rand(2, s, d, seed=15)
         kk, vv = k.repeat_interleave(3, dim=0), v.repeat_interleave(3, dim=0)
