@@ -58,6 +58,10 @@ class KVSource(Protocol):
     def fill(self, layer: int, buf: KVBuffer) -> None:
         """Write this layer's cached K (rotated to its positions) and V into ``buf``."""
 
+    def overwritten(self, layer: int, pos: torch.Tensor) -> None:
+        """The pass computed rows ``pos`` [R] on this layer: their fresh KV replaced what :meth:`fill`
+        put there (a later pass over the layer must put back what it still needs)."""
+
 
 class Selector(Protocol):
     """Decides, on some layers, which computed rows go on being computed."""
@@ -187,6 +191,8 @@ def forward(
         keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
         _write(buf.k[layer], pos, k, contiguous)
         _write(buf.v[layer], pos, v, contiguous)
+        if source is not None:
+            source.overwritten(layer, pos)
         if keep is not None and keep.numel() == 0:  # no row goes on: the pass ends at this layer's KV
             return h[:0], pos[:0]
         if keep is not None and keep.numel() != pos.numel():

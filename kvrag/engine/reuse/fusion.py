@@ -20,7 +20,7 @@ from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, SelectionParams, configured_params, get_selection, selection_params
 from kvrag.engine.store.base import KVRecord
 from kvrag.engine.types import ChunkInfo, GenerationStats
-from kvrag.kernels import rope_rotate_into
+from kvrag.kernels import rope_rotate, rope_rotate_into
 
 __all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
 
@@ -32,15 +32,26 @@ class SpanSource:
     with that layer's own RoPE (Gemma 3's local and global layers differ). Placed one layer at a
     time, just before that layer runs, so a record streaming in from a slower tier is waited for
     layer by layer (:func:`~kvrag.engine.model.runner.forward` calls :meth:`fill`).
+
+    A blend runs some layers in more than one pass (the probe's passes compute sampled rows, then
+    the chosen ones, over the same first layers). A layer is placed whole once; a later pass over it
+    puts back only the cached positions an earlier pass computed over (:meth:`overwritten`), which
+    leaves the buffer as a whole placement would, bit for bit.
     """
 
-    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], rope: RopeTable):
+    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], rope: RopeTable, n: int):
         self.adapter = adapter
         self.spans = spans
         self.rope = rope  # cos/sin [N, D] of every position of the prompt, per layer
+        self._cached = span_mask(n, [(s, s + r.num_tokens) for s, r in spans], adapter.device)  # [N]
+        self._placed: set[int] = set()
+        self._dirty: dict[int, list[torch.Tensor]] = {}  # layer -> cached positions computed over since
 
     def fill(self, layer: int, buf: KVBuffer) -> None:
         """Write layer ``layer``'s cached K (rotated to the prompt's positions) and V into ``buf``."""
+        if layer in self._placed:
+            self._restore(layer, buf)
+            return
         dtype = self.adapter.dtype
         cos, sin = self.rope.layer(layer)
         for start, rec in self.spans:
@@ -48,6 +59,32 @@ class SpanSource:
             k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
             rope_rotate_into(buf.k[layer, :, start:end], k.to(dtype), cos[start:end], sin[start:end])
             buf.v[layer, :, start:end] = v.to(dtype)
+        self._placed.add(layer)
+
+    def overwritten(self, layer: int, pos: torch.Tensor) -> None:
+        """Rows at ``pos`` [R] were computed on ``layer``: the buffer holds their fresh KV there now."""
+        if layer in self._placed:
+            hit = pos[self._cached[pos]]
+            if hit.numel():
+                self._dirty.setdefault(layer, []).append(hit)
+
+    def _restore(self, layer: int, buf: KVBuffer) -> None:
+        """Put back the cached KV of the positions computed over on ``layer`` since it was placed."""
+        dirty = self._dirty.pop(layer, None)
+        if dirty is None:
+            return
+        pos = torch.cat(dirty).unique()
+        dtype = self.adapter.dtype
+        cos, sin = self.rope.layer(layer)
+        for start, rec in self.spans:
+            end = start + rec.num_tokens
+            at = pos[(pos >= start) & (pos < end)]
+            if at.numel() == 0:
+                continue
+            k, v = rec.layer(layer)
+            idx = at - start
+            buf.k[layer][:, at] = rope_rotate(k[:, idx].to(dtype), cos[at], sin[at])
+            buf.v[layer][:, at] = v[:, idx].to(dtype)
 
 
 def span_mask(n: int, spans: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -169,7 +206,7 @@ def prefill(
         )
         return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap))
 
-    source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos))
+    source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos), n)
     candidates = span_mask(n, plan.blended_spans(), adapter.device)  # [N] blended chunk KV: may be recomputed
     rows = ~span_mask(n, plan.exact_spans(), adapter.device)  # [N] not reused exactly
     measured: dict = {}

@@ -195,3 +195,29 @@ def test_epic_at_ratio_one_and_with_every_token_budgeted_is_the_full_prefill(tin
     torch.testing.assert_close(
         last_logits(tiny_engine, docs, "blend", 0.9999, "epic"), last_logits(tiny_engine, docs, "full")
     )
+
+
+@pytest.mark.parametrize("selection", ["probe", "focus", "hkvd"])
+def test_a_layer_placed_again_puts_back_only_what_a_pass_computed_over(tiny_engine, monkeypatch, selection):
+    """The probe's passes run the first layers twice; the second placement restores the positions the
+    first pass computed over instead of placing the layer whole: the same logits, bit for bit."""
+    from kvrag.engine.reuse import fusion
+
+    chunks = make_docs(4, seed=5)
+    tiny_engine.warm(chunks)
+    order = [chunks[i] for i in (3, 1, 0, 2)]
+    restored = []
+    restore = fusion.SpanSource._restore
+    monkeypatch.setattr(
+        fusion.SpanSource, "_restore", lambda s, layer, buf: restored.append(layer) or restore(s, layer, buf)
+    )
+    fast = last_logits(tiny_engine, order, "blend", 0.3, selection)
+    assert restored or selection == "hkvd"  # hkvd runs each layer once
+
+    def fill_whole(self, layer, buf):  # every pass places the layer whole, as before
+        self._placed.discard(layer)
+        return fill(self, layer, buf)
+
+    fill = fusion.SpanSource.fill
+    monkeypatch.setattr(fusion.SpanSource, "fill", fill_whole)
+    assert torch.equal(last_logits(tiny_engine, order, "blend", 0.3, selection), fast)
