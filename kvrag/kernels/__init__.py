@@ -22,12 +22,14 @@ from kvrag.kernels.reference import (
     kv_deviation_ref,
     rope_rotate_into_ref,
     rope_rotate_ref,
+    signed_sin,
     topk_ref,
 )
 
 __all__ = [
     "rope_rotate",
     "rope_rotate_into",
+    "signed_sin",
     "attention",
     "kv_deviation",
     "topk",
@@ -92,11 +94,14 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return rope_rotate_ref(x, cos, sin)
 
 
-def rope_rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``out[...] = rope_rotate(x, cos, sin)`` (``out`` [heads, T, D], e.g. a view of a KV buffer)."""
+def rope_rotate_into(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[...] = rope_rotate(x, cos, sin)`` (``out`` [heads, T, D], e.g. a view of a KV buffer);
+    ``signed``: :func:`~kvrag.kernels.reference.signed_sin` of ``sin``, when made once for many calls."""
     if _triton_for(x):
         return out.copy_(rope_rotate(x, cos, sin))
-    return rope_rotate_into_ref(out, x, cos, sin)
+    return rope_rotate_into_ref(out, x, cos, sin, signed)
 
 
 def attention(

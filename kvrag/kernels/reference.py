@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rope_rotate_ref", "rope_rotate_into_ref", "attention_ref", "kv_deviation_ref", "topk_ref", "QUERY_BLOCK"]
+__all__ = [
+    "rope_rotate_ref",
+    "rope_rotate_into_ref",
+    "signed_sin",
+    "attention_ref",
+    "kv_deviation_ref",
+    "topk_ref",
+    "QUERY_BLOCK",
+]
 
 #: Selected queries are attended in position-ordered blocks of this many rows, each block against
 #: the key prefix it can see (keys up to its last position) instead of the whole sequence.
@@ -23,7 +31,7 @@ QUERY_BLOCK = 64
 CAUSAL_PAIRS_FACTOR = 1.4
 
 
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """``[-sin1, sin2]`` of sin ``[..., D]`` split in halves."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
@@ -40,14 +48,17 @@ def rope_rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     the other) summed in the same order, so the same bits, with the sign flipped on the [T, D]
     table instead of on x and ``[x2, x1]`` a roll of x's last dimension.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * _signed_sin(sin)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin(sin)
 
 
-def rope_rotate_into_ref(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_rotate_into_ref(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed: torch.Tensor | None = None
+) -> torch.Tensor:
     """``out[...] = rope_rotate_ref(x, cos, sin)``, bit for bit, written into ``out`` (a view of a
-    KV buffer, say): one temporary of x's size instead of four and a copy."""
+    KV buffer, say): one temporary of x's size instead of four and a copy. ``signed``:
+    ``[-sin1, sin2]`` made once for many calls (:func:`signed_sin`), else made here."""
     torch.mul(x, cos, out=out)
-    return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(_signed_sin(sin)))
+    return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin(sin) if signed is None else signed))
 
 
 def attention_ref(

@@ -20,7 +20,7 @@ from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, SelectionParams, configured_params, get_selection, selection_params
 from kvrag.engine.store.base import KVRecord
 from kvrag.engine.types import ChunkInfo, GenerationStats
-from kvrag.kernels import rope_rotate, rope_rotate_into
+from kvrag.kernels import rope_rotate, rope_rotate_into, signed_sin
 
 __all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
 
@@ -45,6 +45,7 @@ class SpanSource:
         self.rope = rope  # cos/sin [N, D] of every position of the prompt, per layer
         self._cached = span_mask(n, [(s, s + r.num_tokens) for s, r in spans], adapter.device)  # [N]
         self._placed: set[int] = set()
+        self._signed: dict[int, torch.Tensor] = {}  # RoPE kind -> its signed sin [N, D], made once
         self._dirty: dict[int, list[torch.Tensor]] = {}  # layer -> cached positions computed over since
 
     def fill(self, layer: int, buf: KVBuffer) -> None:
@@ -54,10 +55,15 @@ class SpanSource:
             return
         dtype = self.adapter.dtype
         cos, sin = self.rope.layer(layer)
+        kind = self.rope.kinds[layer]
+        if kind not in self._signed:
+            self._signed[kind] = signed_sin(sin)
+        signed = self._signed[kind]
         for start, rec in self.spans:
             end = start + rec.num_tokens
             k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
-            rope_rotate_into(buf.k[layer, :, start:end], k.to(dtype), cos[start:end], sin[start:end])
+            out = buf.k[layer, :, start:end]
+            rope_rotate_into(out, k.to(dtype), cos[start:end], sin[start:end], signed[start:end])
             buf.v[layer, :, start:end] = v.to(dtype)
         self._placed.add(layer)
 
