@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 
 import diskcache
 import pytest
@@ -458,3 +459,27 @@ def test_background_writer_runs_every_job_and_leaves_no_idle_thread():
     w.submit(lambda: done.append(-1))
     w.close()
     assert done[-1] == -1
+
+
+def test_background_writer_frees_a_job_before_flush_returns():
+    """What a job holds (a request's KV) is freed before flush() returns: freed afterwards, in the
+    worker's teardown, a tensor's free could re-take the GIL while the interpreter finalises and the
+    process aborted at exit (exit code 134, a script whose last request wrote back)."""
+    import functools
+
+    from kvrag.engine.serving.writeback import BackgroundWriter
+
+    freed = threading.Event()
+
+    class Held:
+        def __del__(self):
+            time.sleep(0.05)  # a large free takes a while
+            freed.set()
+
+    w = BackgroundWriter()
+    for _ in range(3):
+        freed.clear()
+        w.submit(functools.partial(lambda held: None, Held()))
+        w.flush()
+        assert freed.is_set()
+        assert not any(t.name == "kvrag-writeback" for t in threading.enumerate())

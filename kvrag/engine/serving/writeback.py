@@ -62,12 +62,14 @@ class BackgroundWriter:
         self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _thread against a job stranded by an exiting worker
+        self._started: list[threading.Thread] = []  # workers flush() joins (one may be ending as the next starts)
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
             self._queue.put(job)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="kvrag-writeback", daemon=True)
+                self._started = [t for t in self._started if t.is_alive()] + [self._thread]
                 self._thread.start()
 
     def _loop(self) -> None:
@@ -83,14 +85,20 @@ class BackgroundWriter:
             except Exception:  # a failed write-back only costs a future hit
                 log.warning("kvrag: write-back failed", exc_info=True)
             finally:
+                # Drop the job (and the request's KV it holds) before it counts as done: freed later,
+                # in this frame's teardown after flush() returned, a tensor's free re-takes the GIL
+                # while the interpreter may be finalising, and the thread is ended inside torch's
+                # C++ frame: "terminate called without an active exception" (exit code 134).
+                job = None
                 self._queue.task_done()
 
     def flush(self) -> None:
         """Wait until every submitted job has run (and the worker that ran them has exited)."""
         self._queue.join()
         with self._lock:
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+            threads = [t for t in self._started if t.is_alive() and t is not threading.current_thread()]
+            self._started = threads
+        for thread in threads:
             thread.join(timeout=30)
 
     def close(self) -> None:
