@@ -1,11 +1,13 @@
 """Serving benchmark: batched decode, inter-token gaps during a long prefill, sync vs async TTFT.
 
     python -m benchmarks serving [--dataset QA.json] [--repeat 3] [--only throughput,gaps,ttft]
-                        [--streams 8] [--gap-prompt-tokens 4096] [--slices 0.1,1e9] [--config F=V ...]
+                        [--streams 8] [--context-tokens 0] [--gap-prompt-tokens 4096] [--slices 0.1,1e9]
+                        [--config F=V ...]
 
 Three measurements on one engine, each repeated (medians reported, every run kept in the JSON):
 
-- **throughput**: decode tokens/s of 1 stream, then of ``--streams`` streams started together;
+- **throughput**: decode tokens/s of 1 stream, then of ``--streams`` streams started together
+  (each prompt behind ``--context-tokens`` tokens of fresh passages: decode over a RAG prompt's KV);
   counted over the window in which every stream of the run is decoding (from the last first
   token to the first last token), from the text pieces the consumers receive.
 - **gaps**: a stream decodes while a cold prompt of ``--gap-prompt-tokens`` tokens (fresh passages,
@@ -55,14 +57,18 @@ class _Timed(threading.Thread):
             self.times.append(time.perf_counter())
 
 
-def _counting_prompt(engine, run: int | None = None) -> str:
-    """A prompt the model answers at length, in its chat template (bare, it may end at once)."""
+def _counting_prompt(engine, run: int | None = None, context_tokens: int = 0) -> str:
+    """A prompt the model answers at length, in its chat template (bare, it may end at once); with
+    ``context_tokens``, behind about that many tokens of passages (decode over a RAG prompt's KV)."""
     text = _LONG_PROMPT if run is None else f"{_LONG_PROMPT} (run {run})"
+    if context_tokens > 0:
+        passages = _cold_chunks(context_tokens, 7919 + (run or 0), engine.count_tokens)
+        text = "\n\n".join(passages) + "\n\n" + text
     return engine.apply_chat_template([{"role": "user", "content": text}])
 
 
-def _tokens_per_s(engine, n: int, max_new_tokens: int) -> dict:
-    prompts = [_counting_prompt(engine, i) for i in range(n)]
+def _tokens_per_s(engine, n: int, max_new_tokens: int, context_tokens: int = 0) -> dict:
+    prompts = [_counting_prompt(engine, i, context_tokens) for i in range(n)]
     streams = [_Timed(engine.stream(prompt=p, max_new_tokens=max_new_tokens, mode="full")) for p in prompts]
     for s in streams:
         s.start()
@@ -74,11 +80,17 @@ def _tokens_per_s(engine, n: int, max_new_tokens: int) -> dict:
     return {"streams": n, "window_s": end - begin, "pieces": pieces, "tokens_per_s": pieces / max(end - begin, 1e-9)}
 
 
-def measure_throughput(engine, *, streams: int = 8, max_new_tokens: int = 96) -> dict:
-    """Decode tokens/s of one stream and of ``streams`` streams together (same engine, same run)."""
-    one = _tokens_per_s(engine, 1, max_new_tokens)
-    many = _tokens_per_s(engine, streams, max_new_tokens)
-    return {"one": one, "many": many, "speedup": many["tokens_per_s"] / one["tokens_per_s"]}
+def measure_throughput(engine, *, streams: int = 8, max_new_tokens: int = 96, context_tokens: int = 0) -> dict:
+    """Decode tokens/s of one stream and of ``streams`` streams together (same engine, same run),
+    each stream's prompt about ``context_tokens`` tokens of passages longer than the bare one."""
+    one = _tokens_per_s(engine, 1, max_new_tokens, context_tokens)
+    many = _tokens_per_s(engine, streams, max_new_tokens, context_tokens)
+    return {
+        "context_tokens": context_tokens,
+        "one": one,
+        "many": many,
+        "speedup": many["tokens_per_s"] / one["tokens_per_s"],
+    }
 
 
 def _cold_chunks(tokens: int, seed: int, count) -> list[str]:
@@ -212,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per stream (throughput)")
+    p.add_argument(
+        "--context-tokens", type=int, default=0, help="passages before each throughput prompt (decode over RAG KV)"
+    )
     p.add_argument("--gap-prompt-tokens", type=int, default=4096)
     p.add_argument("--slices", default="0.1,1e9", help="prefill_slice_s values of the gaps measurement")
     p.add_argument("--ttft-reps", type=int, default=5)
@@ -244,9 +259,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _throughput_run(engine, a) -> dict:
-    t = dict(load=_load(), **measure_throughput(engine, streams=a.streams, max_new_tokens=a.max_new_tokens))
+    figures = measure_throughput(
+        engine, streams=a.streams, max_new_tokens=a.max_new_tokens, context_tokens=a.context_tokens
+    )
+    t = dict(load=_load(), **figures)
     one, many = t["one"]["tokens_per_s"], t["many"]["tokens_per_s"]
-    print(f"decode: 1 stream {one:.1f} tok/s, {a.streams} streams {many:.1f} tok/s: {t['speedup']:.2f}x", _load_note(t))
+    print(
+        f"decode after ~{a.context_tokens} context tokens: 1 stream {one:.1f} tok/s,",
+        f"{a.streams} streams {many:.1f} tok/s: {t['speedup']:.2f}x",
+        _load_note(t),
+    )
     return t
 
 
