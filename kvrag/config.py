@@ -213,8 +213,9 @@ class EngineConfig:
         namespace: tenant of this engine's cache entries (``default``); namespaces never see each
             other's entries. A request may name another (``namespace=``).
         max_running: requests decoding at once (the one prefilling included; 8); each holds its KV,
-            up to ``(prompt + max_new_tokens) x kv_bytes_per_token`` (~46 KB a token on SmolLM2 in
-            float32), so running KV stays under ``max_running x context window x 46 KB``. Others wait.
+            up to ``(prompt + max_new_tokens) x kv_bytes_per_token`` (SmolLM2: 23 KB a token in
+            bfloat16, 46 KB in float32), so running KV stays under ``max_running x context window x
+            that``. Others wait.
         max_queued: requests (and ``score``/``warm`` jobs) waiting to start (64); one more raises
             :class:`~kvrag.errors.OverloadedError`.
         max_queued_tokens: prompt tokens of the waiting requests together (131072); a request that
@@ -324,7 +325,7 @@ class EngineConfig:
             waiting, it is dropped). Needs ``write_back``; its bytes count against the store's
             budgets like any variant's.
         max_conversations: live conversations whose KV is kept between turns (8; least recently
-            used dropped first; 0 keeps none). Each keeps ~``tokens x 46 KB`` (SmolLM2, fp32).
+            used dropped first; 0 keeps none). Each keeps ~``tokens x 23 KB`` (SmolLM2, bf16).
         conversation_dedup: in a conversation, drop chunks that an earlier turn already placed in
             the context (CRAFT's conversation-scoped deduplication; on); per call ``dedup=``.
         starvation_window: among waiting requests the one with the highest cached/compute ratio
