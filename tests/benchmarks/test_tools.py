@@ -89,3 +89,24 @@ def test_kernel_cases_check_and_time_on_the_kernels_device(triton_device, capsys
     rows = kernels.run(cases, triton_device, reps=1, warmup=0)
     assert [r["case"] for r in rows] == [c.name for c in cases] and all(r["triton_ms"] > 0 for r in rows)
     assert "attention scattered (Tq=8)" in capsys.readouterr().out
+
+
+# -- acceptance.zero_hit ----------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_zero_hit_pairs_a_default_call_that_found_nothing_with_a_full_one(tmp_path, capsys):
+    """Every pair's default call found nothing, took the full path, and the report says so."""
+    import json
+
+    from benchmarks.acceptance import zero_hit
+    from benchmarks.data import make_synthetic_dataset
+
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(2, passages=3, words=20)))
+    out = tmp_path / "pairs.json"
+    zero_hit.main(["--dataset", str(data), "--skip", "0", "--n", "2", "--top-k", "3", "--clear", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["question"] for r in rows] == [0, 1]
+    assert all(r["found"] == 0 and r["path"] == "full" and r["default"] > 0 and r["full"] > 0 for r in rows)
+    assert "2 requests with nothing found" in capsys.readouterr().out
