@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# Run from a clone: _rag_data beside this file; the question picker and ROUGE-L of the clone's benchmarks/
+# (beside the package, not installed with it), whatever the working directory.
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from _rag_data import build_index, dataset_path, format_docs, load_passages  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402

@@ -24,12 +24,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# Run from a clone: the question picker and ROUGE-L of the clone's benchmarks/ (beside the package, not
+# installed with it), whatever the working directory.
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.data import pick_question_pair  # noqa: E402
+from benchmarks.metrics import rouge_l  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-HERE = Path(__file__).resolve().parent
 MUSIQUE = HERE.parent.parent / "shared" / "data" / "musique_dev.json"
 HANDBOOK_QUESTIONS = ("Who built the lighthouse at Gull Point?", "When was the Port Alder lighthouse first lit?")
 TOP_K = 6
@@ -61,8 +69,6 @@ def main() -> None:
     from llama_index.core.schema import TextNode
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    from benchmarks.data import pick_question_pair
-    from benchmarks.metrics import rouge_l
     from kvrag.integrations.llama_index import KVCachedLLM, minilm_embedding, record_stats
 
     passages, questions, source = load_data(args.data)
