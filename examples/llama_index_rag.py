@@ -27,6 +27,9 @@ import statistics
 import sys
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 HERE = Path(__file__).resolve().parent
 # Run from a clone: the question picker and ROUGE-L of the clone's benchmarks/ (beside the package, not
 # installed with it), whatever the working directory.
@@ -34,9 +37,6 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.data import pick_question_pair  # noqa: E402
 from benchmarks.metrics import rouge_l  # noqa: E402
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MUSIQUE = HERE.parent.parent / "shared" / "data" / "musique_dev.json"
 HANDBOOK_QUESTIONS = ("Who built the lighthouse at Gull Point?", "When was the Port Alder lighthouse first lit?")
