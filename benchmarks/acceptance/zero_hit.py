@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     items = load_dataset(a.dataset, a.skip + a.n)[a.skip :]
     engine = Engine.from_pretrained(**parse_overrides(a.config))
     fmt = PromptFormat(engine.tokenizer)
-    rows, paths = [], Counter()
+    rows = []
     try:
         for i, item in enumerate(items):
             req = fmt.request(item, list(range(min(a.top_k, len(item.passages)))), workload="z", request=i)
@@ -54,7 +54,6 @@ def main(argv=None) -> int:
                 ttft[mode or "default"] = g.ttft_s
                 if mode is None:
                     found, path = g.stats.chunk_hits, g.stats.path
-            engine.flush()
             row = {"question": a.skip + i, "found": found, "path": path, **ttft}
             row["ratio"] = ttft["default"] / ttft["full"]
             rows.append(row)
@@ -67,7 +66,10 @@ def main(argv=None) -> int:
     finally:
         engine.close()
     zero = [r for r in rows if r["found"] == 0]
-    paths.update(r["path"] for r in zero)
+    if not zero:
+        print("FAIL every request found cached chunks: nothing to measure (choose questions with new passages)")
+        return 1
+    paths = Counter(r["path"] for r in zero)
     med = statistics.median(r["ratio"] for r in zero)
     print(
         f"{len(zero)} requests with nothing found ({len(rows) - len(zero)} left out): TTFT default / full median "
