@@ -26,14 +26,14 @@ search is made, not with this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["Stage", "staged_search", "stage_widths", "DEFAULT_STAGES"]
+__all__ = ["Stage", "staged_search", "speculating_search", "stage_widths", "DEFAULT_STAGES"]
 
 #: RAGCache splits a search into four stages (§5.3, Figure 11).
 DEFAULT_STAGES = 4
@@ -199,3 +199,43 @@ def _staged_hnsw(faiss, index, x: np.ndarray, k: int, stages: int, ef_search: in
         changed = previous is None or not np.array_equal(previous, i)
         previous = i
         yield Stage(s, d, i, changed, s == len(widths) - 1)
+
+
+def speculating_search(
+    engine: Any,
+    index: Any,
+    query,
+    k: int,
+    texts: Callable[[np.ndarray], list[str]],
+    *,
+    stages: int = DEFAULT_STAGES,
+    nprobe: int | None = None,
+    namespace: str | None = None,
+) -> Stage:
+    """A staged search of one query that has ``engine`` compute its candidates' KV while it runs.
+
+    RAGCache's dynamic speculative pipelining at the chunk level (Algorithm 2): after each stage
+    whose candidate list changed (the last one excepted: the request that follows computes what it
+    misses itself), :meth:`~kvrag.Engine.speculate` computes the candidates' missing KV in idle
+    engine time; a newer list cancels the speculation of the older one, and a final list unlike
+    the last speculated one cancels that too. Returns the last stage (``index.search``'s result).
+
+    Args:
+        engine: the :class:`~kvrag.Engine`.
+        index: the faiss index.
+        query: one [d] vector.
+        k: neighbours.
+        texts: the documents' texts of a row of ids (``-1`` entries left out), in rank order.
+        stages, nprobe: as for :func:`staged_search`.
+        namespace: the tenant whose cache is warmed.
+    """
+    key = object()  # this search's own: its speculations replace one another only
+    handle = None
+    for stage in staged_search(index, query, k, stages=stages, nprobe=nprobe):
+        if stage.final:
+            if stage.changed and handle is not None:
+                handle.cancel()
+            return stage
+        if stage.changed:
+            handle = engine.speculate(texts(stage.ids[0]), namespace=namespace, key=key)
+    raise AssertionError("a staged search ends with a final stage")  # pragma: no cover
