@@ -66,6 +66,7 @@ class Speculation:
         self.state = "waiting"
         self.computed = 0
         self.result: Any = None
+        self.started_at: float | None = None  # time.perf_counter() when its job began on the engine thread
         self.pauses = 0  # pauses its job has passed (the runner pauses twice per layer)
         self.window: tuple[int, int] | None = None  # chunks: (tokens, pauses at its start) of the pass running
         self._done = threading.Event()
@@ -160,6 +161,7 @@ class Speculations:
             if handle.state != "waiting":  # cancelled between the queue and now
                 return
             handle.state = "running"
+            handle.started_at = time.perf_counter()
         self.counts["started"] += 1
 
         def counted() -> None:
