@@ -211,6 +211,7 @@ def speculating_search(
     stages: int = DEFAULT_STAGES,
     nprobe: int | None = None,
     namespace: str | None = None,
+    speculate: Callable[[np.ndarray], Any] | None = None,
 ) -> Stage:
     """A staged search of one query that has ``engine`` compute its candidates' KV while it runs.
 
@@ -228,8 +229,19 @@ def speculating_search(
         texts: the documents' texts of a row of ids (``-1`` entries left out), in rank order.
         stages, nprobe: as for :func:`staged_search`.
         namespace: the tenant whose cache is warmed.
+        speculate: instead of the chunk-level speculation, what to start on a changed candidate
+            list (its row of ids): it returns the :class:`~kvrag.engine.serving.speculation.Speculation`
+            it started (or None; a changed list cancels the previous one here either way);
+            prompt-level speculation passes :meth:`~kvrag.Engine.speculate_request` of the prompt the
+            list would make. A final list unlike the last speculated one cancels that one; an equal
+            one leaves it to the request that follows (which adopts it).
     """
-    key = object()  # this search's own: its speculations replace one another only
+    if speculate is None:
+        key = object()  # this search's own: its speculations replace one another only
+
+        def speculate(ids: np.ndarray) -> Any:
+            return engine.speculate(texts(ids), namespace=namespace, key=key)
+
     handle = None
     for stage in staged_search(index, query, k, stages=stages, nprobe=nprobe):
         if stage.final:
@@ -237,5 +249,8 @@ def speculating_search(
                 handle.cancel()
             return stage
         if stage.changed:
-            handle = engine.speculate(texts(stage.ids[0]), namespace=namespace, key=key)
+            new = speculate(stage.ids[0])
+            if handle is not None and new is not handle:
+                handle.cancel()  # the list changed (a no-op where the key replaced it already)
+            handle = new
     raise AssertionError("a staged search ends with a final stage")  # pragma: no cover

@@ -124,7 +124,14 @@ class KVCachedVectorStore(VectorStore):
                 whose candidates changed the engine computes their missing KV in idle time
                 (:meth:`~kvrag.Engine.speculate`). Same documents, same order, same scores. It pays
                 when the search is slow (a large IVF index at a high ``nprobe``) and the engine is
-                idle; searches with a ``filter`` or other keywords run as usual. Needs a local engine.
+                idle. Needs a local engine. Staged: ``similarity_search``,
+                ``similarity_search_with_score`` and ``similarity_search_by_vector`` with ``k``
+                only (so ``as_retriever()``'s default search too). Everything else runs the wrapped
+                store's plain search, recorded but not speculated: the async searches
+                (``asimilarity_search``, ...), searches given keywords (``filter``, ``fetch_k``,
+                ...), relevance-score and MMR searches. Prompt-level speculation (the prompt the
+                chain will send, adopted by its LLM call) is
+                :func:`~kvrag.integrations.langchain.speculative_stuff_chain`.
             stages: stages of a speculative search.
             nprobe: IVF lists a speculative search scans (default the index's own).
         """
@@ -141,9 +148,13 @@ class KVCachedVectorStore(VectorStore):
         self.llm = llm
         self.speculative, self.stages, self.nprobe = speculative, stages, nprobe
 
-    def _staged(self, embedding, k: int, kwargs: dict) -> list[tuple[Document, float]] | None:
+    def _staged(
+        self, embedding, k: int, kwargs: dict, speculate: Callable[[list[Document]], Any] | None = None
+    ) -> list[tuple[Document, float]] | None:
         """A speculative FAISS search (as FAISS's own ``similarity_search_with_score_by_vector``), or
-        None where it does not apply (not speculative, or keywords it does not take)."""
+        None where it does not apply (not speculative, or keywords it does not take). ``speculate``:
+        what to start on each changed candidate list instead of the chunk-level speculation
+        (``staged_search.speculating_search``'s, given the documents)."""
         if not self.speculative or kwargs:
             return None
         engine = registrar_of(self.llm)
@@ -167,6 +178,7 @@ class KVCachedVectorStore(VectorStore):
             lambda ids: [d.page_content for d in documents(ids) if isinstance(d, Document)],
             stages=self.stages,
             nprobe=self.nprobe,
+            speculate=None if speculate is None else lambda ids: speculate(documents(ids)),
         )
         pairs = []
         for doc, score in zip(documents(last.ids[0]), last.distances[0][last.ids[0] != -1]):
