@@ -258,6 +258,14 @@ class Speculations:
         self.counts["adopted"] += 1
         return result
 
+    def cancel_key(self, key: Hashable) -> bool:
+        """Cancel the live speculations (chunk and prompt) of ``key``; False if it had none."""
+        with self._lock:
+            handles = [h for kind in ("chunks", "prompt") if (h := self._by_key.get((kind, key))) is not None]
+        for handle in handles:
+            self.cancel(handle)
+        return bool(handles)
+
     def live(self) -> list[Speculation]:
         """The speculations not finished or held for adoption, oldest first."""
         with self._lock:
