@@ -72,7 +72,9 @@ def test_speculative_retrieval_returns_the_plain_nodes_and_warms_candidates(engi
     assert ivf.nprobe == 6
     assert engine._worker.wait_idle(30)
     counts = engine.speculations.counts
-    assert counts["started"] >= len(QUERIES) and counts["done"] + counts["stopped"] == counts["started"]
+    # every query speculated its first stage: it ran, or a newer list replaced it before it started
+    assert counts["started"] >= 1 and counts["started"] + counts["cancelled"] >= len(QUERIES)
+    assert counts["done"] + counts["stopped"] == counts["started"]
     assert not engine.store.stats()["hits"]  # speculation never counts as a use
     warmed = [
         n
