@@ -15,6 +15,7 @@ python -m benchmarks shared-stream --dataset QA.json --workers 4 --requests 100 
 python -m benchmarks shared-warm --dataset QA.json --questions 4 --top-k 5        # A warms, B reads remotely
 python -m benchmarks serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
 python -m benchmarks serving                        # batched decode, gaps during a long prefill, sync vs async TTFT
+python -m benchmarks speculation --n 20             # speculative pipelining: TTFT from arrival, staged IVF search
 """
 
 from __future__ import annotations
@@ -347,6 +348,12 @@ def _serving(argv: list[str]) -> int:
     return serving_main(argv)
 
 
+def _speculation(argv: list[str]) -> int:
+    from benchmarks.speculation import main as speculation_main
+
+    return speculation_main(argv)
+
+
 COMMANDS = {
     "calibrate": _calibrate,
     "compare": _compare,
@@ -361,6 +368,8 @@ COMMANDS = {
     "shared-warm": _shared("shared-warm"),
     "serve-load": _serve_load,
     "serving": _serving,
+    # RAGCache's speculative pipelining: TTFT from arrival with a slow staged IVF search (issue 37)
+    "speculation": _speculation,
 }
 
 

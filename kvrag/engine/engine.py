@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from typing_extensions import Unpack
@@ -47,6 +47,7 @@ from kvrag.engine.serving.requests import (
 )
 from kvrag.engine.serving.scheduler import Scheduler, Ticket
 from kvrag.engine.serving.sequence import RunningSequence
+from kvrag.engine.serving.speculation import Speculation, Speculations
 from kvrag.engine.serving.worker import Pause, StreamJob, Worker
 from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import DamagedEntryError, KVStore
@@ -186,6 +187,8 @@ class Engine:
             run=self._run_internal,
             worker=self._worker,
         )
+        #: live speculations (RAGCache's speculative pipelining: :meth:`speculate`, :meth:`speculate_request`)
+        self.speculations = Speculations(self._worker, self.adapter.n_layers)
         self._closed = False
         _LIVE.add(self)
         if config.num_threads:
@@ -365,7 +368,117 @@ class Engine:
         """
         t0 = time.perf_counter()
         req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **check_request_args(request))
-        return GenerationStream(self._worker.stream(self._ticket(req), StreamJob(req, t0)))
+        req.adopt = self.speculations.adopt(_signature(req)) if req.conversation is None else None
+        if req.adopt is not None:  # its prefill is done (or running): it starts before anything that computes
+            n = int(req.ids.shape[0])
+            ticket = Ticket(tokens=n, cached=n - 1, compute=1)
+        else:
+            ticket = self._ticket(req)
+        return GenerationStream(self._worker.stream(ticket, StreamJob(req, t0)))
+
+    # -- speculation: RAGCache's speculative pipelining (serving.speculation) --------------------------
+
+    def speculate(
+        self,
+        chunks: Sequence[str],
+        *,
+        namespace: str | None = None,
+        key: Hashable | None = None,
+        dynamic: bool = True,
+    ) -> Speculation:
+        """Compute the KV of the candidate chunks that the cache does not hold, while the search runs.
+
+        Chunk-level speculation: call it with each changed candidate list of a staged search
+        (:func:`~kvrag.integrations.staged_search.staged_search`). The chunks are computed as in
+        :meth:`warm` (``order="given"``), as speculative background work: it starts only when no
+        request waits and stops at its next pause when one arrives. What it computes is kept as
+        speculative store entries (only free room, evicted first until a request uses them); a
+        chunk finished stays stored whatever the search decides.
+
+        Args:
+            chunks: the candidate texts, in retrieval order.
+            namespace: the tenant (default ``config.namespace``).
+            key: the caller's request key: a newer speculation of the same key cancels this one
+                (Algorithm 2: the list changed). ``None``: never replaced.
+            dynamic: ``False`` queues it as ordinary work that never gives way (the always-speculate
+                baseline of the benchmarks).
+
+        Returns:
+            A :class:`~kvrag.engine.serving.speculation.Speculation` (``cancel()``, ``wait()``,
+            ``state``, ``result``: chunks kept).
+        """
+        self._check_open()
+        chunks = check_chunks(chunks)
+        namespace = check_namespace(self.config, namespace)
+        docs = [ids for ids in (self.prompt_tokenizer.tokenize(t) for t in chunks) if ids]
+        limit = self.chunk_computer.max_chunk_tokens(self.context_window)
+        for ids in docs:
+            if len(ids) > limit:
+                raise ContextLengthError(len(ids), limit, "a single chunk behind its context")
+        keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
+        missing = sum(len(ids) for ids, k in zip(docs, keys) if not self.store.contains(k))
+
+        def job(handle: Speculation, pause: Pause) -> int:
+            def run(window, tokens: int):
+                handle.window = (tokens, handle.pauses)
+                records = window(pause)
+                handle.computed += tokens
+                handle.window = None
+                return records
+
+            computed, _ = warm_list(
+                self.chunk_computer,
+                self.store,
+                docs,
+                keys,
+                run=run,
+                window_tokens=min(self.config.warm_window_tokens, self.context_window),
+                keep=lambda k, record, speculative: self.variants.keep(
+                    k, record, tuple(record.meta.get("context", ())), speculative=True
+                ),
+            )
+            return computed
+
+        return self.speculations.start("chunks", key, missing, job, dynamic=dynamic)
+
+    def speculate_request(
+        self,
+        chunks: Sequence[str] | None = None,
+        prefix: str = "",
+        suffix: str = "",
+        *,
+        key: Hashable | None = None,
+        dynamic: bool = True,
+        **request: Unpack[RequestArgs],
+    ) -> Speculation:
+        """Prefill a request the search will probably end in, before it ends (prompt-level speculation).
+
+        Takes the request as :meth:`stream` does. Its prefill runs as speculative work (only when no
+        request waits, stopped at its next pause when one arrives or when it is cancelled), its
+        first token is sampled, and its KV is held. A later :meth:`stream` or :meth:`generate` of
+        the identical request (same prompt tokens, mode, ratio, selection, sampling and tenant)
+        adopts it: its prefill is not run again, and its output is the one it would have computed.
+        Any other request runs afresh. Its lookups are looks, and its write-back waits for its
+        adoption: a speculation that loses leaves the cache as it found it.
+
+        Args:
+            key: the caller's request key: a newer speculation of the same key cancels this one.
+            dynamic: ``False`` queues it as ordinary work that never gives way (the baseline).
+
+        Raises:
+            InvalidRequestError: a bad request, or a ``conversation_id`` (conversations are not speculated).
+        """
+        args = check_request_args(request)
+        if args.get("conversation_id") is not None:
+            raise InvalidRequestError("a conversation's turn is not speculated: leave out conversation_id")
+        req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **args)
+        req.speculative = True
+        tokens = self._ticket(req).compute
+
+        def job(handle: Speculation, pause: Pause):
+            return self._begin(req, time.perf_counter(), pause)
+
+        return self.speculations.start("prompt", key, tokens, job, signature=_signature(req), dynamic=dynamic)
 
     def end_conversation(self, conversation_id: str, *, namespace: str | None = None) -> bool:
         """Forget a conversation's kept KV and chunk set; False if it was not live."""
@@ -555,6 +668,7 @@ class Engine:
             return
         self._closed = True
         _LIVE.discard(self)
+        self.speculations.cancel_all()
         self.writeback.cancel_refreshes()  # background work not started yet is not worth waiting for
         self._worker.wait_idle()
         self.writeback.close()  # its chunk computations still run on the engine thread
@@ -571,6 +685,7 @@ class Engine:
 
     def _quiesce(self, timeout: float) -> None:
         """Drop refreshes not started, let running work and write-back finish (the exit hook)."""
+        self.speculations.cancel_all()
         self.writeback.cancel_refreshes()
         if self._worker.wait_idle(timeout=timeout):
             self.writeback.flush()
@@ -692,7 +807,9 @@ class Engine:
         """:meth:`_run_job` for internal work: never refused."""
         return self._run_job(job, tokens, bounded=False)
 
-    def _prefill(self, req: Request, *, capacity: int, pause: Pause | None = None) -> tuple[Plan, PrefillResult]:
+    def _prefill(
+        self, req: Request, *, capacity: int, pause: Pause | None = None, quiet: bool = False
+    ) -> tuple[Plan, PrefillResult]:
         """Plan and run a request's prefill (on the engine thread); a damaged cached entry re-plans it.
 
         The plan's path is settled by the cost model once it holds everything it could reuse (the
@@ -713,6 +830,7 @@ class Engine:
                 use_prefix=use_prefix and mode != "full",
                 namespace=req.namespace,
                 auto=auto,
+                quiet=quiet,
             )
             if req.conversation is not None and attempts == 0:  # the kept turn this prompt continues, if any
                 req.follow = self.conversations.follow(req.conversation, plan.ids)
@@ -763,11 +881,34 @@ class Engine:
     # -- a request's life on the engine thread: prefill, batched decode steps, finish -----------------
 
     def _start(self, req: Request, t0: float, pause: Pause) -> RunningSequence:
-        """Prefill the request and sample its first token; schedules write-back of what it computed."""
+        """Prefill the request and sample its first token (or take the speculation it adopts); schedules
+        write-back of what it computed."""
+        held = self.speculations.take(req.adopt) if req.adopt is not None else None
+        if held is not None:
+            seq, res = held
+            seq.req, seq.t0, seq.ttft = req, t0, time.perf_counter() - t0
+            seq.stats.prefill_s = seq.ttft
+            self._count_lookups(req)
+        else:
+            seq, res = self._begin(req, t0, pause)
+        self.writeback.schedule(seq.plan, res)
+        return seq
+
+    def _count_lookups(self, req: Request) -> None:
+        """An adopted speculation's lookups were looks: make them again as the request's uses (hits
+        counted, eviction ranks and variant reuses updated), as if it had planned them itself."""
+        ratio, auto, _ = self._budget(req)
+        use_prefix = self.config.prefix_cache and req.mode != "full"
+        self.planner.plan(
+            req.segments, mode=req.mode, ratio=ratio, use_prefix=use_prefix, namespace=req.namespace, auto=auto
+        )
+
+    def _begin(self, req: Request, t0: float, pause: Pause) -> tuple[RunningSequence, PrefillResult]:
+        """Prefill the request and sample its first token (a speculative one's lookups are looks)."""
         n = int(req.ids.shape[0])
         sp = req.sampling
         budget = min(sp.max_new_tokens, self.context_window - n)
-        plan, res = self._prefill(req, capacity=n + budget, pause=pause)
+        plan, res = self._prefill(req, capacity=n + budget, pause=pause, quiet=req.speculative)
         logits = self.adapter.logits(res.last_hidden)[0]
         generator = seeded_generator(sp)
         token = sample(logits, sp.temperature, sp.top_p, generator)
@@ -776,8 +917,7 @@ class Engine:
         stats.conversation_spans = list(req.conversation_spans or [])
         stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
         stats.deduplicated_chunks = req.deduplicated
-        self.writeback.schedule(plan, res)
-        return RunningSequence(
+        seq = RunningSequence(
             req=req,
             plan=plan,
             buf=res.buf,
@@ -790,6 +930,7 @@ class Engine:
             t0=t0,
             ttft=ttft,
         )
+        return seq, res
 
     def _decode_step(self, seqs: list[RunningSequence]) -> None:
         """Put each sequence's ``token`` in its buffer and sample its next one: one batched pass."""
@@ -817,6 +958,11 @@ class Engine:
         seq.stats.completion_tokens = len(seq.generated)
         seq.stats.decode_s = total - seq.ttft
         return Generation(seq.text.text, seq.generated, seq.finish, seq.ttft, total, seq.stats)
+
+
+def _signature(req: Request) -> tuple:
+    """What a request must share with a prompt speculation to adopt it: the same prefill and sampling."""
+    return (tuple(req.ids.tolist()), req.mode, req.ratio, req.selection, req.namespace, repr(req.sampling))
 
 
 # -- process-wide engines, shared by integrations so that constructing an LLM wrapper is cheap ------------

@@ -9,6 +9,14 @@ Endpoints:
   boundaries (any prompt that contains one reuses its KV, whatever client sent it) and, with
   ``warm``, computes their KV now for the request's tenant.
 - ``DELETE /v1/conversations/{id}``: forget a conversation's kept KV.
+- Speculation (RAGCache's speculative pipelining, for a client whose vector search reports its
+  candidates in stages): a completion request with ``"speculate": KEY`` is not answered but
+  prefilled in idle engine time (:meth:`~kvrag.Engine.speculate_request`) and answered at once with
+  ``{"object": "speculation", ...}``; the same request sent later without ``speculate`` (same
+  prompt, documents and settings) adopts that prefill, anything else runs afresh. ``/v1/documents``
+  with ``"speculate": KEY`` computes the texts' missing KV the same way (:meth:`~kvrag.Engine.speculate`).
+  A newer speculation of a key cancels the older one (the list changed); ``DELETE
+  /v1/speculations/{KEY}`` cancels a key's (the final list differs). Keys are per tenant.
 - ``GET /v1/models`` (the served model; ``max_model_len`` is its context window), ``GET /health``
   (with the engine thread's queue: :meth:`~kvrag.Engine.queue_stats`),
   ``GET /metrics`` (Prometheus text, :mod:`kvrag.server.metrics`).
@@ -103,12 +111,29 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     @app.post("/v1/documents")
     async def documents(body: DocumentsRequest, request: Request) -> dict:
         namespace = server.tenants.namespace(request.headers)
+        if body.speculate is not None and body.warm:
+            raise InvalidRequestError("give warm or speculate, not both")
         ids = await asyncio.to_thread(engine.register, body.documents)
+        if body.speculate is not None:
+            key = _speculation_key(namespace, body.speculate)
+            handle = await asyncio.to_thread(engine.speculate, body.documents, namespace=namespace, key=key)
+            return {
+                "object": "documents",
+                "ids": ids,
+                "warm": None,
+                "speculation": _speculation(body.speculate, handle),
+            }
         warm = None
         if body.warm:
             res = await asyncio.to_thread(engine.warm, body.documents, order=body.order, namespace=namespace)
             warm = dataclasses.asdict(res)  # every WarmResult field: the client builds one from it
         return {"object": "documents", "ids": ids, "warm": warm}
+
+    @app.delete("/v1/speculations/{key}")
+    async def cancel_speculations(key: str, request: Request) -> dict:
+        namespace = server.tenants.namespace(request.headers)
+        cancelled = engine.speculations.cancel_key(_speculation_key(namespace, key))
+        return {"id": key, "object": "speculation.deleted", "deleted": cancelled}
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def end_conversation(conversation_id: str, request: Request) -> dict:
@@ -173,6 +198,8 @@ class _Server:
         options = body.engine_options()
         documents = body.documents
         engine = self.engine
+        if body.speculate is not None:
+            return await self.speculate(body.speculate, namespace, documents, render, options)
 
         def start() -> EngineCall:
             if documents:
@@ -190,6 +217,27 @@ class _Server:
         if body.stream:
             return EventSourceResponse(self._events(items, shape, track, options.get("conversation_id")))
         return await self._whole(request, items, kind, track, options.get("conversation_id"))
+
+    async def speculate(
+        self,
+        key: str,
+        namespace: str | None,
+        documents: list[str] | None,
+        render: Callable[[Engine], str],
+        options: dict[str, Any],
+    ) -> JSONResponse:
+        """Prefill the request ahead (a speculation of ``key``) and answer at once (202)."""
+        engine = self.engine
+
+        def start():
+            if documents:
+                engine.register(documents)
+            return engine.speculate_request(
+                prompt=render(engine), namespace=namespace, key=_speculation_key(namespace, key), **options
+            )
+
+        handle = await asyncio.to_thread(start)
+        return JSONResponse(_speculation(key, handle), status_code=202)
 
     def _figures(self, generation, conversation_id: str | None) -> dict[str, Any]:
         self.metrics.finished(generation)
@@ -269,6 +317,15 @@ class _Server:
         status, body = self._error(exc)
         headers = {"Retry-After": str(self.settings.retry_after_s)} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _speculation_key(namespace: str | None, key: str) -> tuple:
+    """A client's speculation key, scoped to its tenant (one tenant never cancels another's)."""
+    return ("serve", namespace, key)
+
+
+def _speculation(key: str, handle) -> dict[str, Any]:
+    return {"id": key, "object": "speculation", "kind": handle.kind, "state": handle.state, "tokens": handle.tokens}
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

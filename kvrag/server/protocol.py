@@ -5,7 +5,8 @@ engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``d
 the prompt that are chunks: registered with the engine before the request is planned, and kept
 in its bounded registry of chunk boundaries as ``/v1/documents`` keeps them; boundaries only, the
 KV stays in the tenant's namespace), ``mode``, ``recompute_ratio``, ``selection``,
-``conversation_id``, ``dedup``. Other OpenAI fields are ignored when they ask for nothing
+``conversation_id``, ``dedup``, ``speculate`` (a key: prefill this request ahead instead of
+answering it; :mod:`kvrag.server.app`). Other OpenAI fields are ignored when they ask for nothing
 (``user``, ``metadata``, a zero penalty, ``n=1``) and rejected when they ask for what kvrag
 does not do (tools, log-probabilities, ``n > 1``), so a client never silently gets less than it asked.
 
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 #: kvrag's fields on an OpenAI request (all optional; ``None`` = the server engine's default).
-EXTENSION_FIELDS = ("documents", "mode", "recompute_ratio", "selection", "conversation_id", "dedup")
+EXTENSION_FIELDS = ("documents", "mode", "recompute_ratio", "selection", "conversation_id", "dedup", "speculate")
 
 
 class _StreamOptions(BaseModel):
@@ -76,6 +77,7 @@ class _GenerationRequest(BaseModel):
     selection: str | None = None
     conversation_id: str | None = None
     dedup: bool | None = None
+    speculate: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_supported(self) -> None:
         """Reject what kvrag cannot do rather than ignore it."""
@@ -196,6 +198,9 @@ class DocumentsRequest(BaseModel):
     documents: list[str]
     warm: bool = False
     order: Literal["given", "similar"] = "given"  # warm's: "similar" for a corpus (each behind its likes)
+    # a key: compute the documents' missing KV as speculative idle-time work (a staged search's
+    # candidate list); a newer list of the same key cancels the older one
+    speculate: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 def figures(generation: Generation, *, model_name: str, conversation_id: str | None) -> dict[str, Any]:

@@ -185,6 +185,7 @@ class Planner:
         namespace: str | None = None,
         auto: bool = False,
         exact_only: bool = False,
+        quiet: bool = False,
     ) -> Plan:
         """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt
         of ``segments`` (:class:`~kvrag.engine.reuse.segments.PromptTokenizer`).
@@ -197,8 +198,10 @@ class Planner:
         ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
         its prefill computes exactly what a full prefill does (the knowledge tree's refresh). Its
         lookups are looks, not uses (:meth:`~kvrag.engine.store.base.KVStore.peek`): no hit counted,
-        no rank touched, a speculative entry still unused.
+        no rank touched, a speculative entry still unused. ``quiet`` makes any plan's lookups looks
+        (a speculative prefill: it is not a use until a request adopts it).
         """
+        quiet = quiet or exact_only
         namespace = namespace or self.namespace
         plan = Plan(mode=mode, ratio=ratio, segments=segments, namespace=namespace, auto=auto)
         if plan.is_full:
@@ -210,7 +213,7 @@ class Planner:
         limit = plan.num_tokens - 1  # the last token is always computed: its logits start decoding
         if use_prefix:
             plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(
-                plan.ids, plan.boundaries, limit, namespace=namespace, quiet=exact_only
+                plan.ids, plan.boundaries, limit, namespace=namespace, quiet=quiet
             )
             # a record of another shape (only a forged one) ends the prefix where it starts
             bad = next((i for i, (_, r) in enumerate(plan.prefix_records) if r.kv_shape != self.kv_shape), None)
@@ -237,7 +240,7 @@ class Planner:
             if exact_only:
                 info, rec = self.variants.exact(key, s.ids, use.digest)
             else:
-                info, rec = self.variants.best(key, s.ids, use.context, use.digest)
+                info, rec = self.variants.best(key, s.ids, use.context, use.digest, quiet=quiet)
             if rec is None:
                 continue
             use.hit, use.found, use.tier = True, True, rec.tier
@@ -248,7 +251,7 @@ class Planner:
             else:
                 use.source = "store"
                 plan.chunk_records.append((s.start, rec))
-            if not exact_only:  # a refresh is not a use
+            if not quiet:  # a refresh or a speculation is not a use
                 self.variants.used(info, use.fix)
         return plan
 

@@ -270,10 +270,10 @@ class StoredVariants:
         return record.kv_shape == self.kv_shape
 
     def best(
-        self, key: StoreKey, ids: list[int], context: tuple[str, ...], digest: str | None
+        self, key: StoreKey, ids: list[int], context: tuple[str, ...], digest: str | None, *, quiet: bool = False
     ) -> tuple[VariantInfo | None, KVRecord | None]:
         """The stored variant of a chunk with the lowest fix overhead behind ``context`` (an exact one
-        first), read as a use (``store.get``).
+        first), read as a use (``store.get``; ``quiet``: as a look, ``store.peek``).
 
         Variants the store no longer has are dropped from the index on the way; with none indexed,
         the chunk's own key may still hold its first variant (a disk tier after a restart).
@@ -283,10 +283,11 @@ class StoredVariants:
             self.index.variants(key),
             key=lambda v: (fix_overhead(v, context, digest), v.exact is None or v.exact != digest, -v.reuses),
         )
-        info, rec = self._first_stored(key, ids, ranked, self.store.get)
+        fetch = self.store.peek if quiet else self.store.get
+        info, rec = self._first_stored(key, ids, ranked, fetch)
         if rec is not None:
             return info, rec
-        rec = self.store.get(key, ids)
+        rec = fetch(key, ids)
         if rec is None or not self.fits(rec):
             return None, None
         info = VariantInfo.from_record(key, rec)

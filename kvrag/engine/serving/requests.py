@@ -43,6 +43,10 @@ class Request:
     conversation_spans: list | None = None
     follow: Any = None  # the kept turn of the conversation its prompt continues (reuse.conversations.Continuation)
     priced: bool = True  # the cost model may lower its path (off for a measurement of its mode: calibration)
+    # speculation (serving.speculation): a speculative prefill's request (its lookups are looks, not
+    # uses: access counters skip it), and the speculation a final request adopts
+    speculative: bool = False
+    adopt: Any = None
 
 
 class RequestArgs(TypedDict, total=False):

@@ -18,6 +18,12 @@ own lock), in the manner of nano-vllm's scheduler. The rules:
 - **Background work** (a ``background`` ticket: the knowledge tree's refresh) starts only when the
   engine is idle: no other ticket waits and no request is decoding; oldest first. The worker stops
   a running one as soon as other work arrives (:meth:`Scheduler.has_foreground`).
+- **Speculative work** (a ``speculative`` ticket: RAGCache's speculative prefill while the vector
+  search still runs, §5.3) starts only when no foreground ticket waits (requests may be decoding:
+  their steps run at its pauses, as for any prefill), oldest first, before any background work.
+  It never counts in the starvation window (it passes no one and is never passed), takes no
+  queue bound, and the worker stops it at its next pause as soon as foreground work arrives or it
+  is cancelled (Theorem 5.1: speculate only into an empty pool).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Ticket:
         decodes: it decodes after its prefill, holding a running slot until its last token.
         bounded: it counts against the queue bounds (internal work does not).
         background: it runs only when the engine is idle, and gives way to any other ticket.
+        speculative: it runs only when no foreground ticket waits (before background work), and
+            gives way to any foreground ticket.
         payload: what the worker runs (opaque here).
         arrival: submission order, set by the scheduler.
         passed: how many later tickets started before it.
@@ -53,10 +61,16 @@ class Ticket:
     decodes: bool = False
     bounded: bool = True
     background: bool = False
+    speculative: bool = False
     payload: object = None
     arrival: int = -1
     passed: int = 0
     cancelled: bool = False
+
+    @property
+    def foreground(self) -> bool:
+        """Ordinary work: neither background nor speculative."""
+        return not (self.background or self.speculative)
 
     @property
     def priority(self) -> float:
@@ -104,26 +118,31 @@ class Scheduler:
 
     def next(self) -> Ticket | None:
         """The ticket to start now (removed from the queue; a decoding one takes a slot), or None."""
-        startable = [t for t in self.waiting if not t.background and (not t.decodes or self.running < self.max_running)]
+        startable = [t for t in self.waiting if t.foreground and (not t.decodes or self.running < self.max_running)]
         if not startable:
-            idle = self.running == 0 and not self.has_foreground()
-            pick = next((t for t in self.waiting if t.background), None) if idle else None
+            pick = None
+            if not self.has_foreground():
+                pick = next((t for t in self.waiting if t.speculative), None)
+                if pick is None and self.running == 0:
+                    pick = next((t for t in self.waiting if t.background), None)
             if pick is not None:
                 self.waiting.remove(pick)
+                if pick.decodes:
+                    self.running += 1
             return pick
         starved = [t for t in startable if t.passed >= self.starvation_window]
         pick = starved[0] if starved else min(startable, key=lambda t: (-t.priority, t.arrival))
         self.waiting.remove(pick)
         for t in self.waiting:
-            if t.arrival < pick.arrival and not t.background:
+            if t.arrival < pick.arrival and t.foreground:
                 t.passed += 1
         if pick.decodes:
             self.running += 1
         return pick
 
     def has_foreground(self) -> bool:
-        """Whether any ticket other than background work waits."""
-        return any(not t.background for t in self.waiting)
+        """Whether any ticket other than background or speculative work waits."""
+        return any(t.foreground for t in self.waiting)
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of the queue; False if it is not waiting."""

@@ -47,7 +47,8 @@ class _Cancelled(Exception):
 
 
 class Preempted(Exception):
-    """Raised by the pause hook inside background work when other work is waiting: it gives way."""
+    """Raised by the pause hook inside background or speculative work when other work is waiting (or
+    it was cancelled): it gives way."""
 
 
 @dataclass(slots=True, eq=False)
@@ -141,9 +142,10 @@ class Worker:
         self.submit(ticket)
 
     def promote(self, ticket: Ticket) -> None:
-        """Background work runs from now on as ordinary work (it no longer waits for an idle engine)."""
+        """Background or speculative work runs from now on as ordinary work (it no longer waits for an
+        idle engine, nor gives way to other work)."""
         with self._cond:
-            ticket.background = False
+            ticket.background = ticket.speculative = False
             self._cond.notify_all()
 
     def stream(self, ticket: Ticket, job: StreamJob) -> Iterator[str]:
@@ -240,10 +242,12 @@ class Worker:
         current = self._current
         if current is not None and current.cancelled and isinstance(current.payload, StreamJob):
             raise _Cancelled
-        if current is not None and current.background:
+        if current is not None and not current.foreground:  # background or speculative work gives way
             with self._cond:
                 if current.cancelled or self.scheduler.has_foreground():
                     raise Preempted
+        elif current is not None and current.cancelled and isinstance(current.payload, _Call):
+            raise Preempted  # a job whose caller gave up (or a speculation run as ordinary work, cancelled)
         if self._due():
             self._step()
 

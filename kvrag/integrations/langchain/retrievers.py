@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
@@ -19,8 +20,10 @@ from langchain_core.runnables import Runnable
 from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, field_validator
 
+from kvrag.engine import Engine
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
+from kvrag.integrations.staged_search import DEFAULT_STAGES, speculating_search
 
 __all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
 
@@ -102,12 +105,87 @@ class KVCachedVectorStore(VectorStore):
             docs = store.similarity_search(question, k=6)   # as in LangChain's RAG tutorial
     """
 
-    def __init__(self, vectorstore: VectorStore, llm: Any = None) -> None:
+    def __init__(
+        self,
+        vectorstore: VectorStore,
+        llm: Any = None,
+        *,
+        speculative: bool = False,
+        stages: int = DEFAULT_STAGES,
+        nprobe: int | None = None,
+    ) -> None:
+        """
+        Args:
+            vectorstore: the LangChain vector store to wrap.
+            llm: the kvrag LLM (or engine) the documents are recorded for; ``None`` = the shared
+                default engine.
+            speculative: RAGCache's speculative pipelining, chunk level: a FAISS store's search
+                runs in ``stages`` (:mod:`kvrag.integrations.staged_search`), and after each stage
+                whose candidates changed the engine computes their missing KV in idle time
+                (:meth:`~kvrag.Engine.speculate`). Same documents, same order, same scores. It pays
+                when the search is slow (a large IVF index at a high ``nprobe``) and the engine is
+                idle. Needs a local engine. Staged: ``similarity_search``,
+                ``similarity_search_with_score`` and ``similarity_search_by_vector`` with ``k``
+                only (so ``as_retriever()``'s default search too). Everything else runs the wrapped
+                store's plain search, recorded but not speculated: the async searches
+                (``asimilarity_search``, ...), searches given keywords (``filter``, ``fetch_k``,
+                ...), relevance-score and MMR searches. Prompt-level speculation (the prompt the
+                chain will send, adopted by its LLM call) is
+                :func:`~kvrag.integrations.langchain.speculative_stuff_chain`.
+            stages: stages of a speculative search.
+            nprobe: IVF lists a speculative search scans (default the index's own).
+        """
         if not isinstance(vectorstore, VectorStore):
             raise InvalidRequestError(f"vectorstore must be a LangChain VectorStore, got {type(vectorstore).__name__}")
         check_target(llm)
+        if speculative and not all(hasattr(vectorstore, a) for a in ("index", "index_to_docstore_id", "docstore")):
+            raise InvalidRequestError(
+                f"speculative=True needs a FAISS vector store (a faiss index), got {type(vectorstore).__name__}"
+            )
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            raise InvalidRequestError(f"stages must be a positive integer, got {stages!r}")
         self.vectorstore = vectorstore
         self.llm = llm
+        self.speculative, self.stages, self.nprobe = speculative, stages, nprobe
+
+    def _staged(
+        self, embedding, k: int, kwargs: dict, speculate: Callable[[list[Document]], Any] | None = None
+    ) -> list[tuple[Document, float]] | None:
+        """A speculative FAISS search (as FAISS's own ``similarity_search_with_score_by_vector``), or
+        None where it does not apply (not speculative, or keywords it does not take). ``speculate``:
+        what to start on each changed candidate list instead of the chunk-level speculation
+        (``staged_search.speculating_search``'s, given the documents)."""
+        if not self.speculative or kwargs:
+            return None
+        engine = registrar_of(self.llm)
+        if not isinstance(engine, Engine):
+            raise InvalidRequestError("speculative=True needs a local engine, not an LLM with base_url")
+        store = self.vectorstore
+        vector = np.array([embedding], dtype=np.float32)
+        if getattr(store, "_normalize_L2", False):
+            import faiss  # a FAISS store: installed
+
+            faiss.normalize_L2(vector)  # as the store does (in place)
+
+        def documents(ids) -> list[Document]:
+            return [store.docstore.search(store.index_to_docstore_id[int(i)]) for i in ids if i != -1]
+
+        last = speculating_search(
+            engine,
+            store.index,
+            vector,
+            k,
+            lambda ids: [d.page_content for d in documents(ids) if isinstance(d, Document)],
+            stages=self.stages,
+            nprobe=self.nprobe,
+            speculate=None if speculate is None else lambda ids: speculate(documents(ids)),
+        )
+        pairs = []
+        for doc, score in zip(documents(last.ids[0]), last.distances[0][last.ids[0] != -1]):
+            if not isinstance(doc, Document):
+                raise ValueError(f"the docstore has no document for a search result ({doc!r})")
+            pairs.append((doc, score))
+        return pairs
 
     def __getattr__(self, name: str) -> Any:
         if name == "vectorstore":  # not set yet (copy/pickle): avoid infinite recursion
@@ -169,12 +247,18 @@ class KVCachedVectorStore(VectorStore):
     # -- searches: the wrapped store's, recorded -----------------------------------------------------
 
     def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        if self.speculative and not kwargs:
+            return [d for d, _ in self.similarity_search_with_score(query, k=k)]
         return self._record(self.vectorstore.similarity_search(query, k=k, **kwargs))
 
     async def asimilarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
         return await self._arecord(await self.vectorstore.asimilarity_search(query, k=k, **kwargs))
 
     def similarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
+        if self.speculative and len(args) == 1 and set(kwargs) <= {"k"}:
+            staged = self._staged(self.vectorstore._embed_query(args[0]), kwargs.get("k", 4), {})
+            if staged is not None:
+                return self._record_scored(staged)
         return self._record_scored(self.vectorstore.similarity_search_with_score(*args, **kwargs))
 
     async def asimilarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
@@ -189,6 +273,9 @@ class KVCachedVectorStore(VectorStore):
         )
 
     def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        staged = self._staged(embedding, k, kwargs)
+        if staged is not None:
+            return self._record([d for d, _ in staged])
         return self._record(self.vectorstore.similarity_search_by_vector(embedding, k=k, **kwargs))
 
     async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:

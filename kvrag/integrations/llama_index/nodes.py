@@ -22,6 +22,8 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
+from kvrag.integrations.llama_index.speculation import check_speculative, speculative_retrieve
+from kvrag.integrations.staged_search import DEFAULT_STAGES
 
 __all__ = ["node_texts", "register_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
 
@@ -114,12 +116,34 @@ class KVCachedRetriever(BaseRetriever):
         retriever: the retriever to wrap.
         llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the
             prompts; ``None`` = the shared default engine.
+        speculative: RAGCache's speculative pipelining, chunk level
+            (:mod:`kvrag.integrations.llama_index.speculation`): for a ``VectorStoreIndex``
+            retriever over a ``FaissVectorStore`` only, the faiss search runs in ``stages`` and
+            after each stage whose candidates changed the engine computes their missing KV in idle
+            time. Same nodes, order and scores. Queries with metadata filters or another query mode
+            run the plain retrieval. Needs a local engine.
+        stages: stages of a speculative search.
+        nprobe: IVF lists a speculative search scans (default the faiss index's own).
     """
 
-    def __init__(self, retriever: BaseRetriever, llm: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        retriever: BaseRetriever,
+        llm: Any = None,
+        *,
+        speculative: bool = False,
+        stages: int = DEFAULT_STAGES,
+        nprobe: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(retriever, BaseRetriever):
             raise InvalidRequestError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
         check_target(llm)
+        if speculative:  # speculation: see kvrag.integrations.llama_index.speculation
+            check_speculative(retriever)
+            if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+                raise InvalidRequestError(f"stages must be a positive integer, got {stages!r}")
+        self.speculative, self.stages, self.nprobe = speculative, stages, nprobe
         self.retriever = retriever
         self.llm = llm
         super().__init__(
@@ -131,11 +155,24 @@ class KVCachedRetriever(BaseRetriever):
             raise InvalidRequestError(f"unknown argument(s): {', '.join(sorted(kwargs))}")
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        nodes = self.retriever.retrieve(query_bundle)
+        nodes = self._speculative_retrieve(query_bundle)
+        if nodes is None:
+            nodes = self.retriever.retrieve(query_bundle)
         register_nodes(self.llm, nodes)
         return nodes
 
+    def _speculative_retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore] | None:
+        """A staged search with speculation, or None (not speculative, or a query it cannot stage)."""
+        if not self.speculative:
+            return None
+        return speculative_retrieve(self.retriever, query_bundle, self.llm, stages=self.stages, nprobe=self.nprobe)
+
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        if self.speculative:  # the staged search blocks: off the loop
+            nodes = await asyncio.to_thread(self._speculative_retrieve, query_bundle)
+            if nodes is not None:
+                await asyncio.to_thread(register_nodes, self.llm, nodes)
+                return nodes
         nodes = await self.retriever.aretrieve(query_bundle)
         await asyncio.to_thread(register_nodes, self.llm, nodes)  # may load the shared engine
         return nodes

@@ -105,3 +105,50 @@ def test_background_work_starts_only_when_nothing_else_waits_or_decodes():
     assert s.next().payload == "score" and refresh.passed == 0  # never counted as passed over
     s.finish(request)
     assert not s.has_foreground() and s.next() is refresh
+
+
+# -- speculative tickets (RAGCache's speculative prefill, issue 37) ------------------------------------
+
+
+def test_speculative_work_starts_only_when_no_foreground_ticket_waits_and_before_background():
+    s = make()
+    s.submit(Ticket(tokens=10, background=True, bounded=False, payload="refresh"))
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec-1"))
+    s.submit(Ticket(tokens=10, payload="request"))
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec-2"))
+    assert not s.waiting[1].foreground and s.has_foreground()
+    assert drain(s) == ["request", "spec-1", "spec-2", "refresh"]
+
+
+def test_speculative_work_may_start_while_requests_decode_background_may_not():
+    s = make(max_running=1)
+    s.submit(Ticket(tokens=10, decodes=True, payload="decoding"))
+    assert s.next().payload == "decoding" and s.running == 1
+    s.submit(Ticket(tokens=10, background=True, bounded=False, payload="refresh"))
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec"))
+    assert s.next().payload == "spec"
+    assert s.next() is None  # the refresh waits for an idle engine
+    # a foreground ticket waiting for a slot holds speculation back too
+    s.submit(Ticket(tokens=10, decodes=True, payload="blocked"))
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec-2"))
+    assert s.next() is None
+
+
+def test_speculative_tickets_never_count_in_the_starvation_window():
+    s = make(starvation_window=1)
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec"))
+    s.submit(Ticket(tokens=100, cached=0, compute=100, payload="cold"))
+    s.submit(Ticket(tokens=100, cached=90, compute=10, payload="hot"))
+    assert drain(s) == ["hot", "cold", "spec"]  # the speculation was passed twice and never jumps ahead
+    s.submit(Ticket(tokens=100, cached=0, compute=100, payload="cold"))
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec"))
+    s.submit(Ticket(tokens=100, cached=90, compute=10, payload="hot"))
+    first = s.next()
+    assert first.payload == "hot" and [t.passed for t in s.waiting] == [1, 0]
+
+
+def test_speculative_tickets_take_no_queue_bound():
+    s = make(max_queued=1)
+    s.submit(Ticket(tokens=10, payload="request"))
+    s.submit(Ticket(tokens=10, speculative=True, bounded=False, payload="spec"))
+    assert len(s.waiting) == 2
