@@ -122,13 +122,15 @@ class BlockProbe:
 
     def _attend(self, layer: int, pos: torch.Tensor, q: torch.Tensor, buf: KVBuffer) -> None:
         asking = self.question[pos].nonzero().squeeze(1)
+        hkv, (h, rq, d) = buf.k.shape[1], (q.shape[0], int(asking.numel()), q.shape[2])
         keys = buf.k[layer][:, self.keys]  # [Hkv, K, D]: cached KV at every chunk position on this layer
-        keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], dim=0)  # [H, K, D]
-        scores = torch.matmul(q[:, asking], keys.transpose(1, 2)).float() * self.scale  # [H, Rq, K]
+        # the query heads sharing a KV head side by side ([Hkv, G * Rq, D]): no copy of the keys per head
+        grouped = q[:, asking].reshape(hkv, (h // hkv) * rq, d)
+        scores = torch.matmul(grouped, keys.transpose(1, 2)).float() * self.scale  # [Hkv, G * Rq, K]
         window = self.windows[layer] if self.windows else None
         if window is not None:  # a sliding-window layer: each question row sees the last ``window`` keys
             far = self.keys[None, :] <= pos[asking][:, None] - window  # [Rq, K]
-            scores = scores.masked_fill(far, float("-inf"))
+            scores = scores.view(hkv, h // hkv, rq, -1).masked_fill(far, float("-inf")).view(hkv, h // hkv * rq, -1)
         mass = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=(0, 1))  # [K]
         self.attention = mass  # on the probe layer
         self.by_layer.append(mass)

@@ -1,22 +1,28 @@
 """``selection="query"``: recompute the blocks the question reads (ProphetKV's query-driven selection).
 
 When a chunk's KV was computed in other company its deviation is spread over the whole chunk, and
-blocks ranked by deviation alone spend the budget on tokens that deviate but that the answer never
-reads: ProphetKV (arXiv 2602.02579) calls it the crowding-out effect, and ranks the cached tokens by
-the attention the user's question pays them instead, fused over layers, recomputing them in a second
-stage. Here the probe's first pass already runs the question's rows up to the probe layer over the
-cached KV (:mod:`.probe`, ``focus``), so the question's attention to every cached position is known on
-layers 1..L before anything is recomputed:
+blocks ranked by deviation spend the budget on tokens that deviate but that the answer never reads:
+ProphetKV (arXiv 2602.02579) calls it the crowding-out effect, and ranks the cached tokens by the
+attention the user's question pays them, fused over layers, in two stages:
 
-1. each layer's attention over the cached positions is normalised to sum to 1 (every layer weighs the
-   same: deep layers' attention is no more trusted than early ones') and the layers are averaged;
-2. each ``probe_stride``-token block scores the sum of that fused attention over its tokens, times
-   its probed deviation raised to ``query_deviation_weight`` (0: attention alone; 1: the product);
-3. blocks are recomputed whole in order of that score until the budget is spent (the probe's second
-   and third passes).
+1. **The question over the cached KV.** The uncached rows (the text before the chunks, the question)
+   run through every layer with the cached chunk KV in place and nothing recomputed; on each layer
+   from 1 on, the attention the question's rows pay every cached position is measured (softmax over
+   the cached chunk keys, summed over heads and rows: :class:`~.probe.BlockProbe`'s). Each layer's
+   is normalised to 1 and the layers are averaged, so deep layers, where the answer is read, weigh
+   as much as early ones. That pass costs the uncached rows' share of a full prefill (a few percent).
+2. **The recompute.** Each ``probe_stride``-token block of the cached chunks scores the fused
+   attention on its tokens; blocks are recomputed whole in that order until the budget is spent, in
+   one pass with the uncached rows (which the first stage computed over the stale KV: they are
+   computed again here, over the recomputed blocks).
 
-Blocks whose deviation is zero (KV cached in this very company) get nothing, as with the probe; with
-``recompute_ratio="auto"`` blocks under the calibrated deviation threshold get nothing either.
+Measured on the dev set (docs/benchmarks.md, "Query-driven recompute"): an oracle ranking blocks by
+the question's attention on the *full* prefill's KV over all layers cuts the drift of chunks computed
+in other company by 15% against the probe at the same budget; the probe's own measurement of the
+question (its layers 1..8, over the cached KV) only by 3%.
+
+With ``recompute_ratio="auto"`` it takes the fixed share ``config.auto_ratio`` (it measures no
+deviation to hold against the probe's calibrated threshold).
 """
 
 from __future__ import annotations
@@ -27,89 +33,92 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
-from kvrag.engine.reuse.selection.probe import (
-    BlockProbe,
-    ProbeParams,
-    budget_tokens,
-    probe_blocks,
-    three_passes,
-    threshold_of,
-)
+from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, budget_tokens
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["QueryParams", "fused_attention", "query_scores", "query"]
+__all__ = ["QueryParams", "fused_attention", "block_scores", "question_blocks", "query"]
 
 
 @dataclass(frozen=True, slots=True)
 class QueryParams(ProbeParams):
-    """The probe's parameters and how much the block's deviation weighs beside the question's attention.
+    """The probe's block size (``probe_stride``) and how deep the question runs over the cached KV.
 
     Attributes:
-        query_deviation_weight: the exponent of the probed deviation in a block's score (``0``: the
-            question's attention alone; ``1``: attention times deviation).
+        query_layers: the last layer whose attention is measured: the first stage stops there
+            (``None``, the default: every layer; fewer layers cost less, see the module docstring).
     """
 
-    query_deviation_weight: float = 0.0
+    query_layers: int | None = None
 
     def __post_init__(self) -> None:
         ProbeParams.__post_init__(self)
-        w = self.query_deviation_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 4.0:
-            raise InvalidRequestError(f"query_deviation_weight must be a number in [0, 4], got {w!r}")
+        n = self.query_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise InvalidRequestError(f"query_layers must be an integer >= 1 or None (every layer), got {n!r}")
 
     def resolved(self, n_layers: int) -> QueryParams:
-        return dataclasses.replace(self, probe_layer=ProbeParams.resolved(self, n_layers).probe_layer)
+        last = n_layers - 1 if self.query_layers is None else min(self.query_layers, n_layers - 1)
+        return dataclasses.replace(ProbeParams.resolved(self, n_layers), query_layers=last)
 
 
 def fused_attention(by_layer: list[torch.Tensor]) -> torch.Tensor:
-    """[K] the question's attention over the cached positions, each layer's normalised to 1, averaged."""
+    """[K] attention over the cached positions, each layer's normalised to sum to 1, averaged over layers."""
     layers = torch.stack([x.float() for x in by_layer])  # [L, K]
     layers = layers / layers.sum(dim=1, keepdim=True).clamp_min(1e-12)
     return layers.mean(dim=0)
 
 
-def query_scores(
-    spans: list[tuple[int, int]],
-    stride: int,
-    keys: torch.Tensor,
-    attention: torch.Tensor,
-    deviation: torch.Tensor,
-    weight: float,
-) -> torch.Tensor:
-    """[B] each block's score, blocks in the probe's order (spans in order, ``stride`` tokens each).
-
-    ``keys`` [K] are the cached positions ``attention`` [K] is over; ``deviation`` [B] the blocks'
-    probed deviation (their middle token's)."""
+def block_scores(
+    spans: list[tuple[int, int]], stride: int, keys: torch.Tensor, attention: torch.Tensor
+) -> list[tuple[float, int, int]]:
+    """(score, start, end) of every ``stride``-token block of ``spans``: the ``attention`` [K] on its
+    positions (``keys`` [K], increasing)."""
     at = torch.zeros(int(keys.max()) + 1 if keys.numel() else 0)
-    at[keys.cpu()] = attention.cpu()
-    ends = [min(a + stride, end) for start, end in spans for a in range(start, end, stride)]
-    starts = [a for start, end in spans for a in range(start, end, stride)]
-    csum = torch.cat((torch.zeros(1), at.cumsum(0)))
-    block = csum[torch.tensor(ends)] - csum[torch.tensor(starts)]  # [B]
-    dev = deviation.float().cpu().clamp_min(0.0)
-    score = block * dev.pow(weight) if weight > 0 else block.clone()
-    score[dev <= 0] = 0.0  # KV cached in this very company: nothing to fix
-    return score
+    at[keys.cpu()] = attention.float().cpu()
+    csum = torch.cat((torch.zeros(1), at.cumsum(0))).tolist()
+    return [
+        (csum[min(a + stride, end)] - csum[a], a, min(a + stride, end))
+        for start, end in spans
+        for a in range(start, end, stride)
+    ]
 
 
-def _by_query(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
-    n, o = p.plan.num_tokens, p.params
-    keys = p.all_pos[p.candidates]
-    score = query_scores(
-        p.spans, o.probe_stride, keys, fused_attention(meter.by_layer), meter.deviation, o.query_deviation_weight
-    )
-    p.measured.update(block_attention=score)
-    # blocks below the auto threshold (by deviation) are dropped before ranking by score
-    threshold = threshold_of(p)
-    if threshold > 0:
-        score = torch.where(meter.deviation.float().cpu() >= threshold, score, torch.zeros_like(score))
-    # the score stands in for the deviation in the probe's block walk
-    return probe_blocks(p.spans, n, o.probe_stride, meter.positions, score, budget_tokens(p))
+def question_blocks(n: int, blocks: list[tuple[float, int, int]], budget: int) -> torch.Tensor:
+    """[N] bool: blocks whole in order of their score (ties: the earlier first) within ``budget``
+    tokens; the last block reached gives its first tokens, which depend most on what precedes it."""
+    chosen = torch.zeros(n, dtype=torch.bool)
+    for _, a, b in sorted(blocks, key=lambda x: (-x[0], x[1])):
+        if budget <= 0:
+            break
+        take = min(b - a, budget)
+        chosen[a : a + take] = True
+        budget -= take
+    return chosen
 
 
 def query(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks in order of the question's fused attention (times deviation^w); the probe's three passes."""
-    return three_passes(p, _by_query, focus=True)
+    """The question over the cached KV on every layer, then its most read blocks recomputed (module docstring)."""
+    n, last = p.plan.num_tokens, p.params.query_layers
+    last_end = max(b for _, b in p.spans)
+    question = p.uncached & (p.all_pos >= last_end)
+    keys = p.all_pos[p.candidates]
+    # the meter measures the question's attention on layers 1..last and ends the pass on ``last``
+    # (its sample is empty: no deviation measured)
+    meter = BlockProbe(
+        torch.zeros_like(question),
+        last,
+        question=question,
+        keys=keys,
+        scale=p.adapter.scale,
+        windows=p.adapter.windows,
+    )
+    rows = p.all_pos[p.uncached]
+    p.run(rows, selector=meter, layers=(0, last + 1), record=False)
+    attention = fused_attention(meter.by_layer)
+    blocks = block_scores(p.spans, p.params.probe_stride, keys, attention)
+    p.measured.update(block_attention=torch.tensor([s for s, _, _ in blocks]))
+    chosen = question_blocks(n, blocks, budget_tokens(p)).to(p.rows.device)
+    return p.run(p.all_pos[chosen | p.uncached], last_row_only=True)
 
 
-register_selection("query", query, params=QueryParams, auto="threshold")
+register_selection("query", query, params=QueryParams)
