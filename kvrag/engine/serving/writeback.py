@@ -17,6 +17,10 @@ evicts them first until a request uses one, so refreshing never costs the hit ra
 requests keep. At most
 :data:`MAX_REFRESHES` wait at once; past that a new one is dropped (counted), never queued without
 bound.
+
+CRAFT's promotion gates the refresh (``promoted``, from the engine's chunk-access table,
+:mod:`kvrag.engine.reuse.access`): a sequence is refreshed only for its leading chunks whose
+access counts reach ``promotion_threshold``, so exact sequences are kept of what recurs.
 """
 
 from __future__ import annotations
@@ -128,10 +132,12 @@ class WriteBack:
         *,
         run: Callable[[Callable, int], Any],
         worker: Worker,
+        promoted: Callable[[str, list[str]], int] | None = None,
     ) -> None:
         self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
         self.variants = variants
         self._worker = worker
+        self._promoted = promoted
         self._writer = BackgroundWriter()
         self._pending: set = set()
         self._refreshing: dict[tuple, Ticket] = {}  # a refresh's path -> its ticket (waiting or running)
@@ -141,7 +147,8 @@ class WriteBack:
         #: spare room, or holds that variant already), ``at_cap`` (chunks not computed: they hold
         #: ``max_variants`` already, which a refreshed variant never pushes out), ``preempted``
         #: (started over), ``dropped`` (too many waiting, or given way too often), ``seconds`` of
-        #: engine time spent
+        #: engine time spent, ``unpromoted`` (chunks left out: past the prompt's leading run of
+        #: chunks whose access counts reach the promotion threshold)
         self.refresh_counts = {
             "runs": 0,
             "chunks": 0,
@@ -150,6 +157,7 @@ class WriteBack:
             "preempted": 0,
             "dropped": 0,
             "seconds": 0.0,
+            "unpromoted": 0,
         }
 
     def _kept_misses(self, plan: Plan) -> list:
@@ -224,6 +232,12 @@ class WriteBack:
             and u.index not in written_exact
             and u.length >= self.config.chunk_min_tokens
         ]
+        if targets and self._promoted is not None:  # CRAFT: only the leading run of recurring chunks
+            lead = self._promoted(plan.namespace, [plan.segments[u.index].text for u in plan.chunks])
+            allowed = {u.index for u in plan.chunks[:lead]}
+            kept = [u for u in targets if u.index in allowed]
+            self.refresh_counts["unpromoted"] += len(targets) - len(kept)
+            targets = kept
         if not targets:
             return
         path = (plan.namespace, targets[-1].key, targets[-1].digest)  # the last chunk's digest names the path
