@@ -7,7 +7,10 @@ Endpoints:
   are described in :mod:`kvrag.server.protocol`.
 - ``POST /v1/documents``: ``{"documents": [...], "warm": bool, "order": "given"|"similar"}`` registers texts as chunk
   boundaries (any prompt that contains one reuses its KV, whatever client sent it) and, with
-  ``warm``, computes their KV now for the request's tenant.
+  ``warm``, computes their KV now for the request's tenant. With ``"chunk_order": "retrieval"|"frequency"``
+  the documents are one retrieval's results: counted in the tenant's chunk-access table
+  (:meth:`~kvrag.Engine.record_retrieval`), and the answer's ``order`` says where to put them
+  (indices into ``documents``; CRAFT's frequency order, or as given).
 - ``DELETE /v1/conversations/{id}``: forget a conversation's kept KV.
 - ``GET /v1/models`` (the served model; ``max_model_len`` is its context window), ``GET /health``
   (with the engine thread's queue: :meth:`~kvrag.Engine.queue_stats`),
@@ -104,11 +107,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def documents(body: DocumentsRequest, request: Request) -> dict:
         namespace = server.tenants.namespace(request.headers)
         ids = await asyncio.to_thread(engine.register, body.documents)
+        order = None
+        if body.chunk_order is not None:  # one retrieval: counted, and ordered as asked
+            order = engine.record_retrieval(body.documents, order=body.chunk_order, namespace=namespace)
         warm = None
         if body.warm:
             res = await asyncio.to_thread(engine.warm, body.documents, order=body.order, namespace=namespace)
             warm = dataclasses.asdict(res)  # every WarmResult field: the client builds one from it
-        return {"object": "documents", "ids": ids, "warm": warm}
+        out = {"object": "documents", "ids": ids, "warm": warm}
+        if order is not None:
+            out["order"] = order
+        return out
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def end_conversation(conversation_id: str, request: Request) -> dict:

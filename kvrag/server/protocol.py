@@ -196,6 +196,10 @@ class DocumentsRequest(BaseModel):
     documents: list[str]
     warm: bool = False
     order: Literal["given", "similar"] = "given"  # warm's: "similar" for a corpus (each behind its likes)
+    # CRAFT: the documents are one retrieval's results, in rank order: counted once in the tenant's
+    # chunk-access table, and answered with the order to put them in ("retrieval" or "frequency";
+    # checked by the engine: an unknown name is one 400 listing the valid ones). None: a corpus.
+    chunk_order: str | None = None
 
 
 def figures(generation: Generation, *, model_name: str, conversation_id: str | None) -> dict[str, Any]:
