@@ -13,11 +13,25 @@ order, CRAFT's two metrics (§3.1), averaged over requests 2..N and normalised b
 And the chunk-prefix tree the engine's promotion builds (the refresh keeps a prompt's leading run
 of chunks whose counts reach tau): ``tree`` (chunks reused from it, share of k, prefix slicing
 included) and ``tree_nodes`` (chunk sequences' nodes it holds: what the store keeps exactly), at
-tau and at 1 (every retrieved sequence kept: the behaviour before promotion). ``hysteresis``: the
-frequency order, except that among chunks within one count of the most retrieved remaining one, a
-chunk that continues a path already in the tree goes first (so that drifting counts do not churn
-kept sequences); ``path-first``: a chunk that continues a kept path always goes first (the
-longest kept path the retrieval holds leads, then frequency order).
+tau and at 1 (every retrieved sequence kept: the behaviour before promotion).
+
+Orders (a policy sees only what the engine knows at request time: the window's counts and the
+chunk sequences stored so far, never a later request):
+
+- ``retrieval``: the retriever's;
+- ``counts``: CRAFT's sort (descending count, ties in retrieval order): the first version of
+  ``order="frequency"``;
+- ``hysteresis``: ``counts``, except that among chunks within one count of the most retrieved
+  remaining one, a chunk that continues a path of the promoted tree goes first;
+- ``path-first``: a chunk that continues a path of the promoted tree always goes first (greedily,
+  most retrieved first), then ``counts``;
+- ``frequency``: the engine's ``order="frequency"`` (:meth:`AccessTable.order`,
+  :func:`~kvrag.engine.reuse.access.stored_path_order`): the longest stored path the retrieval's
+  chunks can form first, then descending count, ties by content key; its stored paths are every
+  earlier request's sequence (as ``prefix`` mode's exact prefix cache, or write-back of missed
+  chunks behind exact ones, keeps them);
+- ``frequency-promoted``: the same, told only of the promoted tree's sequences (what the
+  refresh alone keeps exactly: the conservative case).
 
 ``python -m benchmarks craft-replay --dataset ../shared/data/musique_dev.json --n 50 --requests 500``
 """
@@ -33,8 +47,9 @@ from kvrag.engine.reuse.access import AccessTable, frequency_order
 
 __all__ = ["ORDERS", "replay", "main"]
 
-#: Orders compared: the retriever's, CRAFT's frequency order, and frequency with hysteresis.
-ORDERS = ("retrieval", "frequency", "hysteresis", "path-first")
+#: Orders compared (module docstring): the retriever's, CRAFT's sort, two tree-aware variants of
+#: it, and the engine's ``order="frequency"`` told of every stored sequence or only promoted ones.
+ORDERS = ("retrieval", "counts", "hysteresis", "path-first", "frequency", "frequency-promoted")
 
 
 class _Tree:
@@ -105,10 +120,14 @@ def replay(stream: list[list[int]], *, window: int | None, order: str, tau: int 
         counts = table.counts("r", docs)
         if order == "retrieval":
             ranked = list(range(len(ids)))
-        elif order == "frequency":
+        elif order == "counts":
             ranked = frequency_order(counts)
-        else:  # a kept path is followed whatever the counts ("path-first"), or among near-ties
+        elif order in ("frequency", "frequency-promoted"):
+            ranked = table.order("r", docs, "frequency")
+        elif order in ("hysteresis", "path-first"):  # a kept path leads whatever the counts, or among near-ties
             ranked = _hysteresis(ids, counts, trees[tau], float("inf") if order == "path-first" else 1)
+        else:
+            raise ValueError(f"unknown order {order!r}; use one of {ORDERS}")
         seq = [ids[i] for i in ranked]
         table.record("r", docs)
         if seen:
@@ -121,6 +140,9 @@ def replay(stream: list[list[int]], *, window: int | None, order: str, tau: int 
             table_t = table if t == tau else None
             lead = table_t.promoted("r", [str(c) for c in seq]) if table_t is not None else len(seq)
             tree.insert(seq[:lead])
+            told = (order == "frequency" and t == 1) or (order == "frequency-promoted" and t == tau)
+            if told and lead:
+                table.stored("r", [str(c) for c in seq[:lead]])  # what the engine is told it holds
         seen.append(seq)
     n = max(1, len(stream) - 1)
     return {

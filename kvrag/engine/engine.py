@@ -189,6 +189,7 @@ class Engine:
             run=self._run_internal,
             worker=self._worker,
             promoted=self.access.promoted,
+            stored=self.access.stored,
         )
         self._closed = False
         _LIVE.add(self)
@@ -275,7 +276,8 @@ class Engine:
         Args:
             documents: the retrieved documents, in retrieval order.
             order: ``"retrieval"`` (the given order) or ``"frequency"`` (CRAFT: most retrieved in the
-                window first, ties in retrieval order).
+                window first, after the longest chunk sequence the tenant holds exactly; ties by content key:
+                :func:`kvrag.engine.reuse.access.stored_path_order`).
             namespace: the tenant (default ``config.namespace``).
 
         Returns:
@@ -411,7 +413,8 @@ class Engine:
 
         ``chunks`` are one retrieval: they are counted once in the namespace's chunk-access table
         (:meth:`record_retrieval`). ``chunk_order="frequency"`` puts them in CRAFT's order first
-        (most retrieved lately first, ties in the given order), except in a later turn of a
+        (the longest chunk sequence held exactly first, then most retrieved lately, ties by content
+        key), except in a later turn of a
         conversation, whose kept history would otherwise be recomputed; ``"retrieval"`` (default)
         keeps the given order.
         """

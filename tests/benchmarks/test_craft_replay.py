@@ -15,10 +15,23 @@ def test_replay_counts_prefix_and_total_hits_per_order():
     plain = replay(stream, window=None, order="retrieval", tau=2)
     assert plain["prefix"] == pytest.approx((1 + 0 + 0) / 5 / 3)
     assert plain["total"] == pytest.approx((3 + 3 + 3) / 5 / 3)
-    freq = replay(stream, window=None, order="frequency", tau=2)
-    assert freq["total"] == plain["total"]  # order never changes what is shared
-    assert freq["prefix"] > plain["prefix"]  # popular chunks line up: 1, 4, 5 lead the later requests
-    assert freq["tree_nodes_tau2"] < freq["tree_nodes_tau1"]  # promotion keeps what recurs only
+    counts = replay(stream, window=None, order="counts", tau=2)
+    assert counts["total"] == plain["total"]  # order never changes what is shared
+    assert counts["prefix"] > plain["prefix"]  # popular chunks line up: 1, 4, 5 lead the later requests
+    assert counts["tree_nodes_tau2"] < counts["tree_nodes_tau1"]  # promotion keeps what recurs only
+    for order in ("frequency", "frequency-promoted", "hysteresis", "path-first"):
+        assert replay(stream, window=None, order=order, tau=2)["total"] == plain["total"]
+    with pytest.raises(ValueError, match="unknown order"):
+        replay(stream, window=None, order="best")
+
+
+def test_the_engines_frequency_order_follows_a_stored_sequence_that_counts_would_reshuffle():
+    # a question asked, then asked again reworded (same chunks, another retrieval order), while a
+    # popular chunk (9) drifts past the question's: counts alone reshuffle the returning question
+    stream = [[1, 2, 3], [9, 4, 5], [9, 6, 7], [3, 1, 2], [9, 8, 3], [2, 3, 1]]
+    counts = replay(stream, window=None, order="counts", tau=1)
+    tree = replay(stream, window=None, order="frequency", tau=1)
+    assert tree["prefix"] > counts["prefix"]
 
 
 def test_method_specs_take_a_chunk_order():

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kvrag import Engine, InvalidRequestError, SamplingParams
-from kvrag.engine.reuse.access import AccessTable, chunk_key, frequency_order
+from kvrag.engine.reuse.access import AccessTable, chunk_key, frequency_order, stored_path_order
 from tests.helpers import PREFIX, SUFFIX, make_docs
 
 
@@ -59,14 +59,55 @@ def test_a_document_in_several_forms_is_one_access_found_by_any_form():
     assert table.counts("t", ["body", "title: x\n\nbody", ("body", "unseen"), "other"]) == [1, 1, 1, 1]
 
 
-def test_frequency_order_is_stable_and_descending():
-    assert frequency_order([1, 3, 0, 3, 1]) == [1, 3, 0, 4, 2]
-    assert frequency_order([0, 0, 0]) == [0, 1, 2]  # nothing counted: retrieval order
+def by_key(texts: list[str]) -> list[str]:
+    return sorted(texts, key=chunk_key)
+
+
+def test_frequency_order_is_descending_with_ties_by_content_key():
+    assert frequency_order([1, 3, 0, 3, 1]) == [1, 3, 0, 4, 2]  # no keys: ties in retrieval order
+    assert frequency_order([1, 3, 0, 3, 1], ["e", "d", "a", "b", "c"]) == [3, 1, 4, 0, 2]
     table = AccessTable()
     for docs in (["b", "c"], ["c"], ["d", "c"]):
         table.record("t", docs)
-    assert table.order("t", ["a", "b", "c", "d"], "frequency") == [2, 1, 3, 0]
-    assert table.order("t", ["a", "b", "c", "d"], "retrieval") == [0, 1, 2, 3]
+    docs = ["a", "b", "c", "d"]
+    got = [docs[i] for i in table.order("t", docs, "frequency")]
+    assert got == ["c", *by_key(["b", "d"]), "a"]  # b and d tied: by content key
+    back = docs[::-1]
+    assert [back[i] for i in table.order("t", back, "frequency")] == got  # same set, same order
+    assert table.order("t", docs, "retrieval") == [0, 1, 2, 3]
+
+
+def test_stored_path_order_puts_the_longest_stored_path_first_then_counts():
+    stored = {("x",), ("x", "y"), ("x", "y", "z"), ("q",), ("q", "w")}
+    keys = [("a",), ("z",), ("y",), ("x",), ("w",)]
+    # x, y, z (a stored path: 3 long) leads though a is the most retrieved; then a, w by count
+    assert stored_path_order(keys, [9, 0, 1, 1, 2], stored.__contains__) == [3, 2, 1, 0, 4]
+    # prefix slicing: only x, y of the stored x, y, z is retrieved: it leads
+    assert stored_path_order([("y",), ("a",), ("x",)], [0, 5, 0], stored.__contains__) == [2, 0, 1]
+    # a document in several forms continues a path by any of them
+    assert stored_path_order([("b",), ("q2", "q")], [3, 0], stored.__contains__) == [1, 0]
+    # nothing stored: the count order, ties by content key
+    assert stored_path_order([("b",), ("a",), ("c",)], [1, 1, 2], lambda p: False) == [2, 1, 0]
+
+
+def test_stored_paths_lead_the_frequency_order_per_tenant_and_are_bounded():
+    table = AccessTable(window=16, max_paths=4)
+    for _ in range(3):
+        table.record("t", ["hot", "warm"])
+    table.stored("t", ["cold", "warm"])  # kept exactly: cold, then warm
+    docs = ["warm", "hot", "cold"]
+    assert [docs[i] for i in table.order("t", docs, "frequency")] == ["cold", "warm", "hot"]
+    assert [docs[i] for i in table.order("u", docs, "frequency")] == by_key(docs)  # another tenant: none
+    assert table.stats("t").stored_paths == 2 and table.stats("u").stored_paths == 0
+    table.stored("t", ["a", "b", "c"])  # 5 paths > 4: the least recently used goes, a leaf first
+    paths = table.stored_paths("t")
+    assert len(paths) == 4 and (chunk_key("cold"),) in paths
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)  # leading parts kept with their paths
+    assert (chunk_key("cold"), chunk_key("warm")) not in paths
+    table.clear()
+    assert table.stored_paths("t") == []
+    with pytest.raises(ValueError, match="max_paths"):
+        AccessTable(max_paths=-1)
 
 
 def test_an_unknown_order_is_one_clear_error_naming_the_orders():
@@ -85,6 +126,8 @@ def test_tenants_never_see_each_others_counts():
     table.record("bob", ["his"])
     assert table.counts("bob", ["shared", "hers", "his"]) == [0, 0, 1]
     assert table.order("bob", ["shared", "his"], "frequency") == [1, 0]
+    table.stored("alice", ["shared"])
+    assert table.order("bob", ["his", "other"], "frequency") == [0, 1]  # her stored path is not his
     assert table.promoted("bob", ["shared", "his"]) == 0
     assert table.promoted("alice", ["shared", "hers", "his"]) == 2
 
@@ -125,6 +168,19 @@ def sources(gen) -> list[str]:
     return [c.source for c in gen.stats.chunks]
 
 
+def test_a_sequence_kept_exactly_leads_the_frequency_order_and_is_reused_whole(engine):
+    docs = make_docs(3, seed=66)
+    given = [docs[2], docs[0], docs[1]]
+    engine.generate(given, PREFIX, SUFFIX, mode="prefix")  # prefix mode keeps the whole exact prompt
+    engine.writeback.flush()
+    assert engine.access.stored_paths("default")[-1] == (chunk_key(docs[2]),)  # leading parts used last
+    assert tuple(chunk_key(d) for d in given) in engine.access.stored_paths("default")
+    engine.record_retrieval([docs[1]])  # docs[1] is now the most retrieved: counts alone would lead with it
+    again = engine.generate(docs, PREFIX, SUFFIX, mode="prefix", chunk_order="frequency")
+    assert sources(again) == ["prefix"] * 3  # the stored sequence's order: reused whole
+    assert [c.tokens for c in again.stats.chunks] == [engine.count_tokens(d) for d in given]
+
+
 def test_a_sequence_is_refreshed_exactly_only_once_its_chunks_reach_tau(engine):
     """Blended once (each chunk retrieved once) the sequence is not refreshed; asked again (each
     chunk at tau = 2) it is, and a third ask reuses it exactly."""
@@ -159,8 +215,8 @@ def test_generate_orders_chunks_by_frequency_only_when_asked(engine):
         engine.record_retrieval([docs[3], docs[2]])
     plain = engine.generate(docs, PREFIX, SUFFIX, mode="full")
     assert [c.tokens for c in plain.stats.chunks] == [engine.count_tokens(d) for d in docs]  # given order
-    # docs 2 and 3 lead (tied: in the order given), then 0 and 1 as given
-    ordered = [docs[2], docs[3], docs[0], docs[1]]
+    # docs 2 and 3 lead, then 0 and 1 (full prefills store no exact path; ties by content key)
+    ordered = [*by_key([docs[2], docs[3]]), *by_key([docs[0], docs[1]])]
     want = engine.generate(ordered, PREFIX, SUFFIX, mode="full")
     got = engine.generate(docs, PREFIX, SUFFIX, mode="full", chunk_order="frequency")
     assert got.token_ids == want.token_ids and got.stats.prompt_tokens == want.stats.prompt_tokens
@@ -190,15 +246,18 @@ def test_a_later_turn_of_a_conversation_keeps_retrieval_order(engine):
 
     engine._request = spy
     engine.generate(docs, "", SUFFIX, conversation_id="c", chunk_order="frequency", dedup=False)
+    # what the table says now (counts: docs[2] most retrieved; paths the turns of "c" kept exactly)
+    want = [docs[i] for i in engine.access.order("default", docs, "frequency")]
     engine.generate(docs, "", SUFFIX, conversation_id="other", chunk_order="frequency")
-    assert asked == [docs, [docs[2], docs[0], docs[1]]]  # a first turn is reordered, a later one not
+    assert asked == [docs, want]  # a later turn keeps the given order; a first turn is reordered
 
 
 def test_record_retrieval_counts_per_tenant_and_checks_its_input(engine):
     docs = make_docs(2, seed=65)
     assert engine.record_retrieval(docs, namespace="a") == [0, 1]
-    assert engine.record_retrieval(docs[::-1], order="frequency", namespace="a") == [0, 1]
-    assert engine.record_retrieval([docs[0], docs[1]], order="frequency", namespace="a") == [0, 1]
+    tied = [0, 1] if chunk_key(docs[1]) < chunk_key(docs[0]) else [1, 0]  # tied counts: by content key
+    assert engine.record_retrieval(docs[::-1], order="frequency", namespace="a") == tied
+    assert engine.record_retrieval([docs[0], docs[1]], order="frequency", namespace="a") == tied[::-1]
     engine.record_retrieval([docs[1]], namespace="b")
     assert engine.record_retrieval(docs, order="frequency", namespace="b") == [1, 0]
     assert engine.chunk_access("a").retrievals == 3 and engine.chunk_access("b").retrievals == 2
