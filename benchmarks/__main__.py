@@ -8,6 +8,7 @@ python -m benchmarks merge RUN_A RUN_B --out DIR    # pool runs of one machine/m
 python -m benchmarks make-dataset --out qa.json     # a small synthetic QA set (for tests and demos)
 python -m benchmarks methods                        # the registered method names
 python -m benchmarks store-sim --dataset QA.json --out DIR  # the store's steady state under a Zipf stream, LRU vs PGDSF
+python -m benchmarks craft-replay --dataset QA.json   # CRAFT: prefix vs total hits per chunk order (no model)
 python -m benchmarks registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
 python -m benchmarks kernels                        # Triton kernels against their references (needs a CUDA GPU)
 python -m benchmarks calibrate --dataset QA.json    # = kvrag calibrate: the constants of recompute_ratio="auto"
@@ -308,6 +309,12 @@ def _store_sim(argv: list[str]) -> int:
     return store_sim_main(argv)
 
 
+def _craft_replay(argv: list[str]) -> int:
+    from benchmarks.craft_replay import main as craft_replay_main
+
+    return craft_replay_main(argv)
+
+
 def _registry(argv: list[str]) -> int:
     from benchmarks.registry_lookup import main as registry_main
 
@@ -361,6 +368,7 @@ COMMANDS = {
     "make-dataset": _make_dataset,
     "methods": _methods,
     "store-sim": _store_sim,
+    "craft-replay": _craft_replay,
     "registry": _registry,
     "kernels": _kernels,
     # several processes on one Redis/Valkey server (benchmarks.multiproc)

@@ -111,14 +111,19 @@ class EngineMethod(Method):
         ratio: float | str | None = None,
         selection: str | None = None,
         overrides: dict | None = None,
+        order: str | None = None,
     ) -> None:
         super().__init__(name, overrides)
         self.mode, self.ratio, self.selection = mode, ratio, selection
+        self.order = order  # chunk order of chunks= requests (CRAFT's "frequency"), None: as given
         self.exact_prefix_writer = mode == "prefix"
         self.uses_store = mode != "full"
 
     def _kwargs(self, req) -> dict:
         return {}
+
+    def _order(self, req) -> dict:
+        return {"chunk_order": self.order} if self.order is not None and req.prompt is None else {}
 
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
         common = dict(
@@ -128,6 +133,7 @@ class EngineMethod(Method):
             max_new_tokens=max_new_tokens,
             temperature=0.0,
             **self._kwargs(req),
+            **self._order(req),
         )
         if req.prompt is not None:
             g = engine.generate(prompt=req.prompt, **common)
@@ -178,6 +184,7 @@ class EngineMethod(Method):
                 mode=self.mode,
                 recompute_ratio=self.ratio,
                 selection=self.selection,
+                **self._order(req),
             )
         return res.token_logprobs
 
@@ -305,8 +312,8 @@ def _engine_mode(mode: str) -> Factory:
         if mode == "full":  # the reference; full+dtype=float32 is another reference beside it
             if set(dict(spec.overrides)) - {"dtype"}:
                 _no_overrides(spec, "it is the reference every method is paired with; it takes only a dtype")
-            return EngineMethod(spec.name, mode, overrides=dict(spec.overrides))
-        return EngineMethod(spec.name, mode, overrides=_overrides(spec))
+            return EngineMethod(spec.name, mode, overrides=dict(spec.overrides), order=spec.order)
+        return EngineMethod(spec.name, mode, overrides=_overrides(spec), order=spec.order)
 
     return make
 
@@ -325,14 +332,16 @@ def _ratio_arg(spec: MethodSpec) -> float | str | None:
 
 def _blend(selection: str | None) -> Factory:
     def make(spec: MethodSpec) -> Method:
-        return EngineMethod(spec.name, "blend", _ratio_arg(spec), selection, _overrides(spec, selection))
+        return EngineMethod(
+            spec.name, "blend", _ratio_arg(spec), selection, _overrides(spec, selection), order=spec.order
+        )
 
     return make
 
 
 def _auto(spec: MethodSpec) -> Method:
     _no_arg(spec)
-    return EngineMethod(spec.name, "blend", "auto", None, _overrides(spec))
+    return EngineMethod(spec.name, "blend", "auto", None, _overrides(spec), order=spec.order)
 
 
 def _hf(spec: MethodSpec) -> Method:

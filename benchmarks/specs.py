@@ -10,6 +10,9 @@
   ``[2.0,1.5]``), else plain strings (``sink``). A method with overrides runs on an engine of its
   own built with them (same weights). ``full`` takes only ``dtype`` (``full+dtype=float32``: a float32
   reference beside a run in another dtype, on the model loaded in that dtype).
+- ``+order=frequency``: the chunk order of the method's requests (``Engine.generate``'s
+  ``chunk_order``: ``retrieval``, the default, or CRAFT's ``frequency``); not an engine setting, so
+  any method takes it, ``full`` too (``full+order=frequency``: the order-only drift's reference).
 
 A comma separates methods in a list; commas inside brackets belong to a value
 (``full,hkvd@0.15+filter_schedule=[3.0,2.0]``). The name a method's results are filed under is
@@ -60,12 +63,14 @@ class MethodSpec:
         base: the registered method.
         arg: the text after ``@`` (each method parses its own), or None.
         overrides: ``(field, value)`` pairs of EngineConfig overrides, in the order given.
+        order: the chunk order its requests ask for (``+order=...``), or None (the engine's: retrieval).
     """
 
     name: str
     base: str
     arg: str | None = None
     overrides: tuple[tuple[str, object], ...] = ()
+    order: str | None = None
 
 
 def _strategy_parameter(pair: str) -> str:
@@ -137,6 +142,15 @@ def parse_spec(text: str, known: set[str] | dict) -> MethodSpec:
         )
     if sep and not arg.strip():
         raise InvalidRequestError(f"method {name!r}: nothing after '@'")
+    order = None
+    for pair in [p for p in pairs if p.partition("=")[0].strip() == "order"]:
+        from kvrag.engine.reuse.access import check_chunk_order
+
+        try:
+            order = check_chunk_order(pair.partition("=")[2].strip())
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"method {name!r}: {exc}") from None
+        pairs.remove(pair)
     overrides = config_overrides(pairs, what=f"method {name!r}", check_selection=False) if pairs else {}
     fixed = sorted(FIXED_FIELDS & overrides.keys())
     if fixed:
@@ -148,7 +162,7 @@ def parse_spec(text: str, known: set[str] | dict) -> MethodSpec:
         raise InvalidRequestError(
             f"method {name!r}: name a dtype (float32, bfloat16, float16); the run's is --config dtype"
         )
-    return MethodSpec(name, base, arg.strip() if sep else None, tuple(overrides.items()))
+    return MethodSpec(name, base, arg.strip() if sep else None, tuple(overrides.items()), order)
 
 
 def split_specs(text: str) -> list[str]:

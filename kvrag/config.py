@@ -324,6 +324,18 @@ class EngineConfig:
             starts over when the engine is idle again; given way three times, or more than four
             waiting, it is dropped). Needs ``write_back``; its bytes count against the store's
             budgets like any variant's.
+        chunk_access_window: retrievals CRAFT's chunk-access table counts over, per namespace (the
+            last 1,000, the paper's; ``None``: every retrieval so far, one counter per distinct chunk
+            ever retrieved). A retrieval is counted once (a retriever wrapper's search, a node
+            postprocessor's pass, a ``generate(chunks=...)`` call, ``Engine.record_retrieval``), never
+            per LLM call. The counts order chunks where ``order="frequency"`` is asked for, and gate
+            ``tree_refresh`` (``promotion_threshold``); :meth:`Engine.chunk_access` shows them.
+        promotion_threshold: CRAFT's promotion threshold tau (2): ``tree_refresh`` computes a
+            blended chunk sequence exactly only for its leading chunks whose counts in the window
+            reach it (a sequence kept so grows by its next chunk once that one reaches it too), so
+            the store keeps exact sequences of what recurs, not of every request. 1 refreshes every
+            retrieved sequence. A namespace where no retrieval was ever counted (prompts only, no
+            retriever wrapper) has nothing to gate on: its blended sequences are all refreshed.
         max_conversations: live conversations whose KV is kept between turns (8; least recently
             used dropped first; 0 keeps none). Each keeps ~``tokens x 23 KB`` (SmolLM2, bf16).
         conversation_dedup: in a conversation, drop chunks that an earlier turn already placed in
@@ -374,6 +386,8 @@ class EngineConfig:
     max_variants: int = 4
     write_back: bool = True
     tree_refresh: bool = True
+    chunk_access_window: int | None = 1000
+    promotion_threshold: int = 2
     sampling: SamplingParams = DEFAULT_SAMPLING
     max_conversations: int = 8
     conversation_dedup: bool = True
@@ -443,6 +457,12 @@ class EngineConfig:
         for name in ("write_back", "tree_refresh"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        w = self.chunk_access_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise InvalidRequestError(f"chunk_access_window must be an integer >= 1 or None (unbounded), got {w!r}")
+        t = self.promotion_threshold
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise InvalidRequestError(f"promotion_threshold must be an integer >= 1, got {t!r}")
         self.sampling = _engine_sampling(self.sampling)
         if (
             isinstance(self.max_conversations, bool)

@@ -137,6 +137,12 @@ class Client(_Base):
         body = {"documents": list(documents), "warm": True, "order": order}
         return WarmResult(**self._request("POST", "/v1/documents", body)["warm"])
 
+    def record_retrieval(self, documents: Sequence[str], *, order: str = "retrieval") -> list[int]:
+        """Register one retrieval's documents, counted in the server's chunk-access table for this
+        client's tenant; the order to put them in (as :meth:`kvrag.Engine.record_retrieval`)."""
+        body = {"documents": list(documents), "chunk_order": order}
+        return self._request("POST", "/v1/documents", body)["order"]
+
     def end_conversation(self, conversation_id: str) -> bool:
         """Forget a conversation's kept KV on the server; False if it was not live."""
         return self._request("DELETE", f"/v1/conversations/{conversation_id}")["deleted"]
@@ -249,6 +255,11 @@ class AsyncClient(_Base):
         body = {"documents": list(documents), "warm": True, "order": order}
         data = await self._request("POST", "/v1/documents", body)
         return WarmResult(**data["warm"])
+
+    async def record_retrieval(self, documents: Sequence[str], *, order: str = "retrieval") -> list[int]:
+        """See :meth:`Client.record_retrieval`."""
+        body = {"documents": list(documents), "chunk_order": order}
+        return (await self._request("POST", "/v1/documents", body))["order"]
 
     async def end_conversation(self, conversation_id: str) -> bool:
         """See :meth:`Client.end_conversation`."""

@@ -20,6 +20,7 @@ from kvrag.engine.model.bundled import BUNDLED, find_bundled
 from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
 from kvrag.engine.reuse import calibration
+from kvrag.engine.reuse.access import AccessStats, AccessTable, check_chunk_order
 from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label, similarity_order, warm_list
 from kvrag.engine.reuse.conversations import Conversations, check_conversation_id
@@ -178,6 +179,8 @@ class Engine:
             eos_ids=self.eos_ids,
             slice_s=config.prefill_slice_s,
         )
+        #: CRAFT's chunk-access table: recent retrievals per namespace (frequency order, promotion)
+        self.access = AccessTable(config.chunk_access_window, config.promotion_threshold)
         self.writeback = WriteBack(
             config,
             self.store,
@@ -186,6 +189,8 @@ class Engine:
             self.chunk_computer,
             run=self._run_internal,
             worker=self._worker,
+            promoted=self.access.promoted,
+            stored=self.access.stored,
         )
         #: live speculations (RAGCache's speculative pipelining: :meth:`speculate`, :meth:`speculate_request`)
         self.speculations = Speculations(self._worker, self.adapter.n_layers)
@@ -259,6 +264,65 @@ class Engine:
     def split_prompt(self, prompt: str) -> list[tuple[str, str]]:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
         return self.documents.split(check_text("prompt", prompt))
+
+    # -- CRAFT's chunk-access table (kvrag.engine.reuse.access) ---------------------------------------
+
+    def record_retrieval(
+        self, documents: Sequence[str | Sequence[str]], *, order: str = "retrieval", namespace: str | None = None
+    ) -> list[int]:
+        """Count one retrieval of ``documents`` in the tenant's chunk-access table; their prompt order.
+
+        Call it once per retrieval (the retriever wrappers and node postprocessors do), not per LLM
+        call; speculative or repeated work must not call it. Each document is its text, or the
+        texts of the forms it may take in a prompt (all counted, as one document).
+
+        Args:
+            documents: the retrieved documents, in retrieval order.
+            order: ``"retrieval"`` (the given order) or ``"frequency"`` (CRAFT: most retrieved in the
+                window first, after the longest chunk sequence the tenant holds exactly; ties by content key:
+                :func:`kvrag.engine.reuse.access.stored_path_order`).
+            namespace: the tenant (default ``config.namespace``).
+
+        Returns:
+            Indices into ``documents``, in the order to put them in the prompt.
+        """
+        order = check_chunk_order(order)
+        namespace = check_namespace(self.config, namespace)
+        if isinstance(documents, (str, bytes)):
+            raise InvalidRequestError("documents must be a list of texts, not a single string")
+        documents = list(documents)
+        try:
+            ranked = self.access.order(namespace, documents, order)
+            self.access.record(namespace, documents)
+        except TypeError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return ranked
+
+    def chunk_access(self, namespace: str | None = None) -> AccessStats:
+        """The tenant's chunk-access table now: window, retrievals counted, chunks, promoted, top counts."""
+        return self.access.stats(check_namespace(self.config, namespace))
+
+    def _order_chunks(self, chunks, order: str | None, args: dict) -> tuple[list[str] | None, list[str]]:
+        """``chunks`` in the order asked for, and the retrieval to count (none without chunks).
+
+        A later turn of a conversation keeps the given order (its history would be recomputed).
+        """
+        order = check_chunk_order("retrieval" if order is None else order)
+        if args.get("prompt") is not None:
+            if order != "retrieval":
+                raise InvalidRequestError(
+                    "chunk_order orders chunks=; a prompt given as one string is used as it is (order the "
+                    "documents before rendering it: a retriever wrapper's order='frequency')"
+                )
+            return chunks, []
+        chunks = check_chunks(chunks)
+        if order == "retrieval" or len(chunks) < 2:
+            return chunks, chunks
+        namespace = check_namespace(self.config, args.get("namespace"))
+        conversation = check_conversation_id(args.get("conversation_id"))
+        if conversation is not None and self._conversation_key(conversation, namespace) in self.conversations:
+            return chunks, chunks
+        return [chunks[i] for i in self.access.order(namespace, chunks, order)], chunks
 
     def warm(
         self,
@@ -348,7 +412,14 @@ class Engine:
             **request: the :class:`~kvrag.engine.serving.requests.RequestArgs` — ``prompt`` (the whole
                 prompt as one string instead), ``sampling`` or its fields (``max_new_tokens``,
                 ``temperature``, ``top_p``, ``stop``, ``seed``), ``mode``, ``recompute_ratio``,
-                ``selection``, ``conversation_id``, ``dedup``.
+                ``selection``, ``conversation_id``, ``dedup``, ``namespace``, ``chunk_order``.
+
+        ``chunks`` are one retrieval: they are counted once in the namespace's chunk-access table
+        (:meth:`record_retrieval`). ``chunk_order="frequency"`` puts them in CRAFT's order first
+        (the longest chunk sequence held exactly first, then most retrieved lately, ties by content
+        key), except in a later turn of a
+        conversation, whose kept history would otherwise be recomputed; ``"retrieval"`` (default)
+        keeps the given order.
         """
         stream = self.stream(chunks, prefix, suffix, **request)
         for _ in stream:
@@ -367,7 +438,11 @@ class Engine:
         from this call (segmenting and tokenising the prompt included).
         """
         t0 = time.perf_counter()
-        req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **check_request_args(request))
+        args = check_request_args(request)
+        chunks, retrieved = self._order_chunks(chunks, args.pop("chunk_order", None), args)
+        req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **args)
+        if retrieved:  # a valid request's chunks are one retrieval: counted once, after validation
+            self.access.record(req.namespace, retrieved)
         req.adopt = self.speculations.adopt(_signature(req)) if req.conversation is None else None
         if req.adopt is not None:  # its prefill is done (or running): it starts before anything that computes
             n = int(req.ids.shape[0])
@@ -471,6 +546,7 @@ class Engine:
         args = check_request_args(request)
         if args.get("conversation_id") is not None:
             raise InvalidRequestError("a conversation's turn is not speculated: leave out conversation_id")
+        chunks, _ = self._order_chunks(chunks, args.pop("chunk_order", None), args)  # a speculation counts nothing
         req = self._request(chunks=chunks, prefix=prefix, suffix=suffix, **args)
         req.speculative = True
         tokens = self._ticket(req).compute
@@ -496,9 +572,14 @@ class Engine:
         mode: str | None = None,
         recompute_ratio: float | None = None,
         selection: str | None = None,
+        chunk_order: str | None = None,
     ) -> ScoreResult:
-        """Log-likelihood of ``continuation`` right after the prompt, under the chosen prefill mode."""
+        """Log-likelihood of ``continuation`` right after the prompt, under the chosen prefill mode.
+
+        ``chunk_order`` orders ``chunks`` as :meth:`generate` would (scoring counts no retrieval).
+        """
         cont = check_text("continuation", continuation)
+        chunks, _ = self._order_chunks(chunks, chunk_order, {"prompt": prompt})
         req = self._request(
             chunks=chunks,
             prefix=prefix,

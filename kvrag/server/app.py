@@ -7,7 +7,10 @@ Endpoints:
   are described in :mod:`kvrag.server.protocol`.
 - ``POST /v1/documents``: ``{"documents": [...], "warm": bool, "order": "given"|"similar"}`` registers texts as chunk
   boundaries (any prompt that contains one reuses its KV, whatever client sent it) and, with
-  ``warm``, computes their KV now for the request's tenant.
+  ``warm``, computes their KV now for the request's tenant. With ``"chunk_order": "retrieval"|"frequency"``
+  the documents are one retrieval's results: counted in the tenant's chunk-access table
+  (:meth:`~kvrag.Engine.record_retrieval`), and the answer's ``order`` says where to put them
+  (indices into ``documents``; CRAFT's frequency order, or as given).
 - ``DELETE /v1/conversations/{id}``: forget a conversation's kept KV.
 - Speculation (RAGCache's speculative pipelining, for a client whose vector search reports its
   candidates in stages): a completion request with ``"speculate": KEY`` is not answered but
@@ -111,8 +114,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     @app.post("/v1/documents")
     async def documents(body: DocumentsRequest, request: Request) -> dict:
         namespace = server.tenants.namespace(request.headers)
-        if body.speculate is not None and body.warm:
-            raise InvalidRequestError("give warm or speculate, not both")
+        if body.speculate is not None and (body.warm or body.chunk_order is not None):
+            raise InvalidRequestError(
+                "give speculate alone: a speculation is neither warm work nor a retrieval to count"
+            )
         ids = await asyncio.to_thread(engine.register, body.documents)
         if body.speculate is not None:
             key = _speculation_key(namespace, body.speculate)
@@ -123,11 +128,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                 "warm": None,
                 "speculation": _speculation(body.speculate, handle),
             }
+        order = None
+        if body.chunk_order is not None:  # one retrieval: counted, and ordered as asked
+            order = engine.record_retrieval(body.documents, order=body.chunk_order, namespace=namespace)
         warm = None
         if body.warm:
             res = await asyncio.to_thread(engine.warm, body.documents, order=body.order, namespace=namespace)
             warm = dataclasses.asdict(res)  # every WarmResult field: the client builds one from it
-        return {"object": "documents", "ids": ids, "warm": warm}
+        out = {"object": "documents", "ids": ids, "warm": warm}
+        if order is not None:
+            out["order"] = order
+        return out
 
     @app.delete("/v1/speculations/{key}")
     async def cancel_speculations(key: str, request: Request) -> dict:

@@ -201,6 +201,10 @@ class DocumentsRequest(BaseModel):
     # a key: compute the documents' missing KV as speculative idle-time work (a staged search's
     # candidate list); a newer list of the same key cancels the older one
     speculate: str | None = Field(default=None, min_length=1, max_length=256)
+    # CRAFT: the documents are one retrieval's results, in rank order: counted once in the tenant's
+    # chunk-access table, and answered with the order to put them in ("retrieval" or "frequency";
+    # checked by the engine: an unknown name is one 400 listing the valid ones). None: a corpus.
+    chunk_order: str | None = None
 
 
 def figures(generation: Generation, *, model_name: str, conversation_id: str | None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 
 from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams  # noqa: E402
+from kvrag.engine.reuse.access import chunk_key  # noqa: E402
 from kvrag.integrations.langchain import (  # noqa: E402
     KVCachedLLM,
     KVCachedRetriever,
@@ -68,8 +69,14 @@ def test_lcel_stuff_chain_reuses_retrieved_chunks(lc_engine, documents):
     assert second.usage_metadata["input_token_details"]["cache_read"] >= 3 * 40
     assert second.response_metadata["recomputed_tokens"] > 0 and second.response_metadata["mode"] == "blend"
     assert second.response_metadata["ttft_s"] > 0
-    # the second ask blended its documents; the engine then computed that sequence exactly (idle
-    # time): the same documents asked again, in a reworded question, are reused exactly
+    # the second ask blended its documents; the engine then computed exactly (idle time) the leading
+    # run of them that recurs (CRAFT's promotion: 3, 1 and 0 were retrieved twice, 4 once): asked
+    # again in a reworded question, those are reused exactly and 4 is blended
+    lc_engine.flush()
+    again = chain.invoke("3,1,0,4: and what about the queen?")
+    meta = again.response_metadata
+    assert meta["chunk_hits"] == 4 and 0 < meta["recomputed_tokens"] and meta["exact_tokens"] >= 3 * 40
+    # 4 has recurred now: the whole sequence is kept exactly, and the next ask recomputes nothing
     lc_engine.flush()
     again = chain.invoke("3,1,0,4: and what about the queen?")
     meta = again.response_metadata
@@ -287,3 +294,37 @@ def test_register_documents_with_warm_computes_each_behind_its_likes(lc_engine, 
         similar.warm(texts, order="similar")
         given.warm(texts)
         assert got == stored_contexts(similar, texts) != stored_contexts(given, texts)
+
+
+def test_frequency_order_is_opt_in_and_keeps_rank_and_score(lc_engine, documents):
+    """Default: the wrapped retriever's documents themselves, in its order, counted once per search.
+    ``order="frequency"``: the most retrieved lately first (ties by content key), copies that keep
+    their rank and score; the store's own documents untouched."""
+    llm = KVCachedLLM(engine=lc_engine)
+    plain = KVCachedRetriever(retriever=ListRetriever(docs=documents), llm=llm)
+    got = plain.invoke("4,5: first")
+    assert got == [documents[4], documents[5]] and got[0] is documents[4]
+    assert "kvrag_rank" not in got[0].metadata
+    plain.invoke("5: second")
+    ordered = KVCachedRetriever(retriever=ListRetriever(docs=documents), llm=llm, order="frequency")
+    got = ordered.invoke("0,4,5: third")
+    assert [d.page_content for d in got] == [documents[i].page_content for i in (5, 4, 0)]
+    assert [d.metadata["kvrag_rank"] for d in got] == [2, 1, 0] and got[0].metadata["i"] == 5
+    assert "kvrag_rank" not in documents[5].metadata
+    assert lc_engine.chunk_access().retrievals == 3  # one per search, never per LLM call
+    got = asyncio.run(ordered.ainvoke("4,0: fourth"))
+    assert [d.metadata["i"] for d in got] == [4, 0]
+    with pytest.raises(ValueError, match="unknown chunk order 'popular'; use one of 'retrieval', 'frequency'"):
+        KVCachedRetriever(retriever=ListRetriever(docs=documents), llm=llm, order="popular")
+
+    store = KVCachedVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), llm=llm, order="frequency")
+    store.add_documents(documents)
+    found = store.similarity_search_with_score("king", k=6)
+    counts = lc_engine.access.counts("default", [d.page_content for d, _ in found])
+    assert counts == sorted(counts, reverse=True)
+    ranks = [d.metadata["kvrag_rank"] for d, _ in found]
+    assert sorted(ranks) == list(range(6)) and all(d.metadata["kvrag_score"] == s for d, s in found)
+    keys = [chunk_key(d.page_content) for d, _ in found]
+    assert all(keys[i] < keys[i + 1] for i in range(5) if counts[i] == counts[i + 1])  # ties: by content key
+    with pytest.raises(ValueError, match="unknown chunk order"):
+        KVCachedVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), llm=llm, order="x")

@@ -362,3 +362,37 @@ def test_register_nodes_warm_orders_by_the_nodes_own_embeddings(tiny_engine, tin
     with Engine.from_model(tiny_model, tiny_tokenizer) as ref:
         ref.warm(forms, order="similar", embeddings=vectors)
         assert stored_contexts(tiny_engine, forms) == stored_contexts(ref, forms)
+
+
+def test_frequency_order_is_opt_in_and_keeps_rank_score_and_prompt_text(llm, tiny_engine, nodes):
+    """Default: the nodes themselves, as they come, counted once per pass (under every form).
+    ``order="frequency"``: copies, most retrieved lately first, scores kept, rank in metadata that
+    the LLM's text does not show."""
+    scored = [NodeWithScore(node=n, score=1.0 - i / 10) for i, n in enumerate(nodes[:3])]
+    plain = KVCachedNodePostprocessor(llm=llm)
+    assert plain.postprocess_nodes(scored[2:]) == scored[2:]
+    assert plain.postprocess_nodes(scored[1:])[0] is scored[1]
+    ordered = KVCachedNodePostprocessor(llm=llm, order="frequency")
+    got = ordered.postprocess_nodes(scored)
+    assert [n.node.node_id for n in got] == ["n2", "n1", "n0"]
+    assert [n.score for n in got] == [scored[2].score, scored[1].score, scored[0].score]
+    assert [n.node.metadata["kvrag_rank"] for n in got] == [2, 1, 0]
+    assert node_texts(got[0]) == node_texts(scored[2])  # the rank is not in the text the LLM reads
+    assert "kvrag_rank" not in nodes[2].metadata
+    form = node_texts(nodes[2])[0].strip()  # the form compact/refine put in prompts
+    assert tiny_engine.access.counts("default", [form, nodes[2].get_content()]) == [3, 3]
+    assert tiny_engine.chunk_access().retrievals == 3
+    with pytest.raises(ValueError, match="unknown chunk order 'hot'; use one of 'retrieval', 'frequency'"):
+        KVCachedNodePostprocessor(llm=llm, order="hot")
+
+
+def test_retriever_wrapper_orders_by_frequency(llm, tiny_engine, index, nodes):
+    retriever = KVCachedRetriever(index.as_retriever(similarity_top_k=3), llm, order="frequency")
+    first = retriever.retrieve("harbor museum")
+    assert sorted(n.node.metadata["kvrag_rank"] for n in first) == [0, 1, 2]  # nothing counted: by content key
+    for _ in range(2):
+        tiny_engine.record_retrieval([node_texts(first[2])])
+    again = asyncio.run(retriever.aretrieve("harbor museum"))
+    assert [n.node.node_id for n in again][0] == first[2].node.node_id
+    with pytest.raises(InvalidRequestError, match="unknown chunk order"):
+        KVCachedRetriever(index.as_retriever(), llm, order="x")

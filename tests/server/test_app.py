@@ -364,3 +364,30 @@ def test_request_options_reach_the_engine(serve_tiny):
         assert data["kvrag"]["mode"] == mode, data
     data = httpx.post(f"{url}/v1/chat/completions", json={**base, "recompute_ratio": 0.5}, timeout=60).json()
     assert data["kvrag"]["recompute_ratio"] == 0.5
+
+
+def test_documents_as_a_retrieval_are_counted_per_tenant_and_ordered(serve_tiny):
+    """``chunk_order`` on ``/v1/documents``: one retrieval, counted in the tenant's chunk-access table,
+    answered with the prompt order; the client and an LLM's server link ask the same."""
+    from kvrag.integrations._shared import ServerDocuments
+
+    settings = ServerSettings(tenants=TenantMap(api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}))
+    engine, url = serve_tiny(settings)
+    docs = make_docs(3, seed=8)
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    post = lambda body, headers: httpx.post(f"{url}/v1/documents", json=body, headers=headers, timeout=60)  # noqa: E731
+    assert "order" not in post({"documents": docs}, a).json()  # a corpus: not a retrieval
+    assert post({"documents": [docs[2]], "chunk_order": "retrieval"}, a).json()["order"] == [0]
+    from kvrag.engine.reuse.access import chunk_key
+
+    by_key = lambda ix, texts: sorted(ix, key=lambda i: chunk_key(texts[i]))  # noqa: E731  (tied counts)
+    assert post({"documents": docs, "chunk_order": "frequency"}, a).json()["order"] == [2, *by_key([0, 1], docs)]
+    assert post({"documents": docs, "chunk_order": "frequency"}, b).json()["order"] == by_key([0, 1, 2], docs)
+    assert engine.chunk_access("tenant-a").retrievals == 2 and engine.chunk_access("tenant-b").retrievals == 1
+    bad = post({"documents": docs, "chunk_order": "popular"}, a)
+    assert bad.status_code == 400 and "use one of 'retrieval', 'frequency'" in bad.json()["error"]["message"]
+    link = ServerDocuments(Client(url, api_key="key-b"))
+    assert link.record_retrieval(docs[::-1], order="retrieval") == [0, 1, 2]  # kept here: no round trip
+    assert engine.chunk_access("tenant-b").retrievals == 1
+    assert link.record_retrieval([docs[1], docs[0]], order="frequency") == by_key([0, 1], [docs[1], docs[0]])
+    assert engine.chunk_access("tenant-b").retrievals == 2

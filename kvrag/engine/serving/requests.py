@@ -77,6 +77,8 @@ class RequestArgs(TypedDict, total=False):
             (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
         namespace: the tenant whose cache this request uses (default ``config.namespace``):
             chunk KV, prefix blocks and conversations of one namespace are never seen by another.
+        chunk_order: how ``chunks`` are put into the prompt: ``retrieval`` (default: as given) or
+            ``frequency`` (CRAFT: most retrieved lately first; :mod:`kvrag.engine.reuse.access`).
     """
 
     prompt: str | None
@@ -92,6 +94,7 @@ class RequestArgs(TypedDict, total=False):
     conversation_id: str | None
     dedup: bool | None
     namespace: str | None
+    chunk_order: str | None
 
 
 _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")

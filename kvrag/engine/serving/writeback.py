@@ -17,6 +17,14 @@ evicts them first until a request uses one, so refreshing never costs the hit ra
 requests keep. At most
 :data:`MAX_REFRESHES` wait at once; past that a new one is dropped (counted), never queued without
 bound.
+
+CRAFT's promotion gates the refresh (``promoted``, from the engine's chunk-access table,
+:mod:`kvrag.engine.reuse.access`): a sequence is refreshed only for its leading chunks whose
+access counts reach ``promotion_threshold``, so exact sequences are kept of what recurs. And
+the table learns which chunk sequences are kept exactly (``stored``: a request's leading run of
+chunks kept or reused exactly, a refreshed sequence once kept), so the frequency order can follow
+them; it is told when KV is kept, not when the store evicts it (a stale path only costs a worse
+order).
 """
 
 from __future__ import annotations
@@ -128,10 +136,14 @@ class WriteBack:
         *,
         run: Callable[[Callable, int], Any],
         worker: Worker,
+        promoted: Callable[[str, list[str]], int] | None = None,
+        stored: Callable[[str, list[str]], None] | None = None,
     ) -> None:
         self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
         self.variants = variants
         self._worker = worker
+        self._promoted = promoted
+        self._stored = stored
         self._writer = BackgroundWriter()
         self._pending: set = set()
         self._refreshing: dict[tuple, Ticket] = {}  # a refresh's path -> its ticket (waiting or running)
@@ -141,7 +153,8 @@ class WriteBack:
         #: spare room, or holds that variant already), ``at_cap`` (chunks not computed: they hold
         #: ``max_variants`` already, which a refreshed variant never pushes out), ``preempted``
         #: (started over), ``dropped`` (too many waiting, or given way too often), ``seconds`` of
-        #: engine time spent
+        #: engine time spent, ``unpromoted`` (chunks left out: past the prompt's leading run of
+        #: chunks whose access counts reach the promotion threshold)
         self.refresh_counts = {
             "runs": 0,
             "chunks": 0,
@@ -150,6 +163,7 @@ class WriteBack:
             "preempted": 0,
             "dropped": 0,
             "seconds": 0.0,
+            "unpromoted": 0,
         }
 
     def _kept_misses(self, plan: Plan) -> list:
@@ -207,7 +221,22 @@ class WriteBack:
             self._writer.submit(
                 lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
             )
+        self._tell_stored(plan, written_exact, capture.end if capture is not None else 0)
         self._schedule_refresh(plan, written_exact)
+
+    def _tell_stored(self, plan: Plan, written_exact: set[int], prefix_end: int) -> None:
+        """Tell the access table the request's leading run of chunks held exactly from now on: reused
+        exactly (an exact variant, inside an exact prefix), written back exact, or inside the exact
+        prefix this request's capture keeps (``prefix`` mode keeps the whole prompt)."""
+        if self._stored is None:
+            return
+        run = []
+        for u in plan.chunks:
+            if not (u.source in ("tree", "prefix") or u.index in written_exact or u.start + u.length <= prefix_end):
+                break
+            run.append(plan.segments[u.index].text)
+        if run:
+            self._stored(plan.namespace, run)
 
     # -- the knowledge tree's refresh -----------------------------------------------------------------
 
@@ -224,6 +253,12 @@ class WriteBack:
             and u.index not in written_exact
             and u.length >= self.config.chunk_min_tokens
         ]
+        if targets and self._promoted is not None:  # CRAFT: only the leading run of recurring chunks
+            lead = self._promoted(plan.namespace, [plan.segments[u.index].text for u in plan.chunks])
+            allowed = {u.index for u in plan.chunks[:lead]}
+            kept = [u for u in targets if u.index in allowed]
+            self.refresh_counts["unpromoted"] += len(targets) - len(kept)
+            targets = kept
         if not targets:
             return
         path = (plan.namespace, targets[-1].key, targets[-1].digest)  # the last chunk's digest names the path
@@ -283,11 +318,16 @@ class WriteBack:
                 self.refresh_counts["preempted" if again else "dropped"] += 1
                 return
             self.refresh_counts["runs"] += 1
+            texts = {
+                u.index: [plan.segments[c.index].text for c in plan.chunks[: n + 1]] for n, u in enumerate(plan.chunks)
+            }
             for use in targets:
                 cap = res.chunk_captures.get(use.index)
                 if cap is not None:
-                    ids_ = list(plan.segments[use.index].ids)
-                    self._writer.submit(lambda use=use, ids_=ids_, cap=cap: self._keep_refreshed(use, ids_, cap))
+                    ids_, path_ = list(plan.segments[use.index].ids), texts[use.index]
+                    self._writer.submit(
+                        lambda use=use, ids_=ids_, cap=cap, path_=path_: self._keep_refreshed(use, ids_, cap, path_)
+                    )
         finally:
             self.refresh_counts["seconds"] += time.perf_counter() - t0
             if again:
@@ -295,11 +335,13 @@ class WriteBack:
             else:
                 self._refresh_done(path)
 
-    def _keep_refreshed(self, use: ChunkUse, ids: list[int], capture: KVCapture) -> None:
+    def _keep_refreshed(self, use: ChunkUse, ids: list[int], capture: KVCapture, path: list[str]) -> None:
         record = self.computer.record_from_capture(ids, capture)
         record.meta["computed"] = "refresh"
         kept = self.variants.keep(use.key, record, use.context, use.digest, speculative=True)
         self.refresh_counts["chunks" if kept else "not_kept"] += 1
+        if kept and self._stored is not None:  # the sequence up to this chunk is exact now
+            self._stored(use.key.namespace, path)
 
     def _refresh_done(self, path) -> None:
         with self._refresh_cond:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.serving.requests import check_chunks
 from kvrag.engine.types import GenerationStream, WarmResult
@@ -79,6 +80,20 @@ class ServerDocuments:
         are not sent)."""
         self.register(texts)
         return self.client.warm(check_chunks(texts), order=order)
+
+    def record_retrieval(self, documents: Sequence, *, order: str = "retrieval") -> list[int]:
+        """Count one retrieval on the server and get its prompt order (:meth:`kvrag.Engine.record_retrieval`).
+
+        Only ``order="frequency"`` asks the server (one round trip per retrieval, counted in its
+        table for this client's tenant); retrieval order is kept here without one, uncounted.
+        A document given as several forms is sent as its first.
+        """
+        check_chunk_order(order)
+        if order == "retrieval":
+            return list(range(len(documents)))
+        texts = [d if isinstance(d, str) else next(iter(d)) for d in documents]
+        self.register(texts)
+        return self.client.record_retrieval(texts, order=order)
 
     def found(self, prompt: Prompt) -> list[str]:
         """The recorded texts that occur in the prompt, once each, in order."""

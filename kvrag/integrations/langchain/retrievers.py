@@ -3,6 +3,15 @@
 Each records the text of every document it returns in the engine's chunk registry (by content
 hash), so that when a chain stuffs those documents into a prompt, the engine finds them there and
 reuses their KV. Nothing else changes: same documents, same order, same scores.
+
+The wrappers also count each search once in the engine's chunk-access table (CRAFT), and with
+``order="frequency"`` (opt-in: it changes the prompt the chain builds) return the documents most
+retrieved lately first (after the longest chunk sequence the engine holds exactly; ties by
+content key), so that popular documents line up as a shared
+prompt prefix that is reused exactly. Each document returned so keeps its retrieval rank
+(``kvrag_rank``, 0 = best) and, where the search gave one, its score (``kvrag_score``) in its
+metadata (copies: the store's own documents are not touched). Reordering is for single-turn
+chains; in a conversation, reorder the first turn's retrieval only.
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, field_validator
 
 from kvrag.engine import Engine
+from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
 from kvrag.integrations.staged_search import DEFAULT_STAGES, speculating_search
 
-__all__ = ["register_documents", "KVCachedRetriever", "KVCachedVectorStore"]
+__all__ = ["register_documents", "order_documents", "KVCachedRetriever", "KVCachedVectorStore"]
 
 
 def register_documents(documents: Iterable[Document | str], llm: Any = None, *, warm: bool = False) -> list[str]:
@@ -57,6 +67,42 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None, *, 
     return ids
 
 
+# -- CRAFT's chunk order (kvrag.engine.reuse.access) ------------------------------------------------
+
+
+def _retrieved(docs: list[Document], llm: Any, order: str) -> list[int]:
+    """Count one retrieval of ``docs`` for ``llm``; the indices of ``docs`` in the prompt order asked for."""
+    return registrar_of(llm).record_retrieval([d.page_content for d in docs], order=order)
+
+
+def _ranked(doc: Document, rank: int, score: float | None) -> Document:
+    """A copy of ``doc`` that keeps its retrieval rank (and score) in its metadata."""
+    meta = {**doc.metadata, "kvrag_rank": rank}
+    if score is not None:
+        meta["kvrag_score"] = float(score)
+    return doc.model_copy(update={"metadata": meta})
+
+
+def order_documents(docs: list[Document], llm: Any = None, *, order: str = "retrieval") -> list[Document]:
+    """Count one retrieval of ``docs`` (already registered) and return them in ``order``.
+
+    ``"retrieval"`` returns ``docs`` themselves; ``"frequency"`` returns copies, most retrieved
+    lately first, each with its ``kvrag_rank`` (and ``kvrag_score`` from its metadata's ``score``
+    when the retriever put one there).
+    """
+    ranked = _retrieved(docs, llm, order)
+    if order == "retrieval":
+        return docs
+    return [_ranked(docs[i], i, docs[i].metadata.get("score")) for i in ranked]
+
+
+def _order_scored(pairs: list[tuple[Document, float]], llm: Any, order: str) -> list[tuple[Document, float]]:
+    ranked = _retrieved([d for d, _ in pairs], llm, order)
+    if order == "retrieval":
+        return pairs
+    return [(_ranked(pairs[i][0], i, pairs[i][1]), pairs[i][1]) for i in ranked]
+
+
 class KVCachedRetriever(BaseRetriever):
     """Wraps any retriever; records the documents it returns (see :func:`register_documents`).
 
@@ -64,6 +110,9 @@ class KVCachedRetriever(BaseRetriever):
         .. code-block:: python
 
             retriever = KVCachedRetriever(retriever=vectorstore.as_retriever(k=6), llm=llm)
+
+    ``order="frequency"`` returns the documents most retrieved lately first (CRAFT; see the
+    module's docstring); ``"retrieval"`` (default) as the wrapped retriever ranked them.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
@@ -72,6 +121,13 @@ class KVCachedRetriever(BaseRetriever):
     """The wrapped retriever (any runnable from a query string to a list of documents)."""
     llm: Any = Field(default=None, exclude=True)
     """The kvrag LLM (or engine) the documents are recorded for; ``None`` = the shared default engine."""
+    order: str = "retrieval"
+    """How the documents are returned: ``retrieval`` (default: as ranked) or ``frequency`` (CRAFT's, opt-in)."""
+
+    @field_validator("order")
+    @classmethod
+    def _check_order(cls, value: Any) -> str:
+        return check_chunk_order(value)
 
     @field_validator("llm")
     @classmethod
@@ -82,14 +138,14 @@ class KVCachedRetriever(BaseRetriever):
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
         register_documents(docs, self.llm)
-        return docs
+        return order_documents(docs, self.llm, order=self.order)
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
     ) -> list[Document]:
         docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
         await asyncio.to_thread(register_documents, docs, self.llm)  # may load the engine: off the loop
-        return docs
+        return await asyncio.to_thread(order_documents, docs, self.llm, order=self.order)
 
 
 class KVCachedVectorStore(VectorStore):
@@ -103,6 +159,9 @@ class KVCachedVectorStore(VectorStore):
 
             store = KVCachedVectorStore(FAISS.from_documents(docs, embeddings), llm=llm)
             docs = store.similarity_search(question, k=6)   # as in LangChain's RAG tutorial
+
+    ``order="frequency"`` returns every search's documents most retrieved lately first (CRAFT;
+    see the module's docstring); ``"retrieval"`` (default) as the wrapped store ranked them.
     """
 
     def __init__(
@@ -110,6 +169,7 @@ class KVCachedVectorStore(VectorStore):
         vectorstore: VectorStore,
         llm: Any = None,
         *,
+        order: str = "retrieval",
         speculative: bool = False,
         stages: int = DEFAULT_STAGES,
         nprobe: int | None = None,
@@ -119,6 +179,11 @@ class KVCachedVectorStore(VectorStore):
             vectorstore: the LangChain vector store to wrap.
             llm: the kvrag LLM (or engine) the documents are recorded for; ``None`` = the shared
                 default engine.
+            order: ``"retrieval"`` (default: as the wrapped store ranked them) or ``"frequency"``
+                (CRAFT: see the module's docstring). Prompt-level speculation
+                (:func:`~kvrag.integrations.langchain.speculative_stuff_chain`) speculates the
+                retrieval order: with ``"frequency"`` its speculations are not adopted (chunk-level
+                speculation still pays).
             speculative: RAGCache's speculative pipelining, chunk level: a FAISS store's search
                 runs in ``stages`` (:mod:`kvrag.integrations.staged_search`), and after each stage
                 whose candidates changed the engine computes their missing KV in idle time
@@ -147,6 +212,7 @@ class KVCachedVectorStore(VectorStore):
         self.vectorstore = vectorstore
         self.llm = llm
         self.speculative, self.stages, self.nprobe = speculative, stages, nprobe
+        self.order = check_chunk_order(order)
 
     def _staged(
         self, embedding, k: int, kwargs: dict, speculate: Callable[[list[Document]], Any] | None = None
@@ -194,16 +260,15 @@ class KVCachedVectorStore(VectorStore):
 
     def _record(self, docs: list[Document]) -> list[Document]:
         register_documents(docs, self.llm)
-        return docs
+        return order_documents(docs, self.llm, order=self.order)
 
     def _record_scored(self, pairs: list[tuple[Document, float]]) -> list[tuple[Document, float]]:
         register_documents([d for d, _ in pairs], self.llm)
-        return pairs
+        return _order_scored(pairs, self.llm, self.order)
 
     async def _arecord(self, docs: list) -> list:
-        plain = [d[0] if isinstance(d, tuple) else d for d in docs]
-        await asyncio.to_thread(register_documents, plain, self.llm)
-        return docs
+        scored = bool(docs) and isinstance(docs[0], tuple)
+        return await asyncio.to_thread(self._record_scored if scored else self._record, docs)
 
     # -- writes and properties: the wrapped store's ------------------------------------------------
 

@@ -6,6 +6,15 @@ and join them with blank lines before packing them into the prompt. So each node
 four forms: with and without the metadata header, each as is and stripped. The engine's segmenter
 then finds whichever form the prompt holds (the longest, leftmost match wins); text it does not
 find is simply computed.
+
+The postprocessor and the retriever wrapper also count each pass once in the engine's
+chunk-access table (CRAFT; a node under all its forms), however many LLM calls the synthesizer
+then makes; with ``order="frequency"`` (opt-in: it changes the prompt) they return the nodes most
+retrieved lately first (after the longest chunk sequence the engine holds exactly; ties by
+content key). Each node returned so is a copy that keeps its
+score and its retrieval rank (``kvrag_rank`` in its metadata, left out of the text the LLM and
+the embedder see). Use one of the two per query engine (both would count a query twice), and
+reorder single-turn queries only: a chat engine's later turns keep retrieval order best.
 """
 
 from __future__ import annotations
@@ -19,13 +28,17 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
+from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
 from kvrag.integrations.llama_index.speculation import check_speculative, speculative_retrieve
 from kvrag.integrations.staged_search import DEFAULT_STAGES
 
-__all__ = ["node_texts", "register_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
+__all__ = ["node_texts", "register_nodes", "order_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
+
+#: Metadata key of a reordered node's retrieval rank (0 = best); hidden from the LLM and the embedder.
+RANK_KEY = "kvrag_rank"
 
 
 def node_texts(node: BaseNode | NodeWithScore) -> list[str]:
@@ -76,6 +89,30 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
     return engine.warm(prompt_forms, order="similar", embeddings=embeddings)
 
 
+def order_nodes(target: Any, nodes: list[NodeWithScore], order: str = "retrieval") -> list[NodeWithScore]:
+    """Count one retrieval of ``nodes`` (already registered) and return them in ``order``.
+
+    ``"retrieval"`` returns ``nodes`` themselves; ``"frequency"`` returns copies, most retrieved
+    lately first, each keeping its score and its rank (``kvrag_rank`` in the node's metadata,
+    excluded from what the LLM and the embedder read, so the prompt's text is unchanged).
+    """
+    ranked = registrar_of(target).record_retrieval([node_texts(n) for n in nodes], order=order)
+    if order == "retrieval":
+        return nodes
+    out = []
+    for i in ranked:
+        node = nodes[i].node
+        copy = node.model_copy(
+            update={
+                "metadata": {**node.metadata, RANK_KEY: i},
+                "excluded_llm_metadata_keys": [*node.excluded_llm_metadata_keys, RANK_KEY],
+                "excluded_embed_metadata_keys": [*node.excluded_embed_metadata_keys, RANK_KEY],
+            }
+        )
+        out.append(NodeWithScore(node=copy, score=nodes[i].score))
+    return out
+
+
 class KVCachedNodePostprocessor(BaseNodePostprocessor):
     """Registers the nodes that pass through it; returns them unchanged.
 
@@ -86,15 +123,18 @@ class KVCachedNodePostprocessor(BaseNodePostprocessor):
     Args:
         llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the
             prompts; ``None`` = the shared default engine.
+        order: ``"retrieval"`` (default: the nodes as they come) or ``"frequency"`` (CRAFT: most
+            retrieved lately first; see the module's docstring).
     """
 
     llm: Any = Field(
         default=None, description="The KVCachedLLM or kvrag Engine whose engine reads the prompts.", exclude=True
     )
+    order: str = Field(default="retrieval", description="Node order: 'retrieval' or 'frequency' (CRAFT).")
 
-    def __init__(self, llm: Any = None, **kwargs: Any) -> None:
+    def __init__(self, llm: Any = None, order: str = "retrieval", **kwargs: Any) -> None:
         check_target(llm)
-        super().__init__(llm=llm, **kwargs)
+        super().__init__(llm=llm, order=check_chunk_order(order), **kwargs)
 
     @classmethod
     def class_name(cls) -> str:
@@ -104,7 +144,7 @@ class KVCachedNodePostprocessor(BaseNodePostprocessor):
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         register_nodes(self.llm, nodes)
-        return nodes
+        return order_nodes(self.llm, nodes, self.order)
 
 
 class KVCachedRetriever(BaseRetriever):
@@ -116,6 +156,7 @@ class KVCachedRetriever(BaseRetriever):
         retriever: the retriever to wrap.
         llm: the :class:`KVCachedLLM` (or a kvrag :class:`~kvrag.Engine`) whose engine reads the
             prompts; ``None`` = the shared default engine.
+        order: ``"retrieval"`` (default) or ``"frequency"`` (CRAFT), as the postprocessor's.
         speculative: RAGCache's speculative pipelining, chunk level
             (:mod:`kvrag.integrations.llama_index.speculation`): for a ``VectorStoreIndex``
             retriever over a ``FaissVectorStore`` only, the faiss search runs in ``stages`` and
@@ -130,6 +171,7 @@ class KVCachedRetriever(BaseRetriever):
         self,
         retriever: BaseRetriever,
         llm: Any = None,
+        order: str = "retrieval",
         *,
         speculative: bool = False,
         stages: int = DEFAULT_STAGES,
@@ -146,6 +188,7 @@ class KVCachedRetriever(BaseRetriever):
         self.speculative, self.stages, self.nprobe = speculative, stages, nprobe
         self.retriever = retriever
         self.llm = llm
+        self.order = check_chunk_order(order)
         super().__init__(
             callback_manager=kwargs.pop("callback_manager", retriever.callback_manager),
             object_map=kwargs.pop("object_map", getattr(retriever, "object_map", None)),
@@ -159,7 +202,7 @@ class KVCachedRetriever(BaseRetriever):
         if nodes is None:
             nodes = self.retriever.retrieve(query_bundle)
         register_nodes(self.llm, nodes)
-        return nodes
+        return order_nodes(self.llm, nodes, self.order)
 
     def _speculative_retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore] | None:
         """A staged search with speculation, or None (not speculative, or a query it cannot stage)."""
@@ -172,7 +215,7 @@ class KVCachedRetriever(BaseRetriever):
             nodes = await asyncio.to_thread(self._speculative_retrieve, query_bundle)
             if nodes is not None:
                 await asyncio.to_thread(register_nodes, self.llm, nodes)
-                return nodes
+                return await asyncio.to_thread(order_nodes, self.llm, nodes, self.order)
         nodes = await self.retriever.aretrieve(query_bundle)
         await asyncio.to_thread(register_nodes, self.llm, nodes)  # may load the shared engine
-        return nodes
+        return await asyncio.to_thread(order_nodes, self.llm, nodes, self.order)

@@ -14,6 +14,10 @@ from kvrag.engine.serving.worker import Preempted
 from kvrag.engine.serving.writeback import MAX_REFRESHES
 from tests.helpers import PREFIX, SUFFIX, hold_engine_thread, last_logits, make_docs
 
+#: The refresh's own mechanics: every retrieved sequence is promoted (tau = 1). CRAFT's default,
+#: tau = 2, is tests/engine/reuse/test_access.py's.
+EVERY_SEQUENCE = {"promotion_threshold": 1}
+
 
 def sources(gen) -> list[str]:
     return [c.source for c in gen.stats.chunks]
@@ -21,7 +25,7 @@ def sources(gen) -> list[str]:
 
 @pytest.fixture
 def engine(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=6))
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=6), **EVERY_SEQUENCE)
     yield engine
     engine.close()
 
@@ -87,7 +91,12 @@ def test_chunks_at_the_variant_cap_are_not_refreshed(tiny_model, tiny_tokenizer)
     out of the refresh, and the sequence computed ends at the last chunk that has room."""
     docs = make_docs(3, seed=44)
     with Engine.from_model(
-        tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), max_variants=2, warm_variants=2
+        tiny_model,
+        tiny_tokenizer,
+        sampling=SamplingParams(max_new_tokens=2),
+        max_variants=2,
+        warm_variants=2,
+        **EVERY_SEQUENCE,
     ) as engine:
         engine.warm(docs[1:])  # two variants each: at the cap
         engine.warm(docs[:1])  # alone: one variant, room for another
@@ -154,7 +163,7 @@ def test_refreshes_wait_for_an_idle_engine_are_bounded_and_flush_runs_them(engin
 
 
 def test_closing_the_engine_drops_a_refresh_not_started(tiny_model, tiny_tokenizer):
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **EVERY_SEQUENCE)
     caller, busy = refresh_waiting_behind_other_work(engine, seed=44)
     closing = threading.Thread(target=engine.close)
     closing.start()
@@ -170,7 +179,7 @@ def test_at_exit_live_engines_finish_their_work_first(tiny_model, tiny_tokenizer
     code 134; `make demo` did): at exit, live engines drop waiting refreshes and finish the rest."""
     import kvrag.engine.engine as engine_module
 
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **EVERY_SEQUENCE)
     assert engine in engine_module._LIVE
     caller, busy = refresh_waiting_behind_other_work(engine, seed=45)
     threading.Timer(0.2, busy.set).start()
@@ -219,7 +228,7 @@ def test_a_refresh_takes_no_room_from_what_requests_kept(tiny_model, tiny_tokeni
         held = probe.store.stats()["bytes"]  # warmed chunks and the prompt's prefix blocks
     for settings in (dict(memory_budget_bytes=held + 64), dict(max_variants=1)):
         with Engine.from_model(
-            tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **settings
+            tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **settings, **EVERY_SEQUENCE
         ) as engine:
             engine.warm(docs[::-1])
             before = set(engine.store._items)
