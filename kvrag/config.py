@@ -233,9 +233,12 @@ class EngineConfig:
             high-KV-deviation tokens, gradual filtering from ``check_layer``, all cached tokens
             ranked together), ``recency`` (the cached tokens nearest the question, recomputed in
             full; no check layer), ``epic`` (EPIC's LegoLink: the budget split evenly over the
-            cached chunks, each recomputing its first tokens in full) or ``craft`` (Cache-Craft's
+            cached chunks, each recomputing its first tokens in full), ``craft`` (Cache-Craft's
             per-chunk budget from the variants' fix overhead, tokens ranked by their stored
-            inter-attention). ``registered_selections()`` lists them, with any a program registered.
+            inter-attention) or ``query`` (ProphetKV: the question runs over the cached KV first, and
+            the blocks it attends to most, over most layers, are recomputed; less drift than the
+            probe's when chunks were computed in other company, at ~1.3x its TTFT).
+            ``registered_selections()`` lists them, with any a program registered.
         selection_params: parameters of ``selection``, by name (``None``: its defaults), checked by
             the strategy's parameters class when the engine is built. They also apply to the
             selections that share that class (``focus`` shares the probe's, and so does the
@@ -247,7 +250,8 @@ class EngineConfig:
             not depend on context), ``filter_schedule`` (CacheBlend §4.3: entry ``i`` is the share
             of cached tokens kept after layer ``check_layer + i``, as a multiple of the recompute
             ratio; ``(2.0, 1.5)`` keeps 2r after the check layer, 1.5r after the next one and r from
-            then on), ``deviation`` (``kv``). ``recency``, ``epic``, ``craft``: none.
+            then on), ``deviation`` (``kv``). ``query``: ``probe_stride`` and ``query_layers`` (the
+            last layer whose attention is measured; ``None``: three quarters of the depth). ``recency``, ``epic``, ``craft``: none.
         auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens; 0.3).
         auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None``
             (default) takes the value ``kvrag calibrate`` measured for this model and dtype, if any.

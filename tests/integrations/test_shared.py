@@ -89,8 +89,9 @@ class FakeEngine(Engine):
 
 def test_every_argument_names_an_engine_keyword():
     # every request keyword but the prompt itself, the sampling object (its fields are here one by
-    # one) and the tenant (a server's business, not a per-call argument)
-    request_keywords = set(RequestArgs.__annotations__) - {"prompt", "sampling", "namespace"}
+    # one), the tenant (a server's business, not a per-call argument) and the chunk order (the
+    # retriever wrappers' order=: documents are ordered before the prompt is rendered)
+    request_keywords = set(RequestArgs.__annotations__) - {"prompt", "sampling", "namespace", "chunk_order"}
     assert set(CALL_ARGUMENTS.values()) == request_keywords | {"model"}
     assert CALL_ARGUMENTS["max_tokens"] == CALL_ARGUMENTS["max_new_tokens"] == "max_new_tokens"
 

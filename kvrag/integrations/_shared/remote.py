@@ -84,13 +84,12 @@ class ServerDocuments:
     def record_retrieval(self, documents: Sequence, *, order: str = "retrieval") -> list[int]:
         """Count one retrieval on the server and get its prompt order (:meth:`kvrag.Engine.record_retrieval`).
 
-        Only ``order="frequency"`` asks the server (one round trip per retrieval, counted in its
-        table for this client's tenant); retrieval order is kept here without one, uncounted.
-        A document given as several forms is sent as its first.
+        One round trip per retrieval, whatever the order: the server counts it in this client's
+        tenant's table, so promotion (``promotion_threshold``) gates the server's refresh as it
+        gates an embedded engine's, and the two answer alike. A document given as several forms is
+        sent as its first.
         """
         check_chunk_order(order)
-        if order == "retrieval":
-            return list(range(len(documents)))
         texts = [d if isinstance(d, str) else next(iter(d)) for d in documents]
         self.register(texts)
         return self.client.record_retrieval(texts, order=order)

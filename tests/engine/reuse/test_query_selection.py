@@ -40,7 +40,7 @@ def test_blocks_score_the_attention_on_their_tokens_and_are_taken_whole_in_that_
 def test_query_takes_the_probes_block_size_and_its_depth():
     assert issubclass(params_class("query"), ProbeParams)
     assert selection_params("query", {"query_layers": 12, "probe_stride": 8}).resolved(30).query_layers == 12
-    assert selection_params("query").resolved(30).query_layers == 29  # every layer by default
+    assert selection_params("query").resolved(30).query_layers == 22  # three quarters of the depth by default
     assert selection_params("query", {"query_layers": 99}).resolved(30).query_layers == 29
     with pytest.raises(InvalidRequestError, match="query_layers"):
         selection_params("query", {"query_layers": 0})
@@ -83,7 +83,7 @@ def test_the_first_stage_measures_the_layers_asked_for(tiny_model, tiny_tokenize
         query_module, "fused_attention", lambda by_layer: depths.append(len(by_layer)) or real(by_layer)
     )
     chunks = make_docs(3, seed=3)
-    for layers in (1, None):
+    for layers in (1, 99):
         engine = Engine.from_model(
             tiny_model, tiny_tokenizer, selection="query", selection_params={"query_layers": layers}, tree_refresh=False
         )

@@ -24,7 +24,7 @@ from kvrag.engine.reuse.selection.base import BlendPass
 from kvrag.engine.store import build_store, make_policy
 from tests.helpers import PREFIX, SUFFIX, make_docs
 
-PRODUCT = {"probe", "focus", "hkvd", "recency", "epic", "craft"}
+PRODUCT = {"probe", "focus", "hkvd", "recency", "epic", "craft", "query"}
 
 
 @dataclass(frozen=True, slots=True)

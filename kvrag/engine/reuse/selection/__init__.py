@@ -8,6 +8,8 @@
 - ``craft`` (:mod:`.craft`): Cache-Craft's per-chunk budget from the fix overhead, tokens ranked
   by the attention statistics stored with the variant.
 - ``epic`` (:mod:`.epic`): the first tokens of every cached chunk (EPIC's LegoLink).
+- ``query`` (:mod:`.query`): the blocks the question attends to most over the cached KV, on every
+  layer (ProphetKV's query-driven recompute).
 
 A strategy is a function of a :class:`BlendPass` registered under its name, with its parameters
 class and how it spends ``"auto"`` (:func:`register_selection`), in the strategy's own file: the
