@@ -57,7 +57,9 @@ class QueryParams(ProbeParams):
         ProbeParams.__post_init__(self)
         n = self.query_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise InvalidRequestError(f"query_layers must be an integer >= 1 or None (three quarters of the depth), got {n!r}")
+            raise InvalidRequestError(
+                f"query_layers must be an integer >= 1 or None (three quarters of the depth), got {n!r}"
+            )
 
     def resolved(self, n_layers: int) -> QueryParams:
         last = (3 * n_layers) // 4 if self.query_layers is None else self.query_layers
