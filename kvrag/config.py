@@ -251,7 +251,8 @@ class EngineConfig:
             of cached tokens kept after layer ``check_layer + i``, as a multiple of the recompute
             ratio; ``(2.0, 1.5)`` keeps 2r after the check layer, 1.5r after the next one and r from
             then on), ``deviation`` (``kv``). ``query``: ``probe_stride`` and ``query_layers`` (the
-            last layer whose attention is measured; ``None``: three quarters of the depth). ``recency``, ``epic``, ``craft``: none.
+            last layer whose attention is measured; ``None``: three quarters of the depth).
+            ``recency``, ``epic``, ``craft``: none.
         auto_max_ratio: the most ``"auto"`` recomputes (a share of the cached chunk tokens; 0.3).
         auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None``
             (default) takes the value ``kvrag calibrate`` measured for this model and dtype, if any.

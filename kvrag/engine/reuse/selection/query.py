@@ -7,10 +7,12 @@ attention the user's question pays them, fused over layers, in two stages:
 
 1. **The question over the cached KV.** The uncached rows (the text before the chunks, the question)
    run through the layers up to ``query_layers`` (three quarters of the depth) with the cached chunk
-   KV in place and nothing recomputed; on each of those layers from 1 on, the attention the question's rows pay every cached position is measured (softmax over
-   the cached chunk keys, summed over heads and rows: :class:`~.probe.BlockProbe`'s). Each layer's
-   is normalised to 1 and the layers are averaged, so deep layers, where the answer is read, weigh
-   as much as early ones. That pass costs the uncached rows' share of a full prefill (a few percent).
+   KV in place and nothing recomputed; on each of those layers from 1 on, the attention the
+   question's rows pay every cached position is measured (softmax over the cached chunk keys, summed
+   over heads and rows: :class:`~.probe.BlockProbe`'s). Each layer's is normalised to 1 and the
+   layers are averaged, so deep layers, where the answer is read, weigh as much as early ones. That
+   pass computes a few percent of a full prefill's rows, but its per-layer costs make it ~0.4 s on
+   this CPU (a tenth of a full prefill): ``selection="query"`` costs ~1.3x the probe's TTFT.
 2. **The recompute.** Each ``probe_stride``-token block of the cached chunks scores the fused
    attention on its tokens; blocks are recomputed whole in that order until the budget is spent, in
    one pass with the uncached rows (which the first stage computed over the stale KV: they are
