@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks speculation", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--dataset", default="/work/shared/data/musique_dev.json")
+    p.add_argument("--dataset", default="../shared/data/musique_dev.json")
     p.add_argument("--n", type=int, default=40, help="questions (requests per arm and load)")
     p.add_argument("--n-distractors", type=int, default=1_000_000)
     p.add_argument("--nlist", type=int, default=1024)
