@@ -33,7 +33,7 @@ import numpy as np
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["Stage", "staged_search", "speculating_search", "stage_widths", "DEFAULT_STAGES"]
+__all__ = ["Stage", "staged_search", "speculating_search", "stage_widths", "check_stages", "DEFAULT_STAGES"]
 
 #: RAGCache splits a search into four stages (§5.3, Figure 11).
 DEFAULT_STAGES = 4
@@ -67,6 +67,13 @@ def stage_widths(total: int, stages: int) -> list[int]:
         raise InvalidRequestError(f"stages must be at least 1, got {stages}")
     widths = sorted({max(1, -(-total * (s + 1) // stages)) for s in range(stages)})
     return widths
+
+
+def check_stages(stages) -> int:
+    """``stages`` if it is a positive integer (a staged search's, or a wrapper's setting of it)."""
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise InvalidRequestError(f"stages must be a positive integer, got {stages!r}")
+    return stages
 
 
 def _faiss():
@@ -125,8 +132,7 @@ def staged_search(
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise InvalidRequestError(f"k must be a positive integer, got {k!r}")
     x = _queries(index, queries)
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise InvalidRequestError(f"stages must be a positive integer, got {stages!r}")
+    check_stages(stages)
     kind = faiss.downcast_index(index)  # an IVF index itself (a wrapper would map ids: plain search)
     if isinstance(kind, faiss.IndexIVF):
         yield from _staged_ivf(faiss, kind, x, k, stages, nprobe)

@@ -33,7 +33,7 @@ from kvrag.engine import Engine
 from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
-from kvrag.integrations.staged_search import DEFAULT_STAGES, speculating_search
+from kvrag.integrations.staged_search import DEFAULT_STAGES, check_stages, speculating_search
 
 __all__ = ["register_documents", "order_documents", "KVCachedRetriever", "KVCachedVectorStore"]
 
@@ -207,8 +207,7 @@ class KVCachedVectorStore(VectorStore):
             raise InvalidRequestError(
                 f"speculative=True needs a FAISS vector store (a faiss index), got {type(vectorstore).__name__}"
             )
-        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-            raise InvalidRequestError(f"stages must be a positive integer, got {stages!r}")
+        check_stages(stages)
         self.vectorstore = vectorstore
         self.llm = llm
         self.speculative, self.stages, self.nprobe = speculative, stages, nprobe

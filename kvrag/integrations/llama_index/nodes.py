@@ -33,7 +33,7 @@ from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
 from kvrag.integrations.llama_index.speculation import check_speculative, speculative_retrieve
-from kvrag.integrations.staged_search import DEFAULT_STAGES
+from kvrag.integrations.staged_search import DEFAULT_STAGES, check_stages
 
 __all__ = ["node_texts", "register_nodes", "order_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
 
@@ -183,8 +183,7 @@ class KVCachedRetriever(BaseRetriever):
         check_target(llm)
         if speculative:  # speculation: see kvrag.integrations.llama_index.speculation
             check_speculative(retriever)
-            if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-                raise InvalidRequestError(f"stages must be a positive integer, got {stages!r}")
+            check_stages(stages)
         self.speculative, self.stages, self.nprobe = speculative, stages, nprobe
         self.retriever = retriever
         self.llm = llm
