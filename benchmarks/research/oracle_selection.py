@@ -42,7 +42,8 @@ from kvrag.engine.model.runner import KVBuffer, forward
 from kvrag.engine.reuse.attention_stats import Tap
 from kvrag.engine.reuse.fusion import extend
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
-from kvrag.engine.reuse.selection.probe import ProbeParams, budget_tokens
+from kvrag.engine.reuse.selection.probe import ProbeParams, block_spans, budget_tokens
+from kvrag.engine.reuse.selection.query import question_blocks
 from kvrag.kernels import kv_deviation
 
 ORACLES = {"otok8": ("probe", False), "otokall": ("all", False), "oblkall": ("all", True)}
@@ -87,15 +88,8 @@ def _chosen(p: BlendPass, score: torch.Tensor, blocks: bool) -> torch.Tensor:
         top = torch.topk(score[cand], min(budget, int(cand.sum()))).indices
         chosen[cand.nonzero().squeeze(1)[top]] = True
         return chosen
-    stride = p.params.probe_stride
-    found = [(a, min(a + stride, end)) for start, end in p.spans for a in range(start, end, stride)]
-    for a, b in sorted(found, key=lambda ab: -float(score[ab[0] : ab[1]].mean())):
-        if budget <= 0:
-            break
-        take = min(b - a, budget)
-        chosen[a : a + take] = True
-        budget -= take
-    return chosen
+    blocks = [(float(score[a:b].mean()), a, b) for a, b in block_spans(p.spans, p.params.probe_stride)]
+    return question_blocks(n, blocks, budget)  # by mean score, ties in position order
 
 
 def _answer_attention(p: BlendPass, with_answer: bool) -> torch.Tensor:

@@ -36,7 +36,7 @@ from kvrag.engine.reuse.selection.base import BlendPass, SelectionParams, check_
 from kvrag.errors import InvalidRequestError
 from kvrag.kernels import kv_deviation
 
-__all__ = ["ProbeParams", "BlockProbe", "probe_sample", "probe_blocks", "probe", "three_passes"]
+__all__ = ["ProbeParams", "BlockProbe", "block_spans", "probe_sample", "probe_blocks", "probe", "three_passes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,8 @@ class BlockProbe:
         self.by_layer.append(mass)
 
 
-def _blocks(spans: list[tuple[int, int]], stride: int):
+def block_spans(spans: list[tuple[int, int]], stride: int):
+    """(start, end) of every ``stride``-token block of each span, in order (the last one of a span shorter)."""
     for start, end in spans:
         for a in range(start, end, stride):
             yield a, min(a + stride, end)
@@ -145,7 +146,7 @@ def _blocks(spans: list[tuple[int, int]], stride: int):
 def probe_sample(spans: list[tuple[int, int]], n: int, stride: int) -> torch.Tensor:
     """[N] bool: the middle token of every block of ``stride`` tokens of each span."""
     sample = torch.zeros(n, dtype=torch.bool)
-    for a, b in _blocks(spans, stride):
+    for a, b in block_spans(spans, stride):
         sample[a + (b - a) // 2] = True
     return sample
 
@@ -167,7 +168,7 @@ def probe_blocks(
     (``recompute_ratio="auto"``) get nothing, and so do positions already in ``chosen`` (which the
     result extends).
     """
-    block_of = {a + (b - a) // 2: (a, b) for a, b in _blocks(spans, stride)}
+    block_of = {a + (b - a) // 2: (a, b) for a, b in block_spans(spans, stride)}
     chosen = torch.zeros(n, dtype=torch.bool) if chosen is None else chosen.clone()
     order = torch.argsort(deviation, descending=True, stable=True).tolist()
     dev, pos = deviation.tolist(), positions.tolist()
@@ -220,8 +221,8 @@ def three_passes(p: BlendPass, choose: Choose, *, focus: bool = False) -> tuple[
     measured = (sample | late)[a_pos]
     p.run(a_pos[measured], hidden=h_a[measured], selector=meter, layers=(layer, layer + 1), record=False)
 
-    ends = torch.tensor([b for _, b in _blocks(p.spans, o.probe_stride)])
-    starts = torch.tensor([a for a, _ in _blocks(p.spans, o.probe_stride)])
+    ends = torch.tensor([b for _, b in block_spans(p.spans, o.probe_stride)])
+    starts = torch.tensor([a for a, _ in block_spans(p.spans, o.probe_stride)])
     p.measured.update(block_sizes=ends - starts, block_deviation=meter.deviation.detach().cpu())
     chosen = choose(p, meter).to(p.adapter.device)
     b_pos = p.all_pos[chosen | (p.uncached & ~early)]

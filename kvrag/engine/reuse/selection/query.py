@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
-from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, budget_tokens
+from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, block_spans, budget_tokens
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["QueryParams", "fused_attention", "block_scores", "question_blocks", "query"]
@@ -84,11 +84,7 @@ def block_scores(
     at = torch.zeros(int(keys.max()) + 1 if keys.numel() else 0)
     at[keys.cpu()] = attention.float().cpu()
     csum = torch.cat((torch.zeros(1), at.cumsum(0))).tolist()
-    return [
-        (csum[min(a + stride, end)] - csum[a], a, min(a + stride, end))
-        for start, end in spans
-        for a in range(start, end, stride)
-    ]
+    return [(csum[b] - csum[a], a, b) for a, b in block_spans(spans, stride)]
 
 
 def question_blocks(n: int, blocks: list[tuple[float, int, int]], budget: int) -> torch.Tensor:
