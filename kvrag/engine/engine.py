@@ -735,7 +735,8 @@ class Engine:
 
     def queue_stats(self) -> dict:
         """The engine thread's load now: ``running`` (requests holding a decoding slot), ``waiting``
-        (requests and jobs queued), ``queued_tokens`` (their prompt tokens), ``decode_steps``."""
+        (requests and jobs queued), ``queued_tokens`` (their prompt tokens), ``decode_steps``, and
+        ``busy_s`` (seconds the engine thread has had work since the engine started)."""
         return self._worker.stats()
 
     def flush(self) -> None:

@@ -101,6 +101,8 @@ class Worker:
         self._current: Ticket | None = None  # the ticket prefilling now
         self._last_step = 0.0
         self.steps = 0  # decode steps run (for tests and metrics)
+        self._busy_s = 0.0  # seconds the engine thread has run, its running stretch excluded (see stats)
+        self._busy_since: float | None = None  # when the running stretch began (the thread started)
 
     # -- callers' side ------------------------------------------------------------------------
 
@@ -110,6 +112,7 @@ class Worker:
             self.scheduler.submit(ticket)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvrag-engine", daemon=True)
+                self._busy_since = time.perf_counter()
                 self._thread.start()
             self._cond.notify_all()
 
@@ -168,13 +171,17 @@ class Worker:
 
     def stats(self) -> dict:
         """Requests decoding (``running``, the one prefilling included), tickets and prompt tokens
-        waiting (``waiting``, ``queued_tokens``), decode steps run so far (``decode_steps``)."""
+        waiting (``waiting``, ``queued_tokens``), decode steps run so far (``decode_steps``), and
+        ``busy_s``: seconds the engine thread has had work so far (it runs only while something
+        waits or runs, so this is the engine's busy time, idle gaps left out)."""
         with self._cond:
+            since = self._busy_since
             return {
                 "running": self.scheduler.running,
                 "waiting": len(self.scheduler.waiting),
                 "queued_tokens": self.scheduler.queued_tokens,
                 "decode_steps": self.steps,
+                "busy_s": self._busy_s + (time.perf_counter() - since if since is not None else 0.0),
             }
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -194,6 +201,7 @@ class Worker:
                     ticket = self.scheduler.next()
                     if ticket is None and not self._running:
                         self._thread = None
+                        self._idle()
                         self._cond.notify_all()
                         return
                 if ticket is None:
@@ -203,9 +211,17 @@ class Worker:
                     self._step()
                 self._run(ticket)
         except BaseException as exc:  # a bug here must not leave callers waiting forever
+            with self._cond:
+                self._idle()
             log.exception("kvrag: the engine thread failed")
             self._fail_all(exc)
             raise
+
+    def _idle(self) -> None:
+        """The thread stops (the condition held): its running stretch counts as busy time."""
+        if self._busy_since is not None:
+            self._busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
 
     def _run(self, ticket: Ticket) -> None:
         if ticket.cancelled:

@@ -237,3 +237,20 @@ def test_concurrent_streams_equal_each_alone_on_the_bundled_model(smol_engine):
     streams = [smol_engine.stream(r, PREFIX, SUFFIX, mode="full") for r in requests]
     together = [token_ids(s) for s in streams]
     assert together == alone
+
+
+def test_busy_time_counts_the_engine_threads_work_not_its_idle_gaps(tiny_engine):
+    assert tiny_engine.queue_stats()["busy_s"] == 0  # no work yet
+    tiny_engine.generate(make_docs(2, seed=41), PREFIX, SUFFIX, max_new_tokens=3)
+    tiny_engine.flush()
+    assert tiny_engine._worker.wait_idle(10)
+    busy = tiny_engine.queue_stats()["busy_s"]
+    assert busy > 0
+    gate = hold_engine_thread(tiny_engine)  # a running job counts while it runs
+    threading.Event().wait(0.02)
+    assert tiny_engine.queue_stats()["busy_s"] > busy
+    gate.set()
+    assert tiny_engine._worker.wait_idle(10)
+    idle = tiny_engine.queue_stats()["busy_s"]
+    threading.Event().wait(0.05)
+    assert tiny_engine.queue_stats()["busy_s"] == idle  # idle time is not busy time
