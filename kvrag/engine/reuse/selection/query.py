@@ -11,12 +11,15 @@ attention the user's question pays them, fused over layers, in two stages:
    question's rows pay every cached position is measured (softmax over the cached chunk keys, summed
    over heads and rows: :class:`~.probe.BlockProbe`'s). Each layer's is normalised to 1 and the
    layers are averaged, so deep layers, where the answer is read, weigh as much as early ones. That
-   pass computes a few percent of a full prefill's rows, but its per-layer costs make it ~0.4 s on
-   this CPU (a tenth of a full prefill): ``selection="query"`` costs ~1.3x the probe's TTFT.
+   pass computes a few percent of a full prefill's rows; it costs ~0.24 s of CPU here (~60 ms of it
+   placing cached KV that the recompute needs anyway) against the probe's ~0.15 s sample pass.
 2. **The recompute.** Each ``probe_stride``-token block of the cached chunks scores the fused
    attention on its tokens; blocks are recomputed whole in that order until the budget is spent, in
    one pass with the uncached rows (which the first stage computed over the stale KV: they are
-   computed again here, over the recomputed blocks).
+   computed again here, over the recomputed blocks). This pass is most of the cost: the question
+   reads the last chunks, whose rows attend over ~2.5x the keys of the probe's, so it costs ~1.26x
+   the probe's whole prefill on its own and ``selection="query"`` ~1.4-1.5x the probe's TTFT
+   (docs/benchmarks.md, "Where the time goes").
 
 Measured on the dev set (docs/benchmarks.md, "Query-driven recompute"), chunks computed in other
 company, 15% recomputed: an oracle ranking blocks by the question's attention on the *full* prefill's
