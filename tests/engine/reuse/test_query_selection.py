@@ -91,3 +91,31 @@ def test_the_first_stage_measures_the_layers_asked_for(tiny_model, tiny_tokenize
         engine.generate(chunks[::-1], PREFIX, SUFFIX, recompute_ratio=0.3, max_new_tokens=1)
         engine.close()
     assert depths == [1, tiny_model.config.num_hidden_layers - 1]  # layers 1..last: layer 0 reads no context
+
+
+@pytest.mark.parametrize("gap", [False, True])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("first", [30, 33])
+def test_the_question_meter_measures_what_the_block_probe_does_bit_for_bit(gap, window, first):
+    from types import SimpleNamespace
+
+    from kvrag.engine.reuse.selection.probe import BlockProbe
+
+    torch.manual_seed(0)
+    n, h, hkv, d = 40, 4, 2, 8
+    buf = SimpleNamespace(k=torch.randn(3, hkv, n, d, dtype=torch.bfloat16))
+    keys = torch.tensor([p for p in range(4, 30) if not (gap and 14 <= p < 17)])  # one run of positions, or two
+    pos = torch.arange(first, n)  # from 30: rows before the question's (their attention is not measured)
+    question = torch.zeros(n, dtype=torch.bool)
+    question[33:] = True
+    windows = [None, window, None]
+    probe = BlockProbe(torch.zeros(n, dtype=torch.bool), 2, question=question, keys=keys, scale=0.3, windows=windows)
+    meter = query_module.QuestionMeter(question, keys, 2, 0.3, windows)
+    assert [meter.wants(layer) for layer in range(3)] == [False, True, True]
+    for layer in (1, 2):
+        q = torch.randn(h, pos.numel(), d, dtype=torch.bfloat16)
+        probe._attend(layer, pos, q, buf)
+        keep = meter.select(layer, pos, q, None, None, buf)
+        assert keep is None if layer == 1 else keep.numel() == 0  # the pass ends on the last layer measured
+    assert len(meter.by_layer) == 2
+    assert all(torch.equal(a, b) for a, b in zip(probe.by_layer, meter.by_layer))

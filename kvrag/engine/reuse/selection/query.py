@@ -11,12 +11,15 @@ attention the user's question pays them, fused over layers, in two stages:
    question's rows pay every cached position is measured (softmax over the cached chunk keys, summed
    over heads and rows: :class:`~.probe.BlockProbe`'s). Each layer's is normalised to 1 and the
    layers are averaged, so deep layers, where the answer is read, weigh as much as early ones. That
-   pass computes a few percent of a full prefill's rows, but its per-layer costs make it ~0.4 s on
-   this CPU (a tenth of a full prefill): ``selection="query"`` costs ~1.3x the probe's TTFT.
+   pass computes a few percent of a full prefill's rows; it costs ~0.24 s of CPU here (~60 ms of it
+   placing cached KV that the recompute needs anyway) against the probe's ~0.15 s sample pass.
 2. **The recompute.** Each ``probe_stride``-token block of the cached chunks scores the fused
    attention on its tokens; blocks are recomputed whole in that order until the budget is spent, in
    one pass with the uncached rows (which the first stage computed over the stale KV: they are
-   computed again here, over the recomputed blocks).
+   computed again here, over the recomputed blocks). This pass is most of the cost: the question
+   reads the last chunks, whose rows attend over ~2.5x the keys of the probe's, so it costs ~1.26x
+   the probe's whole prefill on its own and ``selection="query"`` ~1.4-1.5x the probe's TTFT
+   (docs/benchmarks.md, "Where the time goes").
 
 Measured on the dev set (docs/benchmarks.md, "Query-driven recompute"), chunks computed in other
 company, 15% recomputed: an oracle ranking blocks by the question's attention on the *full* prefill's
@@ -35,11 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
-from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, block_spans, budget_tokens
+from kvrag.engine.reuse.selection.probe import ProbeParams, block_spans, budget_tokens
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["QueryParams", "fused_attention", "block_scores", "question_blocks", "query"]
+__all__ = ["QueryParams", "QuestionMeter", "fused_attention", "block_scores", "question_blocks", "query"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,61 @@ class QueryParams(ProbeParams):
         last = (3 * n_layers) // 4 if self.query_layers is None else self.query_layers
         last = max(1, min(last, n_layers - 1))
         return dataclasses.replace(ProbeParams.resolved(self, n_layers), query_layers=last)
+
+
+class QuestionMeter:
+    """The first stage's selector: on layers 1..``last`` the attention the ``question`` rows pay the
+    cached ``keys`` [K] (:attr:`by_layer`); it ends the pass on ``last``, before that layer's attention.
+
+    :class:`~.probe.BlockProbe`'s measure (softmax of the scaled scores over the cached keys only,
+    summed over heads and rows), bit for bit, with what it spent for nothing left out: the cached keys
+    are read in place when they are one run of positions (the chunks side by side, the usual
+    prompt) instead of being gathered into a copy on every layer; the question's rows are not
+    gathered when they are all the pass's rows; the upcast scores are scaled in place; ``nan_to_num``
+    runs only on a sliding-window layer, the one where a row can see none of the keys.
+    """
+
+    def __init__(
+        self, question: torch.Tensor, keys: torch.Tensor, last: int, scale: float, windows: list[int | None]
+    ) -> None:
+        self.question, self.keys, self.last, self.scale, self.windows = question, keys, last, scale, windows
+        k0 = int(keys[0]) if keys.numel() else 0
+        one_run = keys.numel() > 0 and int(keys[-1]) - k0 + 1 == keys.numel()
+        self._run = (k0, k0 + keys.numel()) if one_run else None  # the keys as one slice of positions
+        self._rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (pos, question rows or None: all)
+        self.by_layer: list[torch.Tensor] = []  # [K] on layers 1..last, in order
+
+    def wants(self, layer: int) -> bool:
+        return 1 <= layer <= self.last
+
+    def select(self, layer: int, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buf: KVBuffer):
+        self.by_layer.append(self._attend(layer, pos, q, buf))
+        return pos.new_empty(0) if layer == self.last else None
+
+    def _asking(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """The question's rows among ``pos`` (None: all of them), found once per pass (no row is dropped)."""
+        if self._rows is None or self._rows[0] is not pos:
+            asking = self.question[pos].nonzero().squeeze(1)
+            self._rows = (pos, None if asking.numel() == pos.numel() else asking)
+        return self._rows[1]
+
+    def _attend(self, layer: int, pos: torch.Tensor, q: torch.Tensor, buf: KVBuffer) -> torch.Tensor:
+        asking = self._asking(pos)
+        qa = q if asking is None else q[:, asking]
+        hkv, (h, rq, d) = buf.k.shape[1], qa.shape
+        if self._run is not None:
+            keys = buf.k[layer, :, self._run[0] : self._run[1]]  # [Hkv, K, D], a view
+        else:
+            keys = buf.k[layer][:, self.keys]
+        grouped = qa.reshape(hkv, (h // hkv) * rq, d)  # the query heads sharing a KV head side by side
+        scores = torch.matmul(grouped, keys.transpose(1, 2)).float().mul_(self.scale)  # [Hkv, G * Rq, K]
+        window = self.windows[layer] if self.windows else None
+        if window is None:
+            return torch.softmax(scores, dim=-1).sum(dim=(0, 1))
+        rows = pos if asking is None else pos[asking]
+        far = self.keys[None, :] <= rows[:, None] - window  # [Rq, K]
+        scores = scores.view(hkv, h // hkv, rq, -1).masked_fill(far, float("-inf")).view(hkv, h // hkv * rq, -1)
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=(0, 1))
 
 
 def fused_attention(by_layer: list[torch.Tensor]) -> torch.Tensor:
@@ -106,16 +165,7 @@ def query(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     last_end = max(b for _, b in p.spans)
     question = p.uncached & (p.all_pos >= last_end)
     keys = p.all_pos[p.candidates]
-    # the meter measures the question's attention on layers 1..last and ends the pass on ``last``
-    # (its sample is empty: no deviation measured)
-    meter = BlockProbe(
-        torch.zeros_like(question),
-        last,
-        question=question,
-        keys=keys,
-        scale=p.adapter.scale,
-        windows=p.adapter.windows,
-    )
+    meter = QuestionMeter(question, keys, last, p.adapter.scale, p.adapter.windows)
     rows = p.all_pos[p.uncached]
     p.run(rows, selector=meter, layers=(0, last + 1), record=False)
     attention = fused_attention(meter.by_layer)
