@@ -193,7 +193,9 @@ class EngineConfig:
             defaults; a request's own fields override these one by one.
         memory_budget_bytes: byte budget of the in-memory KV tier; ``"auto"`` (default): a quarter
             of the machine's memory (or of the container's limit), at most half of what is free
-            when the engine starts (:mod:`kvrag.engine.store.budget`). A cap, not a reservation.
+            when the engine starts (:mod:`kvrag.engine.store.budget`). A cap, not a reservation;
+            the quarter is the process's: engines in one process split it (each gets what the
+            live ones left, at least 256 MiB).
         disk_tier: keep a persistent disk tier under ``cache_dir`` (``<cache_dir>/kv``), shared by
             every process that uses that directory. Off by default: an embedded library does not
             fill the user's home with gigabytes unasked, and tests and notebooks leave nothing

@@ -101,3 +101,38 @@ def test_memory_alone_plain_keeps_records_as_computed():
     chunk = smol_record(1, 64)
     store.put(key(1, tokens=64), chunk)
     assert store.get(key(1, tokens=64)) is chunk and store.stats()["codec"] == "plain"
+
+
+def test_auto_budgets_in_one_process_share_the_quarter():
+    """Engines made in one process with "auto" split the share instead of each taking a quarter; a
+    closed store gives its claim back."""
+    machine = MachineMemory(24 * GiB, 22 * GiB)
+    before = budget_mod.claimed_auto()
+    first, second = object.__new__(MemoryStore), object.__new__(MemoryStore)
+    try:
+        a = budget_mod.claim_auto(first, machine)
+        b = budget_mod.claim_auto(second, machine)
+        assert a == memory_budget("auto", machine, claimed=before)  # 6 GiB less what live engines hold
+        assert b == memory_budget("auto", machine, claimed=before + a)
+        assert memory_budget("auto", machine, claimed=0) == 6 * GiB
+        assert memory_budget("auto", machine, claimed=4 * GiB) == 2 * GiB
+        assert memory_budget("auto", machine, claimed=6 * GiB) == budget_mod.MIN_AUTO_BYTES
+        budget_mod.release_auto(first)
+        assert budget_mod.claimed_auto() == before + b
+    finally:
+        budget_mod.release_auto(first)
+        budget_mod.release_auto(second)
+    assert budget_mod.claimed_auto() == before
+
+
+def test_a_store_made_auto_claims_and_close_releases():
+    before = budget_mod.claimed_auto()
+    store = MemoryStore("auto")
+    assert store.budget_bytes >= budget_mod.MIN_AUTO_BYTES
+    assert budget_mod.claimed_auto() == before + store.budget_bytes
+    second = MemoryStore("auto")
+    assert budget_mod.claimed_auto() == before + store.budget_bytes + second.budget_bytes
+    store.close()
+    second.close()
+    assert budget_mod.claimed_auto() == before
+    assert MemoryStore(12345).budget_bytes == 12345 and budget_mod.claimed_auto() == before

@@ -7,15 +7,36 @@ running requests' KV, the application (its index and embedder) and the machine's
 it is a cap, not a reservation: nothing is allocated until KV is kept. A machine already short of
 memory when the engine starts gets less: never more than half of the memory then available.
 Where nothing can be read (no ``/proc``, no ``sysconf``), the budget is :data:`FALLBACK_BYTES`.
+
+The share is the process's, not each engine's: engines made in one process with ``"auto"`` (a
+bench comparing methods, an app serving two models) split it. Each new one gets what the live ones
+have not claimed (:func:`claim_auto`), at least :data:`MIN_AUTO_BYTES`; a claim ends when its
+store is closed or collected. Without that, six engines each took a quarter of a 24 GB machine
+and filled it past its memory once their stores filled (a bench run killed by the kernel).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["MEMORY_SHARE", "FALLBACK_BYTES", "MachineMemory", "machine_memory", "memory_budget"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MEMORY_SHARE",
+    "FALLBACK_BYTES",
+    "MIN_AUTO_BYTES",
+    "MachineMemory",
+    "machine_memory",
+    "memory_budget",
+    "claim_auto",
+    "release_auto",
+    "claimed_auto",
+]
 
 #: Share of the machine's memory the memory tier may fill by default.
 MEMORY_SHARE = 0.25
@@ -23,6 +44,12 @@ MEMORY_SHARE = 0.25
 AVAILABLE_SHARE = 0.5
 #: The default budget where the machine's memory cannot be read (2 GiB).
 FALLBACK_BYTES = 2 * 1024**3
+#: The least an ``"auto"`` budget gets when the engines before it have claimed the share (256 MiB).
+MIN_AUTO_BYTES = 256 * 1024**2
+
+# the live "auto" budgets of this process: owner (a store) -> bytes
+_claims: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_claims_lock = threading.Lock()
 
 # cgroup v2, then v1: a container's memory limit ("max", or a huge number, when there is none)
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -70,22 +97,53 @@ def machine_memory() -> MachineMemory:
     return MachineMemory(total, _meminfo_available())
 
 
-def memory_budget(setting: int | str = "auto", memory: MachineMemory | None = None) -> int:
+def memory_budget(setting: int | str = "auto", memory: MachineMemory | None = None, claimed: int = 0) -> int:
     """The memory tier's budget in bytes for ``EngineConfig.memory_budget_bytes``.
 
     Args:
         setting: a byte count (kept as is) or ``"auto"``: :data:`MEMORY_SHARE` of ``memory.total``
-            (of ``memory.available`` where the total is unknown), at most :data:`AVAILABLE_SHARE` of
-            ``memory.available``; :data:`FALLBACK_BYTES` when neither is known.
+            (of ``memory.available`` where the total is unknown) less ``claimed``, at most
+            :data:`AVAILABLE_SHARE` of ``memory.available``, at least :data:`MIN_AUTO_BYTES`;
+            :data:`FALLBACK_BYTES` less ``claimed`` when neither is known.
         memory: the machine's memory (default: :func:`machine_memory`, read now).
+        claimed: bytes the process's live ``"auto"`` budgets hold already (:func:`claimed_auto`).
     """
     if setting != "auto":
         return int(setting)
     total, available = memory if memory is not None else machine_memory()
     base = total if total is not None else available
     if base is None:
-        return FALLBACK_BYTES
-    budget = MEMORY_SHARE * base
+        return max(FALLBACK_BYTES - claimed, MIN_AUTO_BYTES)
+    budget = MEMORY_SHARE * base - claimed
     if available is not None:
         budget = min(budget, AVAILABLE_SHARE * available)
-    return int(budget)
+    return int(max(budget, MIN_AUTO_BYTES))
+
+
+def claimed_auto() -> int:
+    """Bytes held by this process's live ``"auto"`` budgets."""
+    with _claims_lock:
+        return sum(_claims.values())
+
+
+def claim_auto(owner: object, memory: MachineMemory | None = None) -> int:
+    """An ``"auto"`` budget for ``owner`` (a store), out of what the process's live ones left.
+
+    The claim lasts until :func:`release_auto` or until ``owner`` is garbage-collected."""
+    with _claims_lock:
+        claimed = sum(_claims.values())
+        budget = memory_budget("auto", memory, claimed)
+        if claimed and budget == MIN_AUTO_BYTES:
+            log.warning(
+                "kvrag: the engines of this process have claimed the memory share of the KV stores "
+                "(memory_budget_bytes='auto'); this one gets %d MiB. Set memory_budget_bytes to size them.",
+                MIN_AUTO_BYTES // 1024**2,
+            )
+        _claims[owner] = budget
+        return budget
+
+
+def release_auto(owner: object) -> None:
+    """``owner``'s ``"auto"`` budget returns to the process's share (a no-op if it holds none)."""
+    with _claims_lock:
+        _claims.pop(owner, None)

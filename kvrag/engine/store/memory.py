@@ -7,6 +7,7 @@ from collections import Counter
 from contextlib import contextmanager
 
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
+from kvrag.engine.store.budget import claim_auto, release_auto
 from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, make_policy
 
 __all__ = ["MemoryStore"]
@@ -28,8 +29,9 @@ class MemoryStore(KVStore):
     last, so ordinary puts evict it first.
     """
 
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | str | None = None, *, at_rest=None) -> None:
-        self.budget_bytes = int(budget_bytes)
+    def __init__(self, budget_bytes: int | str, policy: EvictionPolicy | str | None = None, *, at_rest=None) -> None:
+        # "auto": this process's share of the machine's memory, less what its other live stores claimed
+        self.budget_bytes = claim_auto(self) if budget_bytes == "auto" else int(budget_bytes)
         self.policy = make_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
         self.at_rest = at_rest
         self._items: dict[StoreKey, KVRecord] = {}
@@ -170,6 +172,10 @@ class MemoryStore(KVStore):
     def record_reuse(self, key: StoreKey, cfo: float) -> None:
         with self._lock:
             self.policy.record_reuse(key, cfo)
+
+    def close(self) -> None:
+        """An ``"auto"`` budget returns to the process's share (the entries stay readable until collected)."""
+        release_auto(self)
 
     def clear(self) -> None:
         with self._lock:

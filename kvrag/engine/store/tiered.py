@@ -278,6 +278,7 @@ class TieredStore(KVStore):
         self._prefetcher.close()
         for tier in self._lower:
             tier.close()
+        self.memory.close()
 
 
 def build_store(config) -> KVStore:
@@ -297,7 +298,8 @@ def build_store(config) -> KVStore:
         InvalidRequestError: ``eviction_policy`` names no policy of :data:`~kvrag.engine.store.policy.POLICIES`.
     """
     check_policy(config.eviction_policy)
-    budget = memory_budget(config.memory_budget_bytes)
+    setting = config.memory_budget_bytes
+    budget = "auto" if setting == "auto" else memory_budget(setting)  # "auto": claimed by the memory tier
     codec = config.resolved_kv_codec()
     if not config.disk_tier and not config.remote_url:
         return MemoryStore(budget, config.eviction_policy, at_rest=AtRest(codec, dtype=None))
