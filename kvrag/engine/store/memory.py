@@ -174,7 +174,9 @@ class MemoryStore(KVStore):
             self.policy.record_reuse(key, cfo)
 
     def close(self) -> None:
-        """An ``"auto"`` budget returns to the process's share (the entries stay readable until collected)."""
+        """Drop every entry (their memory is freed now, not when the store is collected: a closed
+        engine may stay referenced) and return an ``"auto"`` budget to the process's share."""
+        self.clear()
         release_auto(self)
 
     def clear(self) -> None:
