@@ -56,7 +56,10 @@ def test_a_container_limit_below_the_physical_memory_is_the_total(tmp_path, monk
 
 
 def test_build_store_sizes_the_memory_tier_from_the_machine(monkeypatch):
+    import weakref
+
     monkeypatch.setattr(budget_mod, "machine_memory", lambda: MachineMemory(24 * GiB, 20 * GiB))
+    monkeypatch.setattr(budget_mod, "_claims", weakref.WeakKeyDictionary())  # no other engine of the suite's
     assert EngineConfig().memory_budget_bytes == "auto"
     assert build_store(EngineConfig()).stats()["budget_bytes"] == 6 * GiB
     assert build_store(EngineConfig(memory_budget_bytes=1000)).stats()["budget_bytes"] == 1000
