@@ -139,3 +139,8 @@ def test_a_store_made_auto_claims_and_close_releases():
     second.close()
     assert budget_mod.claimed_auto() == before
     assert MemoryStore(12345).budget_bytes == 12345 and budget_mod.claimed_auto() == before
+
+
+def test_the_floor_of_a_shared_auto_budget_never_passes_half_the_free_memory():
+    assert memory_budget("auto", MachineMemory(24 * GiB, 300 * 1024**2), claimed=6 * GiB) == 150 * 1024**2
+    assert memory_budget("auto", MachineMemory(24 * GiB, 100 * 1024**2)) == 50 * 1024**2  # as before the sharing

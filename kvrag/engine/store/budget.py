@@ -102,8 +102,8 @@ def memory_budget(setting: int | str = "auto", memory: MachineMemory | None = No
 
     Args:
         setting: a byte count (kept as is) or ``"auto"``: :data:`MEMORY_SHARE` of ``memory.total``
-            (of ``memory.available`` where the total is unknown) less ``claimed``, at most
-            :data:`AVAILABLE_SHARE` of ``memory.available``, at least :data:`MIN_AUTO_BYTES`;
+            (of ``memory.available`` where the total is unknown) less ``claimed`` but at least
+            :data:`MIN_AUTO_BYTES`, then at most :data:`AVAILABLE_SHARE` of ``memory.available``;
             :data:`FALLBACK_BYTES` less ``claimed`` when neither is known.
         memory: the machine's memory (default: :func:`machine_memory`, read now).
         claimed: bytes the process's live ``"auto"`` budgets hold already (:func:`claimed_auto`).
@@ -114,10 +114,10 @@ def memory_budget(setting: int | str = "auto", memory: MachineMemory | None = No
     base = total if total is not None else available
     if base is None:
         return max(FALLBACK_BYTES - claimed, MIN_AUTO_BYTES)
-    budget = MEMORY_SHARE * base - claimed
+    budget = max(MEMORY_SHARE * base - claimed, MIN_AUTO_BYTES)  # the floor is against the other claims only
     if available is not None:
         budget = min(budget, AVAILABLE_SHARE * available)
-    return int(max(budget, MIN_AUTO_BYTES))
+    return int(budget)
 
 
 def claimed_auto() -> int:
@@ -133,7 +133,7 @@ def claim_auto(owner: object, memory: MachineMemory | None = None) -> int:
     with _claims_lock:
         claimed = sum(_claims.values())
         budget = memory_budget("auto", memory, claimed)
-        if claimed and budget == MIN_AUTO_BYTES:
+        if claimed and budget <= MIN_AUTO_BYTES:
             log.warning(
                 "kvrag: the engines of this process have claimed the memory share of the KV stores "
                 "(memory_budget_bytes='auto'); this one gets %d MiB. Set memory_budget_bytes to size them.",
