@@ -477,6 +477,9 @@ def _retrieval_md(per_method: dict, facts: dict, dtype: str | None = None) -> li
         ]
     md += [retrieval_table(per_method, "all", dtype=dtype), ""]
     md += [retrieval_table(per_method, "many_hits", facts.get("min_hits"), facts.get("top_k"), dtype=dtype), ""]
+    if facts.get("returns"):
+        md += [retrieval_table(per_method, "first_asks", dtype=dtype), ""]
+        md += [retrieval_table(per_method, "returns", dtype=dtype), ""]
     return md
 
 

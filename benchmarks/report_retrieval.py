@@ -38,6 +38,7 @@ def retrieval_figures(rs: list[dict], fp32_ratios: list[float] | None = None) ->
         "ttft_ratio_fp32_full": summarize(fp32_ratios or []),
         "ttft_excess_full": summarize(r.get("ttft_excess_full") for r in rs),
         "answer_drift_full": summarize(r.get("answer_drift_full") for r in rs),
+        "answer_drift_own_order": summarize(r.get("answer_drift_own_order") for r in rs),
         "rouge_l_full": _mean(rs, "rouge_l_full"),
         "identical_full": sum(ident) if ident else None,
         "identical_of": len(ident),
@@ -56,7 +57,12 @@ def retrieval_summary(records: list[dict]) -> dict:
     out = {}
     for name in dict.fromkeys(r["method"] for r in records if r["method"] != "full"):
         mine = [r for r in records if r["method"] == name]
-        out[name] = {"all": figures(name, mine), "many_hits": figures(name, [r for r in mine if r.get("many_hits")])}
+        out[name] = {
+            "all": figures(name, mine),
+            "many_hits": figures(name, [r for r in mine if r.get("many_hits")]),
+            "first_asks": figures(name, [r for r in mine if not r.get("occurrence")]),
+            "returns": figures(name, [r for r in mine if r.get("occurrence")]),
+        }
     return out
 
 
@@ -67,13 +73,14 @@ def _f(v, spec: str = ".3f") -> str:
 def retrieval_table(
     per_method: dict, subset: str, min_hits: int | None = None, k: int | None = None, *, dtype: str | None = None
 ) -> str:
-    """One markdown table of :func:`retrieval_summary`'s figures, ``subset`` ``all`` or ``many_hits``;
+    """One markdown table of :func:`retrieval_summary`'s figures, ``subset`` ``all``, ``many_hits``,
+    ``first_asks`` or ``returns`` (a question asked again, reworded);
     ``dtype``: the run's, for figures that do not record one."""
     head = (
         "| method | dtype | requests | chunk hits | exact / blended chunks | recomputed (of blended) | "
         "not in store | TTFT × full, median (mean) | TTFT × fp32 full, median | "
         "**TTFT × full − not in store, median** | "
-        "drift, mean (median) | ROUGE-L vs full | identical |"
+        "drift, mean (median) | drift vs full in its chunk order, mean | ROUGE-L vs full | identical |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, both in per_method.items():
@@ -90,8 +97,11 @@ def retrieval_table(
             f"{_f(s['exact_chunks'], '.2f')} / {_f(s['blended_chunks'], '.2f')} | "
             f"{_f(s['recompute_fraction'], '.1%')} | {_f(s['uncached_share'], '.1%')} | "
             f"{_f(t['median'])} ({_f(t['mean'])}) | {_f(fp32)} | **{_f(e['median'])}** | "
-            f"{_f(d['mean'])} ({_f(d['median'])}) | {_f(s['rouge_l_full'])} | {ident} |"
+            f"{_f(d['mean'])} ({_f(d['median'])}) | {_f((s.get('answer_drift_own_order') or {}).get('mean'))} | "
+            f"{_f(s['rouge_l_full'])} | {ident} |"
         )
+    if subset in ("first_asks", "returns"):
+        lines.insert(0, ("First asks" if subset == "first_asks" else "Returning questions") + ":\n")
     if subset == "many_hits" and min_hits is not None:
         lines.insert(0, f"Requests with at least {min_hits}" + (f" of {k}" if k else "") + " chunk hits:\n")
     return "\n".join(lines)

@@ -66,6 +66,8 @@ def run_retrieval(ctx: RunContext, items: list[QAItem]) -> list[dict]:
         if mode not in STORE_MODES:
             raise InvalidRequestError(f"--store must name modes of {STORE_MODES}, got {mode!r}")
         out += _run_mode(ctx, items, corpus, list(zip(asks, tops)), mode, min_hits)
+        if ctx.checkpoint is not None:  # a later mode's failure keeps this one's records
+            ctx.checkpoint()
     return out
 
 
@@ -90,6 +92,8 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
     store = {"memory_budget_bytes": int(budget)} if budget else {}
     max_new = ctx.opt("retrieval_max_new_tokens", 32)
     workload = f"retrieval/{mode}"
+    same_order = _same_order_refs(methods)
+    runner = {m.name: m for m in methods}
     with MethodEngines(base, ctx.load) as engines:
         runners = engines.runners(methods, {mode: store})
         owned = engines.owned
@@ -119,19 +123,30 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
             # a method whose store holds none of the request's chunks reuses no chunk KV: its prefill is
             # the full one's computation, drift 0 without a scoring prefill (nor full's, if none needs it)
             wanted = [(n, m, e) for n, m, e in runners if n != "full" and m.answers and m.name in score_set]
-            exact = (
-                {n for n, _, e in wanted if n in owned and _blends_nothing(e, req)} if "full" in score_set else set()
-            )
+            # a method in another chunk order is also scored against the full prefill in its order
+            # (``full+order=frequency``, when run): its drift from reuse alone, the order's taken out;
+            # blending nothing, its prefill is that reference's computation, not full's
+            own = {n: same_order[n] for n, _, _ in wanted if n in same_order and same_order[n] in score_set}
+            blank = {n for n, _, e in wanted if n in owned and _blends_nothing(e, req)} if wanted else set()
+            exact = {n for n in blank if "full" in score_set and getattr(runner[n], "order", None) is None}
             scored = {n for n, _, _ in wanted if n not in exact}
-            for name, m, eng in runners:  # full first (ordered)
+            own_exact = blank & set(own)
+            own_scored = set(own) - own_exact
+            own_logps: dict[str, list[float] | None] = {}
+            for name, m, eng in runners:  # full first, then the other full prefills (ordered)
                 answer = outcomes["full"].text if outcomes else None
                 if answer and answer.strip() and name in scored:
                     logps[name] = m.score_tokens(eng, req, answer)  # before the run: see the module docstring
+                ref_text = outcomes[own[name]].text if name in own_scored else None
+                if ref_text and ref_text.strip():
+                    own_logps[name] = m.score_tokens(eng, req, ref_text)
                 outcomes[name] = m.run(eng, req, max_new_tokens=max_new)
                 eng.flush()  # write-back off the clock, before the next method is timed
                 text = outcomes[name].text
                 if name == "full" and "full" in score_set and scored and text and text.strip():
                     logps[name] = m.score_tokens(eng, req, text)
+                if name in {own[n] for n in own_scored} and text and text.strip():
+                    own_logps[name] = m.score_tokens(eng, req, text)
             answered = bool((outcomes["full"].text or "").strip())
             for name, m, eng in runners:
                 rec = retrieval_record(ctx.run_id, req, ask, m, outcomes[name], outcomes["full"], name=name)
@@ -140,6 +155,12 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                     rec["answer_drift_full"] = answer_drift(logps[name], logps["full"])
                 elif name in exact and answered:
                     rec["answer_drift_full"], rec["drift_unscored"] = 0.0, True
+                if name in own:
+                    rec["drift_reference"] = own[name]
+                    if own_logps.get(name) and own_logps.get(own[name]):
+                        rec["answer_drift_own_order"] = answer_drift(own_logps[name], own_logps[own[name]])
+                    elif name in own_exact and (outcomes[own[name]].text or "").strip():
+                        rec["answer_drift_own_order"] = 0.0
                 if name in owned:
                     rec.update(store_usage(eng.store.stats()))
                 out.append(rec)
@@ -214,6 +235,17 @@ def _copy_records(src, dst, texts: list[str]) -> int:
             context, exact = tuple(rec.meta.get("context", ())), rec.meta.get("exact")
             copied += dst.variants.keep(key, twin, context, exact, speculative=speculative)
     return copied
+
+
+def _same_order_refs(methods: list[Method]) -> dict[str, str]:
+    """Method name -> the full prefill's in the same chunk order, for the methods with an order of
+    their own (``auto+order=frequency`` -> ``full+order=frequency``) whose reference is being run."""
+    fulls = {m.order: m.name for m in methods if getattr(m, "mode", None) == "full" and m.name != "full"}
+    return {
+        m.name: fulls[m.order]
+        for m in methods
+        if getattr(m, "order", None) is not None and getattr(m, "mode", None) != "full" and m.order in fulls
+    }
 
 
 def _blends_nothing(engine, req: Request) -> bool:

@@ -278,15 +278,22 @@ def run_bench(
         )
         ctx = RunContext(engine, methods, fmt, run_id, options, progress=_progress_factory(opts.progress), load=load)
         paths: dict = {}
-        for name in names:
-            WORKLOADS[name](ctx, stream_items if name == "stream" else items)
-            if owned:
-                engine.store.clear()  # the next workload starts cold
+
+        def checkpoint() -> None:  # after each workload (and each part of a long one)
+            nonlocal paths, summary
             meta["wall_s"] = time.perf_counter() - t_start
             meta["cpu_s"] = time.process_time() - cpu_start  # cpu_s / wall_s far below the threads: contention
             meta["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
             summary = aggregate(ctx.records, opts.windows)
-            paths = write_results(out_dir, meta, ctx.records, summary, ctx.extras)  # after each workload
+            paths = write_results(out_dir, meta, ctx.records, summary, ctx.extras)
+
+        summary: dict = {}
+        ctx.checkpoint = checkpoint
+        for name in names:
+            WORKLOADS[name](ctx, stream_items if name == "stream" else items)
+            if owned:
+                engine.store.clear()  # the next workload starts cold
+            checkpoint()
         if opts.plots:
             from benchmarks.plots import write_plots
 

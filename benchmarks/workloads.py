@@ -66,6 +66,7 @@ class RunContext:
     progress: Callable | None = None  # tqdm-like factory: progress(iterable, desc=..., total=...)
     method_engines: MethodEngines | None = None  # an engine per method over the run's store (built on demand)
     load: Callable | None = None  # load(config, store): the run's model in another dtype (MethodEngines)
+    checkpoint: Callable[[], None] | None = None  # writes the records so far (a long workload's parts)
 
     def opt(self, name: str, default=None):
         return self.options.get(name, default)
@@ -83,10 +84,12 @@ class RunContext:
 
 
 def ordered(methods: list[Method]) -> list[Method]:
-    """``full`` first (the reference), exact-prefix writers last, the rest as given."""
+    """``full`` first (the reference), then the other full prefills (another dtype or chunk order: the
+    references of the methods like them), exact-prefix writers last, the rest as given."""
     full = [m for m in methods if m.name == "full"]
-    rest = [m for m in methods if m.name != "full" and not m.exact_prefix_writer]
-    return full + rest + [m for m in methods if m.exact_prefix_writer and m.name != "full"]
+    refs = [m for m in methods if m.name != "full" and getattr(m, "mode", None) == "full"]
+    rest = [m for m in methods if m not in full and m not in refs and not m.exact_prefix_writer]
+    return full + refs + rest + [m for m in methods if m.exact_prefix_writer and m.name != "full"]
 
 
 def make_record(

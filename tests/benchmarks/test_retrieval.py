@@ -186,3 +186,52 @@ def test_a_copied_warm_is_the_warm_itself(tiny_engine):
                 want_keys = [key] if eng is owned["c"] else own.variants.index.keys(key)
                 assert [v.key for v in eng.variants.index.variants(key)] == want_keys
                 assert len(want_keys) == (1 if eng is owned["c"] else 2)
+
+
+def test_a_reordered_method_is_scored_against_the_full_prefill_in_its_order(tmp_path, tiny_engine, monkeypatch):
+    import benchmarks.retrieval as retrieval
+
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(3, passages=3, words=6)))
+    methods = "full,probe@0.5+order=frequency,full+order=frequency,probe@0.5"
+    written = []
+    real = retrieval._run_mode
+
+    def spy(ctx, *a, **kw):  # each store mode's records are on disk before the next mode starts
+        written.append(json.loads((tmp_path / "o" / "results.json").read_text()) if written else None)
+        return real(ctx, *a, **kw)
+
+    monkeypatch.setattr(retrieval, "_run_mode", spy)
+    res = run_bench(
+        BenchOptions(
+            dataset=str(data),
+            n=3,
+            top_k=3,
+            workloads="r",
+            store="writeback,corpus",
+            retrieval_methods=methods,
+            retrieval_requests=6,
+            retrieval_max_new_tokens=2,
+            retrieval_score="all",
+            embedder="lexical",
+            out=str(tmp_path / "o"),
+            progress=False,
+            plots=False,
+        ),
+        engine=tiny_engine,
+    )
+    assert {r["workload"] for r in written[1]["records"]} == {"retrieval/writeback"}
+    rows = [r for r in res["records"] if r["workload"] == "retrieval/writeback"]
+    # the other full prefill runs right after full (it is the reordered method's reference)
+    assert [r["method"] for r in rows[:4]] == ["full", "full+order=frequency", "probe@0.5+order=frequency", "probe@0.5"]
+    ordered_rows = [r for r in rows if r["method"] == "probe@0.5+order=frequency"]
+    assert all(r["drift_reference"] == "full+order=frequency" for r in ordered_rows)
+    assert all("answer_drift_own_order" in r and "answer_drift_full" in r for r in ordered_rows)
+    first = [r for r in ordered_rows if r["request"] == 0]
+    # nothing stored: its prefill is the full prefill in its own order, not in retrieval order's
+    assert first[0]["answer_drift_own_order"] == 0.0 and "drift_unscored" not in first[0]
+    assert all("answer_drift_own_order" not in r for r in rows if r["method"] == "probe@0.5")
+    summary = res["summary"]["retrieval/writeback"]["retrieval"]["probe@0.5+order=frequency"]
+    assert summary["returns"]["n"] + summary["first_asks"]["n"] == 6
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "Returning questions:" in md and "drift vs full in its chunk order" in md
