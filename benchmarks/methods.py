@@ -159,6 +159,8 @@ class EngineMethod(Method):
                 "prefix_tokens": s.prefix_tokens,
                 "recompute_ratio": s.recompute_ratio,
                 "auto": s.auto,
+                "path": getattr(s, "path", ""),
+                "selection": getattr(s, "selection", ""),
                 "completion_tokens": s.completion_tokens,
                 "conversation_tokens": getattr(s, "conversation_tokens", 0),
                 "deduplicated_chunks": getattr(s, "deduplicated_chunks", 0),

@@ -262,6 +262,13 @@ class EngineConfig:
             fidelity; docs/benchmarks.md): uncalibrated, ``"auto"`` recomputes ``auto_ratio``.
         auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
             a selection without a probe; 0.15).
+        foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs
+            when most of its blended chunk tokens were computed in other company (none of the chunks
+            a variant was computed behind precede it now: Cache-Craft's beta is 0), at
+            ``foreign_ratio``; ``recency`` (default: the cached tokens nearest the question, which
+            carry the drift there; docs/benchmarks.md, issue 35), ``None``: always ``selection``.
+            A request that names a selection or a ratio runs what it names.
+        foreign_ratio: the share ``foreign_selection`` recomputes (0.13).
         max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
         prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
         prefix_block_tokens: block size of the exact prefix cache (16 tokens).
@@ -369,6 +376,8 @@ class EngineConfig:
     auto_max_ratio: float = 0.3
     auto_threshold: float | None = None
     auto_ratio: float = 0.15
+    foreign_selection: str | None = "recency"
+    foreign_ratio: float = 0.13
     selection: str = "probe"
     selection_params: Mapping[str, object] | None = None
     prefix_block_tokens: int = 16
@@ -413,6 +422,13 @@ class EngineConfig:
         self.recompute_ratio = check_ratio(self.recompute_ratio)
         check_share("auto_max_ratio", self.auto_max_ratio)
         check_share("auto_ratio", self.auto_ratio)
+        check_share("foreign_ratio", self.foreign_ratio)
+        if self.foreign_selection is not None and (
+            not isinstance(self.foreign_selection, str) or not self.foreign_selection
+        ):
+            raise InvalidRequestError(
+                f"foreign_selection must be the name of a selection strategy or None, got {self.foreign_selection!r}"
+            )
         if self.auto_threshold is not None and (
             isinstance(self.auto_threshold, bool)
             or not isinstance(self.auto_threshold, (int, float))

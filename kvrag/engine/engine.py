@@ -31,6 +31,7 @@ from kvrag.engine.reuse.planner import Plan, Planner, reuses_nothing
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import PromptTokenizer
 from kvrag.engine.reuse.selection import auto_kind, configured_params
+from kvrag.engine.reuse.selection import check_selection as check_selection_name
 from kvrag.engine.reuse.variants import StoredVariants, VariantIndex
 from kvrag.engine.serving.costs import CostFeedback
 from kvrag.engine.serving.progress import progress_reporter
@@ -66,6 +67,9 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 #: Seconds an engine may take at interpreter exit to finish what it runs.
 EXIT_WAIT_S = 60.0
+#: share of a prompt's blended chunk tokens computed in other company from which ``"auto"`` with the
+#: default selection runs ``config.foreign_selection`` at ``config.foreign_ratio``
+FOREIGN_SHARE = 0.5
 
 
 @atexit.register
@@ -811,6 +815,10 @@ class Engine:
             parts, deduplicated = self.conversations.dedup(conversation, parts)
         mode, ratio = check_mode(cfg, mode, recompute_ratio)
         self.gate.require(self.model_name, mode, ratio)
+        # the default selection with "auto" may switch for chunk KV computed in other company
+        foreign_switch = (
+            selection is None and cfg.selection == "probe" and ratio == AUTO and cfg.foreign_selection is not None
+        )
         selection = check_selection(cfg, selection)
         segments, ids = self.prompt_tokenizer.segment(parts)
         n = int(ids.shape[0])
@@ -825,6 +833,7 @@ class Engine:
             ratio=ratio,
             sampling=sampling.resolved(cfg.sampling),
             selection=selection,
+            foreign_switch=foreign_switch,
             namespace=namespace,
             conversation=conversation,
             deduplicated=deduplicated,
@@ -917,6 +926,11 @@ class Engine:
             if req.conversation is not None and attempts == 0:  # the kept turn this prompt continues, if any
                 req.follow = self.conversations.follow(req.conversation, plan.ids)
             spans = self.conversations.attach(plan, req.follow) if req.follow is not None and not plan.is_full else []
+            plan.selection = req.selection
+            if req.foreign_switch and plan.path == "blend" and plan.foreign_share() >= FOREIGN_SHARE:
+                # chunk KV computed in other company: the tokens nearest the question carry the drift
+                # (issue 35's measurements), so spend the budget there, without a probe
+                plan.selection, plan.ratio, plan.auto, threshold = cfg.foreign_selection, cfg.foreign_ratio, False, None
             self.planner.choose(plan, price=req.priced)
             blended = {start for start, _ in plan.chunk_records}  # what of the turn's KV the chosen path still uses
             req.conversation_spans = [(a, b) for a, b in spans if b <= plan.prefix_len or a in blended]
@@ -932,7 +946,7 @@ class Engine:
             options = PrefillOptions.from_config(
                 cfg,
                 self.adapter.n_layers,
-                selection=req.selection,
+                selection=plan.selection,
                 capture_end=capture_end,
                 capture_chunks=self.writeback.captures(plan),
                 auto_threshold=threshold,
@@ -1044,7 +1058,15 @@ class Engine:
 
 def _signature(req: Request) -> tuple:
     """What a request must share with a prompt speculation to adopt it: the same prefill and sampling."""
-    return (tuple(req.ids.tolist()), req.mode, req.ratio, req.selection, req.namespace, repr(req.sampling))
+    return (
+        tuple(req.ids.tolist()),
+        req.mode,
+        req.ratio,
+        req.selection,
+        req.foreign_switch,
+        req.namespace,
+        repr(req.sampling),
+    )
 
 
 # -- process-wide engines, shared by integrations so that constructing an LLM wrapper is cheap ------------
@@ -1057,6 +1079,8 @@ def _check_config(config: EngineConfig) -> None:
     """What the config cannot check without torch: the selection and its parameters against the
     selection registry, the eviction policy against the store's (one clear error each)."""
     configured_params(config)
+    if config.foreign_selection is not None:
+        check_selection_name(config.foreign_selection)
     check_policy(config.eviction_policy)
 
 

@@ -79,6 +79,9 @@ class GenerationStats:
         recompute_ratio: share of the blended cached tokens recomputed (``blend``): the ratio asked
             for, or with ``recompute_ratio="auto"`` the share the request measured it needed.
         auto: the budget was measured per request (``recompute_ratio="auto"`` with a probe).
+        selection: the selection the ``blend`` path ran (``""`` on another path); with the default
+            selection and ``recompute_ratio="auto"``, ``config.foreign_selection`` for a prompt whose
+            cached chunks were mostly computed in other company.
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
         prefix_tokens: prompt tokens reused from the exact prefix cache.
@@ -108,6 +111,7 @@ class GenerationStats:
     path: str = ""
     path_reason: str = ""
     auto: bool = False
+    selection: str = ""
     cached_tokens: int = 0
     prefix_tokens: int = 0
     exact_tokens: int = 0

@@ -278,6 +278,7 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
         path_reason=plan.reason,
         recompute_ratio=(res.recomputed_tokens / blended if blended else 0.0) if plan.auto else plan.ratio,
         auto=plan.auto,
+        selection=plan.selection if plan.path == "blend" else "",
         prompt_tokens=n,
         cached_tokens=plan.cached_tokens,
         prefix_tokens=plan.prefix_len,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvrag.engine.reuse.paths import PathCosts
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import Segment, prompt_ids
-from kvrag.engine.reuse.variants import ExactDigest, StoredVariants, context_id, fix_overhead
+from kvrag.engine.reuse.variants import ExactDigest, StoredVariants, context_id, fix_overhead, prefix_overlap
 from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
 
 __all__ = ["ChunkUse", "Plan", "Planner", "reuses_nothing"]
@@ -37,6 +37,7 @@ class ChunkUse:
     context: tuple[str, ...] = ()  # content ids of the chunks before it in this prompt
     digest: str | None = None  # digest of every token before it (see kvrag.engine.reuse.variants)
     fix: float | None = None  # the used variant's cache fix overhead (Cache-Craft's CFO without alpha)
+    overlap: float | None = None  # the used variant's context still before it (beta; 0: other company)
     found: bool = False  # the cache held its KV (reused, or computed anyway: see Plan.path)
 
 
@@ -73,6 +74,7 @@ class Plan:
     chunks: list[ChunkUse] = field(default_factory=list)
     path: str = field(init=False)
     reason: str = ""
+    selection: str = ""  # the selection a ``blend`` path runs (set by the engine)
 
     def __post_init__(self) -> None:
         self.ids = prompt_ids(self.segments)
@@ -132,6 +134,13 @@ class Plan:
     def exact_end(self) -> int:
         """Positions [0, exact_end) get exact KV (the first blended chunk starts the approximation)."""
         return min((s for s, _ in self.chunk_records), default=self.num_tokens)
+
+    def foreign_share(self) -> float:
+        """Share of the blended chunk tokens whose KV was computed in other company: none of the
+        chunks it was computed behind is before it in this prompt (Cache-Craft's beta is 0)."""
+        blended = [u for u in self.chunks if u.hit and u.source == "store"]
+        total = sum(u.length for u in blended)
+        return sum(u.length for u in blended if not u.overlap) / total if total else 0.0
 
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
@@ -245,6 +254,7 @@ class Planner:
                 continue
             use.hit, use.found, use.tier = True, True, rec.tier
             use.fix = fix_overhead(info, use.context, use.digest)
+            use.overlap = prefix_overlap(info, use.context)
             if info.exact is not None and info.exact == use.digest:
                 use.source = "tree"
                 plan.exact_records.append((s.start, rec))

@@ -37,6 +37,7 @@ class Request:
     ratio: float | str  # a share, or "auto"
     sampling: SamplingParams  # resolved: no None fields
     selection: str = "probe"
+    foreign_switch: bool = False  # no selection named, ratio "auto": other company runs config.foreign_selection
     namespace: str = "default"  # the tenant: cache entries and conversations of others are never seen
     conversation: str | None = None  # the conversation's key (its id, scoped to the namespace)
     deduplicated: int = 0

@@ -181,3 +181,54 @@ def test_lookup_finds_a_chunk_held_only_as_a_later_variant(tiny_engine, docs):
     assert others, "the recomputed chunk was not kept as a second variant"
     tiny_engine.store.remove(key)
     assert tiny_engine.lookup([docs[1]], PREFIX, SUFFIX).chunks_stored == 1
+
+
+def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_from_other_company(
+    tiny_model, tiny_tokenizer
+):
+    """Issue 35: with the default selection and ratio "auto", a prompt whose chunk KV was all computed
+    behind other passages runs ``foreign_selection`` at ``foreign_ratio``; own company keeps the
+    probe, and a request that names a selection or a ratio gets what it names."""
+    from kvrag import Engine
+
+    docs = make_docs(6, words=60, seed=35)
+    kw = dict(sampling=SamplingParams(max_new_tokens=2), tree_refresh=False, cost_model=False)
+
+    def other_company(engine) -> None:  # each of docs[0..2] written back behind another passage only
+        for a, b in ((docs[0], docs[3]), (docs[1], docs[4]), (docs[2], docs[5])):
+            engine.generate([b, a], PREFIX, SUFFIX)
+        engine.flush()
+
+    with Engine.from_model(tiny_model, tiny_tokenizer, **kw) as engine:
+        other_company(engine)
+        g = engine.generate(docs[:3], PREFIX, SUFFIX)
+        assert g.stats.chunk_hits == 3 and g.stats.path == "blend"
+        assert (g.stats.selection, g.stats.recompute_ratio, g.stats.auto) == ("recency", 0.13, False)
+        assert engine.generate(docs[:3], PREFIX, SUFFIX, selection="probe").stats.selection == "probe"
+        assert engine.generate(docs[:3], PREFIX, SUFFIX, recompute_ratio=0.2).stats.selection == "probe"
+    with Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection=None, **kw) as engine:
+        other_company(engine)
+        assert engine.generate(docs[:3], PREFIX, SUFFIX).stats.selection == "probe"
+    with Engine.from_model(tiny_model, tiny_tokenizer, **kw) as engine:
+        engine.generate(docs[:3], PREFIX, SUFFIX)  # own company, then another order: each blended
+        engine.flush()  # chunk has company of its own before it
+        g = engine.generate([docs[0], docs[2], docs[1]], PREFIX, SUFFIX)
+        assert g.stats.chunk_hits == 3 and g.stats.path == "blend" and g.stats.selection == "probe"
+    with pytest.raises(InvalidRequestError, match="unknown selection 'nearest'"):
+        Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="nearest")
+    with pytest.raises(InvalidRequestError, match="foreign_selection"):
+        Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="")
+
+
+def test_plan_foreign_share_counts_blended_tokens_with_none_of_their_company_before_them():
+    from kvrag.engine.reuse.planner import ChunkUse, Plan
+
+    plan = Plan(mode="blend", ratio=0.15, segments=[])
+    assert plan.foreign_share() == 0.0  # nothing blended
+    plan.chunks = [
+        ChunkUse(0, 0, 30, key("a"), True, "store", overlap=0.0),
+        ChunkUse(1, 30, 10, key("b"), True, "store", overlap=0.5),
+        ChunkUse(2, 40, 50, key("c"), True, "tree", overlap=1.0),  # exact: not blended
+        ChunkUse(3, 90, 20, key("d"), False, "computed"),
+    ]
+    assert plan.foreign_share() == pytest.approx(30 / 40)
