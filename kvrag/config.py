@@ -263,8 +263,9 @@ class EngineConfig:
         auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
             a selection without a probe; 0.15).
         foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs
-            when most of its blended chunk tokens were computed in other company (none of the chunks
-            a variant was computed behind precede it now: Cache-Craft's beta is 0), at
+            when its blended chunk KV was computed in other company (little of the company a chunk
+            was computed in precedes it now: Cache-Craft's beta, averaged over the blended tokens,
+            below 0.25), at
             ``foreign_ratio``; ``recency`` (default: the cached tokens nearest the question, which
             carry the drift there; docs/benchmarks.md, issue 35), ``None``: always ``selection``.
             A request that names a selection or a ratio runs what it names.

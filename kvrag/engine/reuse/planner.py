@@ -135,12 +135,13 @@ class Plan:
         """Positions [0, exact_end) get exact KV (the first blended chunk starts the approximation)."""
         return min((s for s, _ in self.chunk_records), default=self.num_tokens)
 
-    def foreign_share(self) -> float:
-        """Share of the blended chunk tokens whose KV was computed in other company: none of the
-        chunks it was computed behind is before it in this prompt (Cache-Craft's beta is 0)."""
+    def company_overlap(self) -> float | None:
+        """How much of the company the blended chunks' KV was computed in is before them in this
+        prompt: Cache-Craft's beta, averaged over the blended tokens (1: their own company, 0: all
+        computed behind other passages); None when nothing is blended."""
         blended = [u for u in self.chunks if u.hit and u.source == "store"]
         total = sum(u.length for u in blended)
-        return sum(u.length for u in blended if not u.overlap) / total if total else 0.0
+        return sum(u.length * (u.overlap or 0.0) for u in blended) / total if total else None
 
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)

@@ -220,15 +220,15 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="")
 
 
-def test_plan_foreign_share_counts_blended_tokens_with_none_of_their_company_before_them():
+def test_plan_company_overlap_averages_beta_over_the_blended_tokens():
     from kvrag.engine.reuse.planner import ChunkUse, Plan
 
     plan = Plan(mode="blend", ratio=0.15, segments=[])
-    assert plan.foreign_share() == 0.0  # nothing blended
+    assert plan.company_overlap() is None  # nothing blended
     plan.chunks = [
         ChunkUse(0, 0, 30, key("a"), True, "store", overlap=0.0),
         ChunkUse(1, 30, 10, key("b"), True, "store", overlap=0.5),
         ChunkUse(2, 40, 50, key("c"), True, "tree", overlap=1.0),  # exact: not blended
         ChunkUse(3, 90, 20, key("d"), False, "computed"),
     ]
-    assert plan.foreign_share() == pytest.approx(30 / 40)
+    assert plan.company_overlap() == pytest.approx((30 * 0.0 + 10 * 0.5) / 40)
