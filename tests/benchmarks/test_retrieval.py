@@ -78,26 +78,28 @@ def test_minilm_embeds_to_unit_vectors_that_rank_the_paraphrase_first():
     assert vecs[0] @ vecs[1] > vecs[0] @ vecs[2]
 
 
+def _run_r(tmp_path, engine, data, methods: str, **options) -> dict:
+    """Workload (r) in both store modes over ``data``: 6 requests, top-3, 2 new tokens."""
+    base = dict(
+        dataset=str(data),
+        top_k=3,
+        workloads="r",
+        store="writeback,corpus",
+        retrieval_methods=methods,
+        retrieval_requests=6,
+        retrieval_max_new_tokens=2,
+        embedder="lexical",
+        out=str(tmp_path / "o"),
+        progress=False,
+    )
+    return run_bench(BenchOptions(**{**base, **options}), engine=engine)
+
+
 def test_retrieval_workload_both_store_modes(tmp_path, tiny_engine):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(make_synthetic_dataset(4, passages=3, words=6)))
     methods = "full,probe@0.5,epic@0.5+chunk_context=sink,probe@0.5+warm_window_tokens=512"
-    res = run_bench(
-        BenchOptions(
-            dataset=str(data),
-            n=4,
-            top_k=3,
-            workloads="r",
-            store="writeback,corpus",
-            retrieval_methods=methods,
-            retrieval_requests=6,
-            retrieval_max_new_tokens=2,
-            embedder="lexical",
-            out=str(tmp_path / "o"),
-            progress=False,
-        ),
-        engine=tiny_engine,
-    )
+    res = _run_r(tmp_path, tiny_engine, data, methods, n=4)
     recs = res["records"]
     names = methods.split(",")
     for mode in ("writeback", "corpus"):
@@ -202,24 +204,7 @@ def test_a_reordered_method_is_scored_against_the_full_prefill_in_its_order(tmp_
         return real(ctx, *a, **kw)
 
     monkeypatch.setattr(retrieval, "_run_mode", spy)
-    res = run_bench(
-        BenchOptions(
-            dataset=str(data),
-            n=3,
-            top_k=3,
-            workloads="r",
-            store="writeback,corpus",
-            retrieval_methods=methods,
-            retrieval_requests=6,
-            retrieval_max_new_tokens=2,
-            retrieval_score="all",
-            embedder="lexical",
-            out=str(tmp_path / "o"),
-            progress=False,
-            plots=False,
-        ),
-        engine=tiny_engine,
-    )
+    res = _run_r(tmp_path, tiny_engine, data, methods, n=3, retrieval_score="all", plots=False)
     assert {r["workload"] for r in written[1]["records"]} == {"retrieval/writeback"}
     rows = [r for r in res["records"] if r["workload"] == "retrieval/writeback"]
     # the other full prefill runs right after full (it is the reordered method's reference)
