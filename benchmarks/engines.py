@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -29,6 +30,32 @@ from benchmarks.specs import STORE_FIELDS
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["MethodEngines"]
+
+
+SCRATCH_PREFIX = "kvrag-bench-"
+
+
+def scratch_dir(root: str | None = None) -> tempfile.TemporaryDirectory:
+    """A temporary directory for the methods' disk tiers, named after this process; the ones that
+    processes no longer alive left behind (a run killed by the kernel, or by hand) are removed
+    first: their disk tiers are gigabytes each and would fill the disk run after run."""
+    root = root or tempfile.gettempdir()
+    pattern = re.compile(re.escape(SCRATCH_PREFIX) + r"(\d+)-")
+    for entry in os.scandir(root):
+        m = pattern.match(entry.name)
+        if m and entry.is_dir(follow_symlinks=False) and not _alive(int(m.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class MethodEngines:
@@ -114,7 +141,7 @@ class MethodEngines:
         settings = dict(store_settings, **method.overrides)
         if settings.get("disk_tier", self.base.config.disk_tier):
             if self._scratch is None:
-                self._scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
+                self._scratch = scratch_dir()
             slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
             settings["cache_dir"] = os.path.join(self._scratch.name, f"{len(self._own)}-{slug}")
         self._own[name] = self._build(self.base.config.replace(**settings))
@@ -124,7 +151,7 @@ class MethodEngines:
         """An engine with a store of its own that no method runs on (closed with the others):
         e.g. one warm computed once and copied into every method's store."""
         if self._scratch is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
+            self._scratch = scratch_dir()
         settings["cache_dir"] = os.path.join(self._scratch.name, f"scratch-{len(self._spare)}")
         engine = self._build(self.base.config.replace(**settings))
         self._spare.append(engine)

@@ -262,13 +262,12 @@ class EngineConfig:
             fidelity; docs/benchmarks.md): uncalibrated, ``"auto"`` recomputes ``auto_ratio``.
         auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
             a selection without a probe; 0.15).
-        foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs
-            when its blended chunk KV was computed in other company (little of the company a chunk
-            was computed in precedes it now: Cache-Craft's beta, averaged over the blended tokens,
-            below 0.25), at
-            ``foreign_ratio``; ``recency`` (default: the cached tokens nearest the question, which
-            carry the drift there; docs/benchmarks.md, issue 35), ``None``: always ``selection``.
-            A request that names a selection or a ratio runs what it names.
+        foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs,
+            at ``foreign_ratio``, when its blended chunk KV was computed in other company (little
+            of the company a chunk was computed in precedes it now: Cache-Craft's beta, averaged
+            over the blended tokens, below 0.25): ``recency`` (default: the cached tokens nearest
+            the question, which carry the drift there; docs/benchmarks.md, issue 35); ``None``:
+            always ``selection``. A request that names a selection or a ratio runs what it names.
         foreign_ratio: the share ``foreign_selection`` recomputes (0.13).
         max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
         prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
