@@ -93,7 +93,6 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
     max_new = ctx.opt("retrieval_max_new_tokens", 32)
     workload = f"retrieval/{mode}"
     same_order = _same_order_refs(methods)
-    runner = {m.name: m for m in methods}
     with MethodEngines(base, ctx.load) as engines:
         runners = engines.runners(methods, {mode: store})
         owned = engines.owned
@@ -127,11 +126,15 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
             # (``full+order=frequency``, when run): its drift from reuse alone, the order's taken out;
             # blending nothing, its prefill is that reference's computation, not full's
             own = {n: same_order[n] for n, _, _ in wanted if n in same_order and same_order[n] in score_set}
-            blank = {n for n, _, e in wanted if n in owned and _blends_nothing(e, req)} if wanted else set()
-            exact = {n for n in blank if "full" in score_set and getattr(runner[n], "order", None) is None}
+            lookup = "full" in score_set or own
+            blank = {n for n, _, e in wanted if lookup and n in owned and _blends_nothing(e, req)}
+            exact = {
+                n for n, m, _ in wanted if n in blank and "full" in score_set and getattr(m, "order", None) is None
+            }
             scored = {n for n, _, _ in wanted if n not in exact}
             own_exact = blank & set(own)
             own_scored = set(own) - own_exact
+            own_refs = {own[n] for n in own_scored}
             own_logps: dict[str, list[float] | None] = {}
             for name, m, eng in runners:  # full first, then the other full prefills (ordered)
                 answer = outcomes["full"].text if outcomes else None
@@ -145,7 +148,7 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                 text = outcomes[name].text
                 if name == "full" and "full" in score_set and scored and text and text.strip():
                     logps[name] = m.score_tokens(eng, req, text)
-                if name in {own[n] for n in own_scored} and text and text.strip():
+                if name in own_refs and text and text.strip():
                     own_logps[name] = m.score_tokens(eng, req, text)
             answered = bool((outcomes["full"].text or "").strip())
             for name, m, eng in runners:

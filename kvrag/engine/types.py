@@ -81,7 +81,8 @@ class GenerationStats:
         auto: the budget was measured per request (``recompute_ratio="auto"`` with a probe).
         selection: the selection the ``blend`` path ran (``""`` on another path); with the default
             selection and ``recompute_ratio="auto"``, ``config.foreign_selection`` for a prompt whose
-            cached chunks were mostly computed in other company.
+            blended chunks' KV was computed in other company (their company overlap, Cache-Craft's
+            beta averaged over the blended tokens, below 0.25).
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
         prefix_tokens: prompt tokens reused from the exact prefix cache.
