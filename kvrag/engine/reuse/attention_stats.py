@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvrag.engine.model.runner import KVBuffer
 
@@ -47,6 +48,9 @@ class Tap:
         self.positions = torch.tensor(positions, dtype=torch.long)
         self.q: list[torch.Tensor | None] = [None] * n_layers  # per layer [H, S, D]
         self._on: dict = {}  # device -> positions there
+        # (buffer id, scale, windows) -> (key ranges, per layer [S, U] attention masses): measured once
+        # per pass by chunk_statistics, shared by the pass's chunks
+        self.masses: dict = {}
 
     def observe(self, layer: int, pos: torch.Tensor, q: torch.Tensor) -> None:
         # a few small tensor ops per layer, no Python loop over the rows: it runs inside every prefill
@@ -95,6 +99,60 @@ class ChunkStatistics:
     block_inter: torch.Tensor
 
 
+#: Sampled queries measured together (one attention call each, over the keys the last one sees).
+QUERY_GROUP = 64
+
+
+def _span_masses(
+    tap: Tap, buf: KVBuffer, ranges: tuple[tuple[int, int], ...], scale: float, windows
+) -> list[torch.Tensor]:
+    """Per layer [S, U]: the attention each of the tap's sampled queries pays each key range of
+    ``ranges`` (softmax over its causal keys, averaged over heads).
+
+    The masses are an attention's output whose values are the ranges' indicator vectors
+    (``softmax(q K^T) @ 1[k in range]``), so PyTorch's fused attention computes them without
+    materialising the weights; the samples go in groups of :data:`QUERY_GROUP`, each over the keys
+    up to its last position (the causal triangle, not the square).
+    """
+    device, dtype = buf.k.device, buf.k.dtype
+    n_kv, head_dim = buf.k.shape[1], buf.k.shape[3]
+    qpos = tap.positions.to(device)
+    n_keys = int(tap.positions.max()) + 1
+    width = max(head_dim, len(ranges))  # the fused kernels want the values' width = the keys'
+    values = torch.zeros(n_keys, width, dtype=dtype, device=device)
+    for u, (a, b) in enumerate(ranges):
+        values[a:b, u] = 1
+    values = values.expand(1, n_kv, n_keys, width)
+    keys = torch.arange(n_keys, device=device)
+    groups = [(g, min(g + QUERY_GROUP, len(qpos))) for g in range(0, len(qpos), QUERY_GROUP)]
+    masks: dict[int | None, list[torch.Tensor]] = {}  # attention window -> each group's mask [s, end]
+    for window in set(windows or [None]):
+        masks[window] = []
+        for g0, g1 in groups:
+            end = int(tap.positions[g1 - 1]) + 1
+            seen = keys[None, :end] <= qpos[g0:g1, None]
+            if window is not None:
+                seen &= keys[None, :end] > qpos[g0:g1, None] - window
+            masks[window].append(seen)
+    out = []
+    for layer, q in enumerate(tap.q):
+        q = q.to(dtype)[None]  # [1, H, S, D]
+        rows = []
+        for (g0, g1), seen in zip(groups, masks[windows[layer] if windows else None]):
+            end = seen.shape[1]
+            o = F.scaled_dot_product_attention(
+                q[:, :, g0:g1],
+                buf.k[layer, None, :, :end],
+                values[:, :, :end],
+                attn_mask=seen,
+                scale=scale,
+                enable_gqa=True,
+            )  # [1, H, s, width]
+            rows.append(o[0, :, :, : len(ranges)].float().mean(dim=0))
+        out.append(torch.cat(rows).cpu())  # [S, U]
+    return out
+
+
 def chunk_statistics(
     tap: Tap,
     buf: KVBuffer,
@@ -103,49 +161,51 @@ def chunk_statistics(
     scale: float,
     stride: int,
     windows: list[int | None] | None = None,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> ChunkStatistics | None:
     """Cache-Craft's statistics of the chunk at positions ``chunk`` behind the ``context`` spans.
 
     ``tap`` must have observed the chunk's block middles (:func:`block_middles`) on every layer and
-    ``buf`` hold the KV of every position up to the chunk's end; ``windows`` are the layers'
-    attention windows (a query at p sees keys (p - w, p] on a sliding-window layer). ``None`` if
-    the tap missed a layer.
+    ``buf`` hold the KV of every position the tap observed; ``windows`` are the layers' attention
+    windows (a query at p sees keys (p - w, p] on a sliding-window layer). ``None`` if the tap
+    missed a layer.
+
+    The attention of all the tap's samples is measured once per ``buf`` and kept on the tap, so
+    the chunks of one pass share it: ``ranges`` names every key range the pass's chunks will ask
+    about (their own spans and their contexts'), so that the first call measures them all.
     """
     start, end = chunk
     middles = block_middles(start, end, stride)
     slots = [i for i, p in enumerate(tap.positions.tolist()) if start <= p < end]
     if len(slots) != len(middles) or not tap.complete():
         return None
+    needed = [(s.start, s.end) for s in context] + [chunk]
+    key = (id(buf), scale, tuple(windows) if windows else None)
+    cached = tap.masses.get(key)
+    if cached is None or any(r not in cached[0] for r in needed):
+        wanted = dict.fromkeys([*(cached[0] if cached else ()), *(ranges or ()), *needed])
+        cached = tap.masses[key] = (tuple(wanted), _span_masses(tap, buf, tuple(wanted), scale, windows))
+    columns = {r: u for u, r in enumerate(cached[0])}
+    ctx = torch.tensor([columns[(s.start, s.end)] for s in context], dtype=torch.long)
+    own = columns[chunk]
     size = end - start
-    qpos = torch.tensor(middles)
-    keys = torch.arange(end)
-    causal = keys[None, :] <= qpos[:, None]  # [S, K]
+    per_query = size / len(middles)  # sums over the chunk's queries, estimated from one query per block
+    rows = torch.tensor(slots, dtype=torch.long)
     inter_layers, intra_layers = [], []
     per_span = torch.zeros(len(context))
     per_block = torch.zeros(len(middles))
-    for layer, q in enumerate(tap.q):
-        q = q[:, slots].float()  # [H, S, D]
-        k = buf.k[layer, :, :end].float()  # [Hkv, K, D]
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, S, K]
-        window = windows[layer] if windows else None
-        seen = causal if window is None else causal & (keys[None, :] > qpos[:, None] - window)
-        weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).mean(dim=0)  # [S, K]
-        span_mass = torch.stack([weights[:, s.start : s.end].sum(dim=1) for s in context], dim=1) if context else None
-        intra = weights[:, start:end].sum(dim=1)  # [S]
-        # sums over the chunk's queries, estimated from one query per block
-        per_query = size / len(middles)
-        if span_mass is not None:
-            per_span += span_mass.sum(dim=0) * per_query
+    lengths = torch.tensor([float(s.end - s.start) for s in context])
+    for masses in cached[1]:
+        m = masses[rows]  # [S_chunk, U]
+        span_mass = m[:, ctx]  # [S_chunk, C]
+        if context:
+            totals = span_mass.sum(dim=0)
+            per_span += totals * per_query
             per_block += span_mass.sum(dim=1)
-            inter_layers.append(
-                sum(
-                    float(span_mass[:, j].sum()) * per_query / (size * (s.end - s.start)) for j, s in enumerate(context)
-                )
-            )
+            inter_layers.append(float((totals * per_query / (size * lengths)).sum()))
         else:
             inter_layers.append(0.0)
-        intra_layers.append(float(intra.sum()) * per_query / (size * size))
+        intra_layers.append(float(m[:, own].sum()) * per_query / (size * size))
     a, b = sum(inter_layers) / len(inter_layers), sum(intra_layers) / len(intra_layers)
     cci = 1.0 / (1.0 + math.exp(-a / b)) if b > 0 else 1.0
     total = float(per_span.sum())

@@ -199,11 +199,11 @@ class ChunkComputer:
         forward(
             self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, taps=[tap], last_row_only=True, pause=pause
         )
-        records = []
+        records, ranges = [], [(s.start, s.end) for s in context] + spans
         for doc, cap, (a, b) in zip(docs, caps, spans):
             self._remember(doc)
             rec = KVRecord(torch.tensor(doc), cap.k, cap.v, kind="chunk", context=self.label)
-            attach_statistics(rec, tap, buf, (a, b), context, self.adapter, self.stats_stride)
+            attach_statistics(rec, tap, buf, (a, b), context, self.adapter, self.stats_stride, ranges)
             records.append(rec)
             context.append(ContextSpan(a, b, context_id(doc)))
         return records
@@ -283,12 +283,14 @@ def attach_statistics(
     context: list[ContextSpan],
     adapter: ModelAdapter,
     stride: int = STATS_STRIDE,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> None:
     """Record where a chunk's KV was computed: ``meta["context"]`` (the ``context`` chunks' ids) and,
     when the tap saw the chunk, Cache-Craft's ``cci`` and ``weights`` in the meta and the blocks'
-    inter-attention in ``stats["block_inter"]``."""
+    inter-attention in ``stats["block_inter"]``. ``ranges``: every span the pass's chunks will be
+    measured over (:func:`chunk_statistics` measures them all at the first call)."""
     record.meta = {**record.meta, "context": [s.id for s in context]}
-    stats = chunk_statistics(tap, buf, span, context, adapter.scale, stride, adapter.windows)
+    stats = chunk_statistics(tap, buf, span, context, adapter.scale, stride, adapter.windows, ranges)
     if stats is not None:
         record.meta.update(cci=stats.cci, weights=list(stats.weights))
         record.stats = {**record.stats, "block_inter": stats.block_inter}

@@ -199,6 +199,7 @@ class WriteBack:
             )
         exact_end = plan.exact_end()
         spans = [ContextSpan(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
+        ranges = [(s.start, s.end) for s in spans]  # the first chunk measured measures them all (one pass)
         kept = {u.index for u in self._kept_misses(plan)} | {i for i in res.chunk_captures if self.keeps(plan)}
         written_exact = set()
         for n, use in enumerate(plan.chunks):
@@ -217,7 +218,7 @@ class WriteBack:
             self._pending.add(job)
             ids = list(plan.segments[use.index].ids)
             tap = res.taps.get(use.index)
-            measured = (tap, res.buf, spans[:n]) if tap is not None else None
+            measured = (tap, res.buf, spans[:n], ranges) if tap is not None else None
             self._writer.submit(
                 lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
             )
@@ -380,8 +381,10 @@ class WriteBack:
             return self.computer.compute(ids, pause=pause)
         record = self.computer.record_from_capture(ids, capture)
         if measured is not None:
-            tap, buf, context = measured
-            attach_statistics(record, tap, buf, (capture.start, capture.end), context, self.computer.adapter)
+            tap, buf, context, ranges = measured
+            attach_statistics(
+                record, tap, buf, (capture.start, capture.end), context, self.computer.adapter, ranges=ranges
+            )
         return record
 
     def flush(self) -> None:
