@@ -117,12 +117,13 @@ def chunk_statistics(
     if len(slots) != len(middles) or not tap.complete():
         return None
     size = end - start
-    qpos = torch.tensor(middles)
-    keys = torch.arange(end)
+    device = buf.k.device
+    qpos = torch.tensor(middles, device=device)
+    keys = torch.arange(end, device=device)
     causal = keys[None, :] <= qpos[:, None]  # [S, K]
     inter_layers, intra_layers = [], []
-    per_span = torch.zeros(len(context))
-    per_block = torch.zeros(len(middles))
+    per_span = torch.zeros(len(context), device=device)
+    per_block = torch.zeros(len(middles), device=device)
     for layer, q in enumerate(tap.q):
         q = q[:, slots].float()  # [H, S, D]
         k = buf.k[layer, :, :end].float()  # [Hkv, K, D]
@@ -150,4 +151,4 @@ def chunk_statistics(
     cci = 1.0 / (1.0 + math.exp(-a / b)) if b > 0 else 1.0
     total = float(per_span.sum())
     shares = tuple(float(x) / total for x in per_span) if total > 0 else tuple(1.0 / len(context) for _ in context)
-    return ChunkStatistics(cci, shares, per_block.to(torch.float16))
+    return ChunkStatistics(cci, shares, per_block.to("cpu", torch.float16))  # kept with the record: on the CPU
