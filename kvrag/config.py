@@ -176,6 +176,7 @@ class EngineConfig:
             elsewhere (:mod:`kvrag.engine.model.dtypes`; the choice and why: :meth:`Engine.info`);
             or ``float32``, ``bfloat16``, ``float16``, never overridden.
         device: torch device (``cpu``, the default); CUDA tensors use the Triton kernels.
+            ``Engine.from_model`` computes where the given model's weights are (another device is refused).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         mode: default prefill mode: ``blend`` (the default: cached chunk KV fused, a selection of
             tokens recomputed), ``full`` (every token computed: the fidelity reference), ``prefix``

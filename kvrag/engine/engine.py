@@ -121,6 +121,7 @@ class Engine:
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
         self.weights_digest = weights_digest
         self.adapter = ModelAdapter(hf_model)
+        config = _check_device(config, self.adapter.device)
         # the weights' dtype is the compute dtype (``compute_dtype``: what the loader resolved, and
         # why; else the weights' own, checked against ``config.dtype``); ``config.dtype`` names it from here on
         weights = weights_dtype(self.adapter.dtype, config.dtype if compute_dtype is None else compute_dtype.name)
@@ -963,6 +964,8 @@ class Engine:
                     raise
                 log.debug("kvrag: a cached entry was damaged; re-planning the request", exc_info=True)
                 continue
+            if res.buf.k.is_cuda:  # CUDA kernels run asynchronously: time the prefill's work, not its launches
+                torch.cuda.synchronize(res.buf.k.device)
             self.costs.observe(plan, res.trace.token_layers, time.perf_counter() - t0, res.recomputed_tokens)
             return plan, res
 
@@ -1084,6 +1087,20 @@ def _check_config(config: EngineConfig) -> None:
     if config.foreign_selection is not None:
         check_selection_name(config.foreign_selection)
     check_policy(config.eviction_policy)
+
+
+def _check_device(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """The config with the device the weights are on. The engine computes where the weights are and
+    never moves a model it is handed: a ``device`` other than the CPU (the default) must be theirs."""
+    asked = torch.device(config.device)
+    if asked.type == "cpu":
+        return config if device.type == "cpu" else config.replace(device=str(device))
+    if asked.type != device.type or asked.index not in (None, device.index):
+        raise InvalidRequestError(
+            f"device={config.device!r} but the model's weights are on {device}: move the model first "
+            f"(model.to({config.device!r})) or leave device at its default"
+        )
+    return config
 
 
 def _engine_key(config: EngineConfig) -> tuple:

@@ -582,6 +582,12 @@ def test_closed_engine_refuses(tiny_model, tiny_tokenizer):
         engine.generate(prefix="hello")
 
 
+def test_a_device_the_weights_are_not_on_is_refused(tiny_model, tiny_tokenizer):
+    # the engine computes where the weights are: a CPU model asked to run on CUDA would run on the CPU
+    with pytest.raises(InvalidRequestError, match="move the model first"):
+        Engine.from_model(tiny_model, tiny_tokenizer, device="cuda")
+
+
 def test_prompt_string_is_split_at_registered_documents(tiny_engine, docs):
     tiny_engine.register(docs)
     tiny_engine.warm(docs)

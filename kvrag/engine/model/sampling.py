@@ -24,7 +24,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     """Pick a token from logits [V]: argmax at temperature 0, else nucleus sampling."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # sampled on the CPU: the seeded generator is a CPU one (and a seed then picks the same tokens on any device)
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # always keeps the top token

@@ -195,9 +195,18 @@ class ChunkComputer:
             pos += len(doc)
         tap = Tap([m for a, b in spans for m in block_middles(a, b, self.stats_stride)], self.adapter.n_layers)
         buf = KVBuffer(self.adapter, pos)
-        ids_t = torch.tensor(ids, dtype=torch.long)
+        device = self.adapter.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
         forward(
-            self.adapter, buf, ids_t, torch.arange(pos), pos, capture=caps, taps=[tap], last_row_only=True, pause=pause
+            self.adapter,
+            buf,
+            ids_t,
+            torch.arange(pos, device=device),
+            pos,
+            capture=caps,
+            taps=[tap],
+            last_row_only=True,
+            pause=pause,
         )
         records, ranges = [], [(s.start, s.end) for s in context] + spans
         for doc, cap, (a, b) in zip(docs, caps, spans):

@@ -63,8 +63,9 @@ class SpanSource:
             end = start + rec.num_tokens
             k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
             out = buf.k[layer, :, start:end]
-            rope_rotate_into(out, k.to(dtype), cos[start:end], sin[start:end], signed[start:end])
-            buf.v[layer, :, start:end] = v.to(dtype)
+            # records from the disk or remote tier (and the 8-bit codec's) rest on the CPU: moved to the model's device
+            rope_rotate_into(out, k.to(out.device, dtype), cos[start:end], sin[start:end], signed[start:end])
+            buf.v[layer, :, start:end] = v.to(out.device, dtype)
         self._placed.add(layer)
 
     def overwritten(self, layer: int, pos: torch.Tensor) -> None:
@@ -88,9 +89,9 @@ class SpanSource:
             if at.numel() == 0:
                 continue
             k, v = rec.layer(layer)
-            idx = at - start
-            buf.k[layer][:, at] = rope_rotate(k[:, idx].to(dtype), cos[at], sin[at])
-            buf.v[layer][:, at] = v[:, idx].to(dtype)
+            idx = (at - start).to(k.device)  # the record may rest on the CPU, the positions on the model's device
+            buf.k[layer][:, at] = rope_rotate(k[:, idx].to(buf.k.device, dtype), cos[at], sin[at])
+            buf.v[layer][:, at] = v[:, idx].to(buf.v.device, dtype)
 
 
 def span_mask(n: int, spans: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:

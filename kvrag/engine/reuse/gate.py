@@ -313,6 +313,8 @@ def signature(adapter: ModelAdapter) -> str:
     h = hashlib.sha256()
     facts = [adapter.family.name, adapter.scale, adapter.eps, adapter.windows, adapter.rope_kinds]
     facts += [adapter.n_layers, adapter.n_heads, adapter.n_kv_heads, adapter.head_dim, str(adapter.dtype)]
+    if adapter.device.type != "cpu":  # another device runs other kernels (Triton on CUDA): its own verdict
+        facts.append(adapter.device.type)
     h.update(json.dumps(facts, default=str).encode())
     for r in adapter.rotaries:
         h.update(r.inv_freq.cpu().numpy().tobytes())

@@ -1,0 +1,356 @@
+"""Smoke test of the engine on one device: does every path run there, and give what it gives on a CPU?
+
+    python -m benchmarks.gpu_smoke --device cuda                        # a tiny random Llama, built offline
+    python -m benchmarks.gpu_smoke --device cuda --model smollm2 --dtype bfloat16
+    python -m benchmarks.gpu_smoke --device cpu                         # the same checks here (< 1 min)
+
+Checks, each one line ``PASS``/``FAIL`` (a failure prints its exception and traceback, and the
+next check runs):
+
+0. ``gate``: the engine's self-test at load (fused path against transformers) passed on this device.
+1. ``ratio 1.0``: a blend at recompute ratio 1.0 gives the full prefill's greedy tokens, on a few prompts.
+2. ``default blend``: a second request with the first one's chunks reordered finds them cached and
+   blends with the default settings; an answer comes out.
+3. ``store round trip``: write-back of missed chunks, then memory hits, then (memory emptied) disk
+   hits streamed back to the device, with the memory hits' tokens.
+4. ``batched decode``: a few streams decoded together give the tokens each gives alone.
+5. ``timing``: TTFT of the full prefill and of the default blend, decode tokens/s (one stream and
+   batched); CUDA is synchronized around every wall-clock measurement.
+
+Exit status 1 if any check failed. The model is the engine's ``--model`` (a bundled name, a local
+Hugging Face directory or a ``.gguf``) or, by default, a tiny random Llama with a tokenizer trained
+on the spot (nothing downloaded). Stores, gate verdicts and the disk tier live in a temporary
+directory, so the self-test runs on this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["main", "tiny_model", "tiny_tokenizer", "make_docs"]
+
+WORDS = (
+    "river mountain castle library engine harbor museum garden bridge market village forest "
+    "island desert valley tower palace temple school station college theatre stadium canal "
+    "the of and in to was is by for with on at from as an a which that his her their it "
+    "born founded built named located known famous first largest oldest river capital city "
+    "king queen author painter composer scientist engineer general mayor bishop poet "
+    "France Spain Italy Egypt Peru Japan Kenya Chile Norway Brazil London Paris Rome Cairo Lima "
+    "1820 1901 1954 1776 1492 2001 seven twelve hundred north south east west"
+).split()
+
+PREFIX = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+SUFFIX = "Question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in milliseconds on :data:`WORDS`, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rng = random.Random(0)
+    tok.train_from_iterator([" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(200)], trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return hf
+
+
+def tiny_model(vocab_size: int, *, layers: int = 6, seed: int = 0):
+    """A random Llama small enough for seconds of work (built offline from its config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.15,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def make_docs(n: int, words: int = 60, seed: int = 0) -> list[str]:
+    """``n`` passages of random words (each one a chunk)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) + "\n" for _ in range(n)]
+
+
+class Checks:
+    """Runs checks, prints one PASS/FAIL line each, remembers the failures."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def run(self, name: str, fn: Callable[[], str]) -> None:
+        t0 = time.perf_counter()
+        try:
+            detail = fn()
+        except Exception as e:  # noqa: BLE001 - a failed check is reported, the next one runs
+            self.failed.append(name)
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            print("    " + traceback.format_exc().rstrip().replace("\n", "\n    "), flush=True)
+            return
+        print(f"PASS {name}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _load(args) -> tuple[object, object, str]:
+    """(model on the device, tokenizer, name)."""
+    from kvrag import Engine
+    from kvrag.engine.model.dtypes import resolve_dtype
+
+    if args.model is None:
+        tok = tiny_tokenizer()
+        dtype = resolve_dtype(args.dtype, args.device).torch
+        return tiny_model(len(tok)).to(args.device, dtype), tok, "tiny random llama"
+    # the loader converts a bundled GGUF once (cached) and puts the weights on the device
+    with Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype) as loaded:
+        return loaded.hf_model, loaded.tokenizer, loaded.model_name
+
+
+def _engine(model, tok, directory: str, max_new_tokens: int, **config):
+    from kvrag import Engine, SamplingParams
+
+    device = str(next(model.parameters()).device)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+    return Engine.from_model(model, tok, device=device, cache_dir=directory, sampling=sampling, **config)
+
+
+def _expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise AssertionError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_smoke", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default=None, help="a bundled name, HF directory or .gguf (default: tiny random Llama)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--new-tokens", type=int, default=12, help="greedy tokens per request in the checks")
+    p.add_argument("--reps", type=int, default=3, help="timed requests per measurement")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("FAIL setup: --device cuda but torch.cuda.is_available() is False")
+        return 1
+    versions = f"torch {torch.__version__}"
+    try:
+        import transformers
+        import triton
+
+        versions += f", transformers {transformers.__version__}, triton {triton.__version__}"
+    except ImportError:
+        versions += ", no triton"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu_smoke on {args.device} ({where}); {versions}", flush=True)
+
+    checks = Checks()
+    engines: list = []
+    state: dict = {}
+    new = args.new_tokens
+    tmp = tempfile.TemporaryDirectory(prefix="kvrag-gpu-smoke-")
+
+    def setup() -> str:
+        model, tok, name = _load(args)
+        state["model"], state["tok"] = model, tok
+        eng = _engine(model, tok, os.path.join(tmp.name, "main"), new)
+        engines.append(eng)
+        state["engine"] = eng
+        info = eng.info()
+        return f"{name} on {info.device} in {info.dtype} ({info.dtype_reason}); decode {info.decode}"
+
+    def gate() -> str:
+        info = state["engine"].info()
+        _expect(info.gate_ok, f"the self-test failed: {info.gate}")
+        return info.gate
+
+    def ratio_one() -> str:
+        eng = state["engine"]
+        docs = make_docs(4, seed=1)
+        eng.warm(docs)
+        prompts = [docs, docs[::-1], [docs[2], docs[0], docs[3]]]
+        for i, chunks in enumerate(prompts):
+            full = eng.generate(chunks, PREFIX, SUFFIX, mode="full")
+            blend = eng.generate(chunks, PREFIX, SUFFIX, mode="blend", recompute_ratio=1.0)
+            _expect(
+                blend.token_ids == full.token_ids,
+                f"prompt {i}: blend at ratio 1.0 gave {blend.token_ids}, the full prefill {full.token_ids}",
+            )
+        return f"{len(prompts)} prompts, {len(full.token_ids)} greedy tokens each identical"
+
+    def default_blend() -> str:
+        eng = state["engine"]
+        docs = make_docs(4, seed=2)
+        first = eng.generate(docs, PREFIX, SUFFIX)  # nothing cached: runs full and writes the chunks back
+        eng.flush()
+        again = eng.generate(docs[::-1], PREFIX, SUFFIX)
+        s = again.stats
+        _expect(s.chunks_found == len(docs), f"{s.chunks_found} of {len(docs)} chunks found in the cache")
+        _expect(s.path == "blend", f"path {s.path!r} ({s.path_reason}), not a blend")
+        _expect(again.finish_reason in ("stop", "length"), f"finish_reason {again.finish_reason!r}")
+        return (
+            f"first request {first.stats.chunk_hits}/{len(docs)} chunks cached; "
+            f"reordered: {s.chunks_found}/{len(docs)} found, "
+            f"path {s.path} ({s.selection}, recomputed {s.recompute_ratio:.0%} of cached tokens), "
+            f"{len(again.token_ids)} tokens {again.text[:40]!r}"
+        )
+
+    def store_round_trip() -> str:
+        # nothing but the chunks may differ between the two hits: no prefix blocks, no refreshed
+        # variants, no ratio that depends on how fast the disk is
+        eng = _engine(
+            state["model"],
+            state["tok"],
+            os.path.join(tmp.name, "store"),
+            new,
+            disk_tier=True,
+            prefix_cache=False,
+            tree_refresh=False,
+            loading_controller=False,
+            memory_budget_bytes=1 << 30,
+        )
+        engines.append(eng)
+        docs = make_docs(4, seed=3)
+        first = eng.generate(docs, PREFIX, SUFFIX)
+        eng.flush()  # write-back: the missed chunks' KV into memory and onto disk
+        _expect(first.stats.chunk_hits == 0, f"a fresh store hit {first.stats.chunk_hits} chunks")
+        mem = eng.generate(docs, PREFIX, SUFFIX)
+        tiers = [c.tier for c in mem.stats.chunks]
+        _expect(mem.stats.chunk_hits == len(docs) and set(tiers) == {"memory"}, f"memory hits: tiers {tiers}")
+        eng.store.memory.clear()
+        disk = eng.generate(docs, PREFIX, SUFFIX)
+        tiers = [c.tier for c in disk.stats.chunks]
+        _expect(disk.stats.chunk_hits == len(docs) and set(tiers) == {"disk"}, f"disk hits: tiers {tiers}")
+        _expect(disk.token_ids == mem.token_ids, f"disk hits gave {disk.token_ids}, memory hits {mem.token_ids}")
+        st = eng.store.stats()
+        return (
+            f"write-back of {len(docs)} chunks, then {len(docs)} memory hits and {len(docs)} disk hits "
+            f"({st['load']['bytes'] / 1e6:.2f} MB streamed in), same {len(mem.token_ids)} tokens, path {mem.stats.path}"
+        )
+
+    def batched_decode() -> str:
+        eng = state["engine"]
+        docs = make_docs(5, seed=4)
+        prompts = [docs[i : i + 2] for i in range(4)]
+        alone = [eng.generate(c, PREFIX, SUFFIX, mode="full", max_new_tokens=2 * new).token_ids for c in prompts]
+        steps = eng.queue_stats()["decode_steps"]
+        streams = [eng.stream(c, PREFIX, SUFFIX, mode="full", max_new_tokens=2 * new) for c in prompts]
+        together = []
+        for s in streams:
+            for _ in s:
+                pass
+            together.append(s.generation.token_ids)
+        steps = eng.queue_stats()["decode_steps"] - steps
+        for i, (a, b) in enumerate(zip(alone, together)):
+            _expect(a == b, f"stream {i}: batched gave {b}, alone {a}")
+        tokens = sum(map(len, together))
+        return f"{len(prompts)} streams, {tokens} tokens in {steps} decode steps, each as decoded alone"
+
+    def timing() -> str:
+        eng = state["engine"]
+        docs = make_docs(6, seed=5)
+        eng.warm(docs)
+        rng = random.Random(0)
+        orders = [rng.sample(docs, len(docs)) for _ in range(args.reps + 1)]
+
+        def ttft(mode_args: dict, orders: list[list[str]]) -> tuple[float, object]:
+            times, last = [], None
+            for chunks in orders:
+                _sync(device)
+                last = eng.generate(chunks, PREFIX, SUFFIX, max_new_tokens=1, **mode_args)
+                times.append(last.ttft_s)
+            return statistics.median(times[1:]), last  # the first one warms up
+
+        full_s, full = ttft({"mode": "full"}, orders)
+        blend_s, blend = ttft({}, orders)
+        # one stream, then a batch of 8: decode tokens per second of wall clock
+        _sync(device)
+        one = eng.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=64)
+        one_tps = len(one.token_ids) / max(one.total_s - one.ttft_s, 1e-9)
+        _sync(device)
+        t0 = time.perf_counter()
+        streams = [
+            eng.stream(orders[i % len(orders)], PREFIX, SUFFIX, mode="full", max_new_tokens=64) for i in range(8)
+        ]
+        for s in streams:
+            for _ in s:
+                pass
+        _sync(device)
+        wall = time.perf_counter() - t0
+        batch_tokens = sum(len(s.generation.token_ids) for s in streams)
+        line = (
+            f"TIMING {args.device} {eng.info().dtype} prompt {full.stats.prompt_tokens} tokens: "
+            f"TTFT full {full_s * 1e3:.1f} ms, default blend {blend_s * 1e3:.1f} ms "
+            f"({blend_s / full_s:.2f}x; path {blend.stats.path}, {blend.stats.selection or '-'}, "
+            f"recomputed {blend.stats.recompute_ratio:.0%}); decode {one_tps:.0f} tok/s (1 stream), "
+            f"{batch_tokens / wall:.0f} tok/s (8 streams, prefills included)"
+        )
+        print(line, flush=True)
+        return "see the TIMING line"
+
+    try:
+        checks.run("setup", setup)
+        if "engine" in state:
+            checks.run("gate", gate)
+            checks.run("ratio 1.0", ratio_one)
+            checks.run("default blend", default_blend)
+            checks.run("store round trip", store_round_trip)
+            checks.run("batched decode", batched_decode)
+            checks.run("timing", timing)
+    finally:
+        for eng in engines:
+            try:
+                eng.close()
+            except Exception as e:  # noqa: BLE001
+                print(f"(closing an engine: {type(e).__name__}: {e})")
+        tmp.cleanup()
+    if checks.failed:
+        print(f"gpu_smoke: {len(checks.failed)} check(s) failed: {', '.join(checks.failed)}")
+        return 1
+    print("gpu_smoke: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
