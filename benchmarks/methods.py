@@ -238,8 +238,8 @@ class HFForward(Method):
     uses_store = False
 
     def run(self, engine, req, *, max_new_tokens: int) -> Outcome:
-        ids = torch.tensor([engine_token_ids(engine, req)], dtype=torch.long)  # [1, N]
         model = engine.hf_model
+        ids = torch.tensor([engine_token_ids(engine, req)], dtype=torch.long, device=model.device)  # [1, N]
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model(input_ids=ids, logits_to_keep=1, use_cache=True)

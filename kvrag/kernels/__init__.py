@@ -39,8 +39,9 @@ __all__ = [
     "triton_available",
 ]
 
-#: ``auto``: Triton for CUDA tensors when importable, else the reference; ``reference`` and
-#: ``triton`` force one path (tests and benchmarks).
+#: ``auto``: Triton for CUDA tensors when importable (attention: for rows scattered through the keys;
+#: a contiguous tail, a prefill or a decode step, goes to PyTorch's fused attention), else the
+#: reference; ``reference`` and ``triton`` force one path (tests and benchmarks).
 BACKENDS = ("auto", "reference", "triton")
 
 _backend = "auto"
@@ -119,11 +120,21 @@ def attention(
     ``masks``: a dict the reference path keeps the rows' attention masks in, to be passed again
     with the same ``q_pos`` and ``window`` (the Triton kernel needs none).
     """
-    if _triton_for(q):
+    if _triton_for(q) and not (_backend == "auto" and _contiguous_tail(q_pos, q.shape[1], k.shape[1], window)):
         from kvrag.kernels.triton_attention import attention_triton
 
         return attention_triton(q, q_pos, k, v, scale, window=window)
     return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window)
+
+
+def _contiguous_tail(q_pos: torch.Tensor, rows: int, keys: int, window: int | None) -> bool:
+    """Whether the rows are the last ``rows`` positions of the keys (a prefill or a decode step) on a
+    global layer: PyTorch's fused causal attention beats the scattered-row kernel there (H200,
+    bf16: 0.37-0.74x its time at 1-8K keys, ``python -m benchmarks kernels``), which wins on rows
+    scattered through the keys (3.6-8.8x), the blend's recompute."""
+    if window is not None or rows == 0:
+        return False
+    return int(q_pos[-1]) == keys - 1 and int(q_pos[-1]) - int(q_pos[0]) + 1 == rows
 
 
 def kv_deviation(k_new, k_old, v_new, v_old, what: str = "kv") -> torch.Tensor:

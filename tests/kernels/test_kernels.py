@@ -287,15 +287,17 @@ def test_engine_outputs_unchanged_through_triton_kernels(tk, family, tiny_tokeni
     model = tiny_model if tk.device.type == "cpu" else copy.deepcopy(tiny_model).to(tk.device)
 
     def run(backend: str) -> list[list[int]]:
-        engine = Engine.from_model(model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=4))
-        try:
-            with K.use_backend(backend):
+        # the engine is built inside the backend too: its self-test runs the kernels (on a GPU, the
+        # default backend would send them to Triton)
+        with K.use_backend(backend):
+            engine = Engine.from_model(model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=4))
+            try:
                 engine.warm(docs[:2])
                 full = engine.generate(docs[:2], PREFIX, SUFFIX, mode="full")
                 blend = engine.generate(docs[:2], PREFIX, SUFFIX, mode="blend", recompute_ratio=0.3)
                 engine.flush()
-        finally:
-            engine.close()
+            finally:
+                engine.close()
         assert blend.stats.cached_tokens > 0  # the fused path (cached keys, scattered rows) ran
         return [full.token_ids, blend.token_ids]
 
@@ -363,3 +365,16 @@ def test_attention_reference_paths_match_dense_softmax(first, window):
         first_call = R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks, window=window)
         assert torch.equal(R.attention_ref(q, q_pos, k, v, 0.25, block=8, masks=masks, window=window), first_call)
         torch.testing.assert_close(first_call, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_keeps_contiguous_rows_on_fused_attention():
+    """On a GPU, ``auto`` sends only scattered rows to the Triton attention: a prefill or a decode
+    step (the keys' last rows, global layer) goes to PyTorch's fused attention, which is faster there."""
+    from kvrag.kernels import _contiguous_tail
+
+    assert _contiguous_tail(torch.arange(10), 10, 10, None)  # a whole prefill
+    assert _contiguous_tail(torch.tensor([41]), 1, 42, None)  # a decode step
+    assert _contiguous_tail(torch.arange(30, 42), 12, 42, None)  # rows after a cached prefix
+    assert not _contiguous_tail(torch.tensor([3, 9, 41]), 3, 42, None)  # a blend's scattered rows
+    assert not _contiguous_tail(torch.arange(30, 40), 10, 42, None)  # not the last rows
+    assert not _contiguous_tail(torch.arange(10), 10, 10, 4)  # sliding-window layer: the kernel's masks
