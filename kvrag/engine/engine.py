@@ -67,10 +67,6 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 #: Seconds an engine may take at interpreter exit to finish what it runs.
 EXIT_WAIT_S = 60.0
-#: below this company overlap (:meth:`Plan.company_overlap`), ``"auto"`` with the default selection
-#: runs ``config.foreign_selection`` at ``config.foreign_ratio``: chunks asked in their own company,
-#: another order, measure 0.38-0.61 on the dev set, chunks warmed behind other passages 0.04-0.15
-FOREIGN_OVERLAP = 0.25
 
 
 @atexit.register
@@ -737,7 +733,25 @@ class Engine:
             gate_ok=self.gate.ok,
             gate=self.gate.summary(),
             decode=self.decoder.description,
+            blend=self._blend_description(),
         )
+
+    def _blend_description(self) -> str:
+        """:attr:`EngineInfo.blend`: the default selection and budget, and the foreign-company switch."""
+        cfg = self.config
+        if cfg.recompute_ratio != AUTO:
+            return f"{cfg.selection} at {float(cfg.recompute_ratio):.0%} of the cached tokens"
+        kind = auto_kind(cfg.selection)
+        if kind == "self" or (kind == "threshold" and self.auto_threshold is not None):
+            text = f"{cfg.selection}, auto: measured per request, up to {cfg.auto_max_ratio:.0%}"
+        else:
+            text = f"{cfg.selection}, auto: {cfg.auto_ratio:.0%} (no calibrated threshold)"
+        if cfg.selection == "probe" and cfg.foreign_selection is not None:
+            text += (
+                f"; KV from other company (overlap < {cfg.foreign_overlap:g}):"
+                f" {cfg.foreign_selection} at {cfg.foreign_ratio:.0%}"
+            )
+        return text
 
     def queue_stats(self) -> dict:
         """The engine thread's load now: ``running`` (requests holding a decoding slot), ``waiting``
@@ -930,7 +944,7 @@ class Engine:
             spans = self.conversations.attach(plan, req.follow) if req.follow is not None and not plan.is_full else []
             plan.selection = req.selection
             overlap = plan.company_overlap() if req.foreign_switch and plan.path == "blend" else None
-            if overlap is not None and overlap < FOREIGN_OVERLAP:
+            if overlap is not None and overlap < cfg.foreign_overlap:
                 # chunk KV computed in other company: the tokens nearest the question carry the drift
                 # (issue 35's measurements), so spend the budget there, without a probe
                 plan.selection, plan.ratio, plan.auto, threshold = cfg.foreign_selection, cfg.foreign_ratio, False, None

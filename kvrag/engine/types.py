@@ -35,6 +35,8 @@ class EngineInfo:
         decode: the decode step's path and why: ``packed`` (bf16 on a CPU: weights fused and
             prepacked once, the same bits as the plain path; with the time it took at start-up) or
             ``plain`` (the adapter's own layer functions).
+        blend: what ``blend`` recomputes by default: the selection and budget, and what runs on
+            chunk KV from other company (``config.foreign_selection``).
     """
 
     model: str
@@ -47,6 +49,7 @@ class EngineInfo:
     gate_ok: bool
     gate: str
     decode: str = ""
+    blend: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,7 +85,7 @@ class GenerationStats:
         selection: the selection the ``blend`` path ran (``""`` on another path); with the default
             selection and ``recompute_ratio="auto"``, ``config.foreign_selection`` for a prompt whose
             blended chunks' KV was computed in other company (their company overlap, Cache-Craft's
-            beta averaged over the blended tokens, below 0.25).
+            beta averaged over the blended tokens, below ``config.foreign_overlap``).
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
         prefix_tokens: prompt tokens reused from the exact prefix cache.

@@ -206,8 +206,13 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         assert (g.stats.selection, g.stats.recompute_ratio, g.stats.auto) == ("recency", 0.13, False)
         assert engine.generate(docs[:3], PREFIX, SUFFIX, selection="probe").stats.selection == "probe"
         assert engine.generate(docs[:3], PREFIX, SUFFIX, recompute_ratio=0.2).stats.selection == "probe"
+        assert "recency at 13%" in engine.info().blend  # what a deployment prints at start-up
     with Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection=None, **kw) as engine:
         other_company(engine)
+        assert engine.generate(docs[:3], PREFIX, SUFFIX).stats.selection == "probe"
+        assert "other company" not in engine.info().blend
+    with Engine.from_model(tiny_model, tiny_tokenizer, foreign_overlap=0.0, **kw) as engine:
+        other_company(engine)  # no overlap is below 0: never foreign
         assert engine.generate(docs[:3], PREFIX, SUFFIX).stats.selection == "probe"
     with Engine.from_model(tiny_model, tiny_tokenizer, **kw) as engine:
         engine.generate(docs[:3], PREFIX, SUFFIX)  # own company, then another order: each blended
@@ -218,6 +223,8 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="nearest")
     with pytest.raises(InvalidRequestError, match="foreign_selection"):
         Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="")
+    with pytest.raises(InvalidRequestError, match="foreign_overlap"):
+        Engine.from_model(tiny_model, tiny_tokenizer, foreign_overlap=1.5)
 
 
 def test_plan_company_overlap_averages_beta_over_the_blended_tokens():
