@@ -37,77 +37,12 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["main", "tiny_model", "tiny_tokenizer", "make_docs"]
+from benchmarks.tiny import make_docs, make_tiny_model, make_tokenizer
 
-WORDS = (
-    "river mountain castle library engine harbor museum garden bridge market village forest "
-    "island desert valley tower palace temple school station college theatre stadium canal "
-    "the of and in to was is by for with on at from as an a which that his her their it "
-    "born founded built named located known famous first largest oldest river capital city "
-    "king queen author painter composer scientist engineer general mayor bishop poet "
-    "France Spain Italy Egypt Peru Japan Kenya Chile Norway Brazil London Paris Rome Cairo Lima "
-    "1820 1901 1954 1776 1492 2001 seven twelve hundred north south east west"
-).split()
+__all__ = ["main"]
 
 PREFIX = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
 SUFFIX = "Question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
-
-
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer trained in milliseconds on :data:`WORDS`, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = random.Random(0)
-    tok.train_from_iterator([" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(200)], trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    hf.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    return hf
-
-
-def tiny_model(vocab_size: int, *, layers: int = 6, seed: int = 0):
-    """A random Llama small enough for seconds of work (built offline from its config)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "llama",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        initializer_range=0.15,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
-def make_docs(n: int, words: int = 60, seed: int = 0) -> list[str]:
-    """``n`` passages of random words (each one a chunk)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) + "\n" for _ in range(n)]
 
 
 class Checks:
@@ -139,9 +74,9 @@ def _load(args) -> tuple[object, object, str]:
     from kvrag.engine.model.dtypes import resolve_dtype
 
     if args.model is None:
-        tok = tiny_tokenizer()
+        tok = make_tokenizer()
         dtype = resolve_dtype(args.dtype, args.device).torch
-        return tiny_model(len(tok)).to(args.device, dtype), tok, "tiny random llama"
+        return make_tiny_model(len(tok)).to(args.device, dtype), tok, "tiny random llama"
     # the loader converts a bundled GGUF once (cached) and puts the weights on the device
     with Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype) as loaded:
         return loaded.hf_model, loaded.tokenizer, loaded.model_name
