@@ -741,12 +741,11 @@ class Engine:
         cfg = self.config
         if cfg.recompute_ratio != AUTO:
             return f"{cfg.selection} at {float(cfg.recompute_ratio):.0%} of the cached tokens"
-        kind = auto_kind(cfg.selection)
-        if kind == "self" or (kind == "threshold" and self.auto_threshold is not None):
+        if self._auto_measures(cfg.selection):
             text = f"{cfg.selection}, auto: measured per request, up to {cfg.auto_max_ratio:.0%}"
         else:
             text = f"{cfg.selection}, auto: {cfg.auto_ratio:.0%} (no calibrated threshold)"
-        if cfg.selection == "probe" and cfg.foreign_selection is not None:
+        if self._foreign_switch(None, AUTO):
             text += (
                 f"; KV from other company (overlap < {cfg.foreign_overlap:g}):"
                 f" {cfg.foreign_selection} at {cfg.foreign_ratio:.0%}"
@@ -831,10 +830,7 @@ class Engine:
             parts, deduplicated = self.conversations.dedup(conversation, parts)
         mode, ratio = check_mode(cfg, mode, recompute_ratio)
         self.gate.require(self.model_name, mode, ratio)
-        # the default selection with "auto" may switch for chunk KV computed in other company
-        foreign_switch = (
-            selection is None and cfg.selection == "probe" and ratio == AUTO and cfg.foreign_selection is not None
-        )
+        foreign_switch = self._foreign_switch(selection, ratio)
         selection = check_selection(cfg, selection)
         segments, ids = self.prompt_tokenizer.segment(parts)
         n = int(ids.shape[0])
@@ -988,10 +984,21 @@ class Engine:
         cfg = self.config
         if req.ratio != AUTO:
             return float(req.ratio), False, None
-        kind = auto_kind(req.selection)
-        if kind == "self" or (kind == "threshold" and self.auto_threshold is not None):
+        if self._auto_measures(req.selection):
             return cfg.auto_max_ratio, True, self.auto_threshold
         return cfg.auto_ratio, False, None
+
+    def _auto_measures(self, selection: str) -> bool:
+        """Whether ``"auto"`` measures each request's budget with ``selection`` (a selection that
+        measures itself, or a probe with a known threshold), rather than recomputing ``auto_ratio``."""
+        kind = auto_kind(selection)
+        return kind == "self" or (kind == "threshold" and self.auto_threshold is not None)
+
+    def _foreign_switch(self, selection: str | None, ratio) -> bool:
+        """Whether a request may switch to ``config.foreign_selection`` on chunk KV computed in other
+        company: it names no selection, the default one is the probe, and its ratio is ``"auto"``."""
+        cfg = self.config
+        return selection is None and cfg.selection == "probe" and ratio == AUTO and cfg.foreign_selection is not None
 
     # -- a request's life on the engine thread: prefill, batched decode steps, finish -----------------
 

@@ -19,6 +19,7 @@ import torch
 from kvrag.kernels.reference import (
     QUERY_BLOCK,
     attention_ref,
+    contiguous_tail,
     kv_deviation_ref,
     rope_rotate_into_ref,
     rope_rotate_ref,
@@ -134,7 +135,7 @@ def _contiguous_tail(q_pos: torch.Tensor, rows: int, keys: int, window: int | No
     scattered through the keys (3.6-8.8x), the blend's recompute."""
     if window is not None or rows == 0:
         return False
-    return int(q_pos[-1]) == keys - 1 and int(q_pos[-1]) - int(q_pos[0]) + 1 == rows
+    return contiguous_tail(int(q_pos[0]), int(q_pos[-1]), rows, keys)
 
 
 def kv_deviation(k_new, k_old, v_new, v_old, what: str = "kv") -> torch.Tensor:

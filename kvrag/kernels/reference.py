@@ -13,6 +13,7 @@ __all__ = [
     "rope_rotate_ref",
     "rope_rotate_into_ref",
     "signed_sin",
+    "contiguous_tail",
     "attention_ref",
     "kv_deviation_ref",
     "topk_ref",
@@ -61,6 +62,12 @@ def rope_rotate_into_ref(
     return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin(sin) if signed is None else signed))
 
 
+def contiguous_tail(first: int, last: int, rows: int, keys: int) -> bool:
+    """Whether query rows at positions ``first``..``last`` (increasing) are the last ``rows`` of
+    ``keys`` positions: a prefill's or a decode step's rows, not rows scattered through the keys."""
+    return last - first + 1 == rows and last == keys - 1
+
+
 def attention_ref(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -96,7 +103,7 @@ def attention_ref(
     first, last = int(q_pos[0]), int(q_pos[-1])
     if window is not None and last < window:
         window = None  # every row sees all the keys before it anyway
-    if window is None and last - first + 1 == tq and last == s - 1:  # a contiguous tail: plain causal attention
+    if window is None and contiguous_tail(first, last, tq, s):  # plain causal attention
         if tq == s:
             return F.scaled_dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa

@@ -57,9 +57,7 @@ class Tap:
         # that writes a chunk back, including the full prefill of a request with nothing cached
         if not self.positions.numel() or not pos.numel():
             return
-        positions = self._on.get(pos.device)
-        if positions is None:
-            positions = self._on[pos.device] = self.positions.to(pos.device)
+        positions = self.positions_on(pos.device)
         rows = torch.searchsorted(pos, positions).clamp_(max=pos.numel() - 1)  # [S]: pos is increasing
         seen = pos[rows] == positions  # [S]
         if not bool(seen.any()):
@@ -67,6 +65,13 @@ class Tap:
         if self.q[layer] is None:
             self.q[layer] = q.new_zeros((q.shape[0], positions.numel(), q.shape[2]))
         self.q[layer][:, seen] = q[:, rows[seen]]
+
+    def positions_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`positions` on ``device`` (copied there once)."""
+        positions = self._on.get(device)
+        if positions is None:
+            positions = self._on[device] = self.positions.to(device)
+        return positions
 
     def complete(self) -> bool:
         return all(q is not None for q in self.q)
@@ -116,7 +121,7 @@ def _span_masses(
     """
     device, dtype = buf.k.device, buf.k.dtype
     n_kv, head_dim = buf.k.shape[1], buf.k.shape[3]
-    qpos = tap.positions.to(device)
+    qpos = tap.positions_on(device)
     n_keys = int(tap.positions.max()) + 1
     width = max(head_dim, len(ranges))  # the fused kernels want the values' width = the keys'
     values = torch.zeros(n_keys, width, dtype=dtype, device=device)
