@@ -27,9 +27,9 @@ chunk sequences stored so far, never a later request):
   most retrieved first), then ``counts``;
 - ``frequency``: the engine's ``order="frequency"`` (:meth:`AccessTable.order`,
   :func:`~kvrag.engine.reuse.access.stored_path_order`): the longest stored path the retrieval's
-  chunks can form first, then descending count, ties by content key; its stored paths are every
-  earlier request's sequence (as ``prefix`` mode's exact prefix cache, or write-back of missed
-  chunks behind exact ones, keeps them);
+  chunks can form first, then descending count, ties by content key (the replay computes no KV);
+  its stored paths are every earlier request's sequence (as ``prefix`` mode's exact prefix cache,
+  or write-back of missed chunks behind exact ones, keeps them);
 - ``frequency-promoted``: the same, told only of the promoted tree's sequences (what the
   refresh alone keeps exactly: the conservative case).
 

@@ -43,6 +43,7 @@ from benchmarks.workloads import (
     ordered,
     store_usage,
 )
+from kvrag.engine.reuse.access import chunk_key
 from kvrag.engine.store.base import KVRecord
 from kvrag.errors import InvalidRequestError
 
@@ -182,7 +183,8 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
     through ``chunk_context``, ``warm_window_tokens`` and ``warm_variants``: engines alike in them
     get the records of one warm (on a scratch engine with the run's store settings, so no method's
     store is read or promoted by the copying), each record put as the warm itself puts it (the
-    chunk's variants, each with its context).
+    chunk's variants, each with its context), and the order the warm computed them in told to the
+    method's chunk-access table (as the warm tells its own: frequency order's ties follow it).
     """
     groups: dict[tuple[str, int, int], list[str]] = {}
     for name, eng in owned.items():
@@ -198,6 +200,9 @@ def _warm_stores(engines: MethodEngines, owned: dict, texts: list[str], how: dic
             t0 = time.perf_counter()
             copied = _copy_records(src, owned[name], texts)
             owned[name].flush()
+            by_key = {chunk_key(t): t for t in texts}
+            streamed = src.access.computation_order(src.config.namespace)
+            owned[name].access.computed(owned[name].config.namespace, [by_key[k] for k in streamed if k in by_key])
             out[name] = {
                 "computed": res.computed,
                 "variants": res.variants,

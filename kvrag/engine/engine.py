@@ -193,6 +193,7 @@ class Engine:
             worker=self._worker,
             promoted=self.access.promoted,
             stored=self.access.stored,
+            computed=self.access.computed,
         )
         #: live speculations (RAGCache's speculative pipelining: :meth:`speculate`, :meth:`speculate_request`)
         self.speculations = Speculations(self._worker, self.adapter.n_layers)
@@ -281,7 +282,8 @@ class Engine:
         Args:
             documents: the retrieved documents, in retrieval order.
             order: ``"retrieval"`` (the given order) or ``"frequency"`` (CRAFT: most retrieved in the
-                window first, after the longest chunk sequence the tenant holds exactly; ties by content key:
+                window first, after the longest chunk sequence the tenant holds exactly; ties in the order
+                their KV was first computed, else by content key:
                 :func:`kvrag.engine.reuse.access.stored_path_order`).
             namespace: the tenant (default ``config.namespace``).
 
@@ -373,6 +375,7 @@ class Engine:
         tokenized = [self.prompt_tokenizer.tokenize(t) for t in chunks]
         kept = [i for i, ids in enumerate(tokenized) if ids]
         docs = [tokenized[i] for i in kept]
+        texts = [chunks[i] for i in kept]
         limit = self.chunk_computer.max_chunk_tokens(self.context_window)
         for ids in docs:
             if len(ids) > limit:
@@ -381,7 +384,8 @@ class Engine:
             if embeddings is not None and len(embeddings) != len(chunks):
                 raise InvalidRequestError(f"embeddings has {len(embeddings)} rows for {len(chunks)} chunks")
             vectors = None if embeddings is None else [embeddings[i] for i in kept]
-            docs = [docs[i] for i in similarity_order(docs, vectors)]
+            placed = similarity_order(docs, vectors)
+            docs, texts = [docs[i] for i in placed], [texts[i] for i in placed]
         keys = [self.planner.chunk_key(ids, namespace) for ids in docs]
         wanted = self.config.warm_variants_for(order)
         with progress_reporter(progress, "kvrag warm") as report:
@@ -398,6 +402,7 @@ class Engine:
                 progress=report,
                 reverse=(lambda key, context: self.variants.wants(key, context, wanted)) if wanted > 1 else None,
             )
+        self.access.computed(namespace, texts)  # the stream's order: frequency order's ties follow it
         return WarmResult(
             computed, len(docs) - computed, sum(len(d) for d in docs), time.perf_counter() - t0, variants=variants
         )

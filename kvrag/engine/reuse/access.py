@@ -10,9 +10,11 @@ CRAFT (§4.1-4.2) counts each chunk's accesses over a sliding window of the last
   ``benchmarks/craft_replay.py``). So the order here is tree-aware: the longest chunk sequence
   the namespace holds *exactly* (its stored paths, below) that the retrieval's chunks can form
   goes first (CRAFT's prefix lookup, with prefix slicing: any leading part of a stored path
-  counts), then the other chunks by descending count, ties broken by a content key (not the
-  retriever's rank: the same set of chunks gets the same order whoever retrieved it, in whatever
-  order). With nothing stored it is CRAFT's sort;
+  counts), then the other chunks by descending count, ties in the order the namespace first
+  computed their KV (:meth:`AccessTable.computed`: a corpus warm's stream, or the request that met
+  them first), so that a chunk follows the documents its KV was computed behind; chunks never
+  computed by content key. Not the retriever's rank: the same set of chunks gets the same order
+  whoever retrieved it, in whatever order. With nothing stored it is CRAFT's sort;
 - **promotion**: a chunk sequence is worth keeping exactly only for its leading run of chunks
   whose counts reach the threshold ``tau`` (:meth:`AccessTable.promoted`); a kept prefix grows by
   its next chunk once that one reaches ``tau`` too.
@@ -57,7 +59,8 @@ __all__ = [
 
 #: How a retrieval's chunks are put into the prompt: ``retrieval`` (as the retriever ranked them)
 #: or ``frequency`` (CRAFT's, tree-aware: the longest stored path first, then descending access
-#: count in the window, ties by content key: :func:`stored_path_order`).
+#: count in the window, ties in the order their KV was first computed, else by content key:
+#: :func:`stored_path_order`).
 CHUNK_ORDERS = ("retrieval", "frequency")
 
 #: One document of a retrieval: its text, or the texts of the forms it may take in a prompt.
@@ -84,12 +87,12 @@ def _keys(document: Document) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chunk_key(f) for f in forms))
 
 
-def frequency_order(counts: Sequence[int], keys: Sequence[str] | None = None) -> list[int]:
+def frequency_order(counts: Sequence[int], keys: Sequence | None = None) -> list[int]:
     """Indices of a retrieval's chunks by descending count (CRAFT's sort).
 
     ``counts[i]`` is the count of the chunk ranked ``i`` by the retriever. Equal counts are ordered
-    by ``keys[i]`` when given (a content key: the same chunks get the same order whatever order
-    they were retrieved in), else kept in retrieval order (Python's sort is stable).
+    by ``keys[i]`` when given (comparable tie keys, e.g. content keys: the same chunks get the same
+    order whatever order they were retrieved in), else kept in retrieval order (Python's sort is stable).
     """
     if keys is None:
         return sorted(range(len(counts)), key=lambda i: -counts[i])
@@ -102,7 +105,10 @@ MAX_PATH_LOOKUPS = 4096
 
 
 def stored_path_order(
-    keys: Sequence[Sequence[str]], counts: Sequence[int], stored: Callable[[tuple[str, ...]], bool]
+    keys: Sequence[Sequence[str]],
+    counts: Sequence[int],
+    stored: Callable[[tuple[str, ...]], bool],
+    tie: Sequence | None = None,
 ) -> list[int]:
     """The frequency order, tree-aware: indices of a retrieval's chunks, in the order to prompt them.
 
@@ -111,13 +117,16 @@ def stored_path_order(
         counts: each chunk's access count in the window.
         stored: whether a chunk sequence (keys, from the prompt's first chunk) is stored exactly;
             every leading part of a stored sequence must be stored too.
+        tie: each chunk's tie key among equal counts (comparable); default its content key (the
+            smallest of its keys).
 
     The longest stored sequence that the retrieval's chunks can form leads (depth-first over the
     chunks, most retrieved first, so of equally long paths the one through the most retrieved chunk
-    wins); the other chunks follow by descending count, ties by content key (the smallest of a
-    chunk's keys). Pure: the same inputs give the same order.
+    wins); the other chunks follow by descending count, ties by ``tie``. Pure: the same inputs give
+    the same order.
     """
-    tie = [min(k) if k else "" for k in keys]
+    if tie is None:
+        tie = [min(k) if k else "" for k in keys]
     ranked = frequency_order(counts, tie)
     best: list[int] = []
     budget = [MAX_PATH_LOOKUPS]
@@ -205,15 +214,21 @@ class AccessTable:
             recurring (:meth:`promoted`).
         max_paths: stored chunk sequences remembered per namespace (:meth:`stored`; each leading
             part of a sequence is one), least recently used forgotten first.
+        max_computed: chunks whose first computation is remembered per namespace (:meth:`computed`),
+            the earliest forgotten first.
     """
 
-    def __init__(self, window: int | None = 1000, threshold: int = 2, max_paths: int = 10_000) -> None:
+    def __init__(
+        self, window: int | None = 1000, threshold: int = 2, max_paths: int = 10_000, max_computed: int = 1_000_000
+    ) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be an integer >= 1 or None, got {window!r}")
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
             raise ValueError(f"threshold must be an integer >= 1, got {threshold!r}")
         if isinstance(max_paths, bool) or not isinstance(max_paths, int) or max_paths < 0:
             raise ValueError(f"max_paths must be an integer >= 0, got {max_paths!r}")
+        if isinstance(max_computed, bool) or not isinstance(max_computed, int) or max_computed < 0:
+            raise ValueError(f"max_computed must be an integer >= 0, got {max_computed!r}")
         self.window = window
         self.threshold = threshold
         self.max_paths = max_paths
@@ -221,6 +236,10 @@ class AccessTable:
         #: per namespace, the stored chunk sequences (key tuples, every leading part present),
         #: least recently used first
         self._paths: dict[str, OrderedDict[tuple[str, ...], None]] = {}
+        self.max_computed = max_computed
+        #: per namespace, chunk key -> when its KV was first computed (a running number), earliest first
+        self._computed: dict[str, OrderedDict[str, int]] = {}
+        self._computations: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def record(self, namespace: str, documents: Sequence[Document]) -> None:
@@ -251,12 +270,49 @@ class AccessTable:
         with self._lock:
             table = self._tables.get(namespace)
             counts = [max((table.counts.get(k, 0) for k in ks), default=0) if table else 0 for ks in keyed]
+            tie = self._ties(namespace, keyed)
             paths = self._paths.get(namespace)
             if not paths:
-                return frequency_order(counts, [min(ks) if ks else "" for ks in keyed])
-            ranked = stored_path_order(keyed, counts, paths.__contains__)
+                return frequency_order(counts, tie)
+            ranked = stored_path_order(keyed, counts, paths.__contains__, tie)
             self._touch(paths, self._lead(paths, [keyed[i] for i in ranked]))
             return ranked
+
+    def _ties(self, namespace: str, keyed: list[tuple[str, ...]]) -> list[tuple]:
+        """Tie keys of equal counts: a chunk computed before goes in the order its KV was first
+        computed (the earliest of its forms'), ahead of chunks never computed, which go by content key."""
+        seen = self._computed.get(namespace) or {}
+        ties = []
+        for keys in keyed:
+            first = [seen[k] for k in keys if k in seen]
+            ties.append((0, min(first), "") if first else (1, 0, min(keys) if keys else ""))
+        return ties
+
+    def computed(self, namespace: str, texts: Sequence[str]) -> None:
+        """Tell the table that ``namespace`` computed the KV of the chunks ``texts``, in that order
+        (a warm's stream, a request's missed chunks in prompt order). A chunk keeps the number of
+        its first computation: the frequency order puts tied chunks in that order, so a chunk follows
+        the documents it was computed behind (its company), whoever retrieves it later."""
+        if self.max_computed == 0:
+            return
+        keys = [chunk_key(t) for t in texts]
+        with self._lock:
+            seen = self._computed.get(namespace)
+            if seen is None:
+                seen = self._computed[namespace] = OrderedDict()
+            n = self._computations.get(namespace, 0)
+            for key in keys:
+                if key not in seen:
+                    seen[key] = n
+                    n += 1
+            self._computations[namespace] = n
+            while len(seen) > self.max_computed:
+                seen.popitem(last=False)
+
+    def computation_order(self, namespace: str) -> list[str]:
+        """The chunk keys of ``namespace`` in the order their KV was first computed (:meth:`computed`)."""
+        with self._lock:
+            return list(self._computed.get(namespace, ()))
 
     @staticmethod
     def _lead(paths: OrderedDict, keyed: list[tuple[str, ...]]) -> tuple[str, ...]:
@@ -348,3 +404,5 @@ class AccessTable:
         with self._lock:
             self._tables.clear()
             self._paths.clear()
+            self._computed.clear()
+            self._computations.clear()

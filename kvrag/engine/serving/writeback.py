@@ -138,12 +138,14 @@ class WriteBack:
         worker: Worker,
         promoted: Callable[[str, list[str]], int] | None = None,
         stored: Callable[[str, list[str]], None] | None = None,
+        computed: Callable[[str, list[str]], None] | None = None,
     ) -> None:
         self.config, self.store, self.planner, self.computer, self._run = config, store, planner, computer, run
         self.variants = variants
         self._worker = worker
         self._promoted = promoted
         self._stored = stored
+        self._computed = computed
         self._writer = BackgroundWriter()
         self._pending: set = set()
         self._refreshing: dict[tuple, Ticket] = {}  # a refresh's path -> its ticket (waiting or running)
@@ -201,6 +203,8 @@ class WriteBack:
         spans = [ContextSpan(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
         ranges = [(s.start, s.end) for s in spans]  # the first chunk measured measures them all (one pass)
         kept = {u.index for u in self._kept_misses(plan)} | {i for i in res.chunk_captures if self.keeps(plan)}
+        if self._computed is not None:  # the order their KV was first computed in (frequency order's ties)
+            self._computed(plan.namespace, [plan.segments[u.index].text for u in plan.chunks if u.index in kept])
         written_exact = set()
         for n, use in enumerate(plan.chunks):
             if use.index not in kept:

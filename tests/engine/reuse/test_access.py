@@ -275,3 +275,34 @@ def test_config_checks_the_window_and_the_threshold(tiny_model, tiny_tokenizer):
         Engine.from_model(tiny_model, tiny_tokenizer, promotion_threshold=0)
     with Engine.from_model(tiny_model, tiny_tokenizer, chunk_access_window=None) as engine:
         assert engine.chunk_access().window is None
+
+
+def test_tied_chunks_go_in_the_order_their_kv_was_first_computed():
+    table = AccessTable()
+    for docs in (["b", "c"], ["c"]):
+        table.record("t", docs)
+    table.computed("t", ["d", "b", "a"])  # a warm's stream: d, then b, then a
+    table.computed("t", ["a", "e"])  # a keeps its first number; e comes after
+    assert table.computation_order("t") == [chunk_key(x) for x in ("d", "b", "a", "e")]
+    docs = ["a", "b", "c", "d", "e", "f"]
+    got = [docs[i] for i in table.order("t", docs, "frequency")]
+    # c (2), then b (1), then the count-0 chunks: computed ones in computation order, then f by key
+    assert got == ["c", "b", "d", "a", "e", "f"]
+    assert [docs[i] for i in table.order("u", docs, "frequency")][:1] == by_key(docs)[:1]  # tenants apart
+    table.stored("t", ["e"])  # a stored path still leads
+    assert [docs[i] for i in table.order("t", docs, "frequency")][:3] == ["e", "c", "b"]
+    small = AccessTable(max_computed=2)
+    small.computed("t", ["x", "y", "z"])
+    assert small.computation_order("t") == [chunk_key("y"), chunk_key("z")]  # the earliest forgotten
+    with pytest.raises(ValueError, match="max_computed"):
+        AccessTable(max_computed=-1)
+
+
+def test_a_warm_stream_orders_tied_chunks_in_a_request(engine):
+    docs = make_docs(4, seed=67)
+    engine.warm([docs[2], docs[0], docs[3], docs[1]])
+    engine.flush()
+    got = engine.generate(docs, PREFIX, SUFFIX, chunk_order="frequency")
+    want = [docs[2], docs[0], docs[3], docs[1]]  # all tied at count 0: the warm's order, each behind its company
+    assert [c.tokens for c in got.stats.chunks] == [engine.count_tokens(d) for d in want]
+    assert sources(got) == ["store"] * 4
