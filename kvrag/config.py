@@ -27,6 +27,9 @@ __all__ = [
     "CHUNK_CONTEXTS",
     "DTYPE_NAMES",
     "AUTO",
+    "QUALITIES",
+    "QUALITY_SHARES",
+    "check_quality",
     "KV_CODECS",
     "default_cache_dir",
 ]
@@ -270,6 +273,12 @@ class EngineConfig:
             tokens nearest the question, which carry the drift there; docs/benchmarks.md, issue 35);
             ``None``: always ``selection``. A request that names a selection or a ratio runs what it names.
         foreign_ratio: the share ``foreign_selection`` recomputes (0.13).
+        quality: the dial of ``"auto"`` where it recomputes shares (no calibrated threshold, or on
+            foreign KV): each blended chunk adds its own share of the budget, by the company its KV
+            was computed in (Cache-Craft's beta of that chunk against ``foreign_overlap``) —
+            ``"fast"`` 10% own / 10% foreign, ``"balanced"`` (default) ``auto_ratio`` /
+            ``foreign_ratio``, ``"faithful"`` 30% / 40% (:data:`QUALITY_SHARES`). With a calibrated
+            threshold, own-company prompts are measured by it whatever the quality.
         foreign_overlap: the company overlap below which a prompt's chunk KV counts as foreign
             (0.25: chunks asked in their own company, in another order, measured 0.38-0.61 on the
             dev set; chunks warmed behind other passages 0.04-0.15).
@@ -383,6 +392,7 @@ class EngineConfig:
     foreign_selection: str | None = "recency"
     foreign_ratio: float = 0.13
     foreign_overlap: float = 0.25
+    quality: str = "balanced"
     selection: str = "probe"
     selection_params: Mapping[str, object] | None = None
     prefix_block_tokens: int = 16
@@ -429,6 +439,7 @@ class EngineConfig:
         check_share("auto_ratio", self.auto_ratio)
         check_share("foreign_ratio", self.foreign_ratio)
         check_share("foreign_overlap", self.foreign_overlap)
+        check_quality(self.quality)
         if self.foreign_selection is not None and (
             not isinstance(self.foreign_selection, str) or not self.foreign_selection
         ):
@@ -518,6 +529,12 @@ class EngineConfig:
         """Variants of each chunk ``warm(order=...)`` computes (``warm_variants``, or its default)."""
         return self.warm_variants or min(2 if order == "similar" else 1, self.max_variants)
 
+    def quality_shares(self, quality: str | None = None) -> tuple[float, float]:
+        """(own company, other company) shares ``"auto"`` recomputes at ``quality`` (default
+        :attr:`quality`; :data:`QUALITY_SHARES`, ``"balanced"``: ``auto_ratio`` and ``foreign_ratio``)."""
+        quality = check_quality(self.quality if quality is None else quality)
+        return QUALITY_SHARES.get(quality, (self.auto_ratio, self.foreign_ratio))
+
     def replace(self, **changes) -> EngineConfig:
         """A copy with some fields changed (validated again).
 
@@ -579,6 +596,20 @@ def _check_selection_params(params) -> dict[str, object] | None:
 
 #: ``recompute_ratio="auto"``: each request recomputes what it needs (see :class:`EngineConfig`).
 AUTO = "auto"
+
+#: The quality dial of ``recompute_ratio="auto"`` (``EngineConfig.quality``, a request's ``quality=``).
+QUALITIES = ("fast", "balanced", "faithful")
+#: (own company, other company): the share of a blended chunk's tokens ``"auto"`` recomputes when
+#: the chunk's KV was computed in its company in this prompt, and when behind other passages
+#: (``"balanced"``: ``auto_ratio`` and ``foreign_ratio``). Chosen on the dev set: docs/benchmarks.md.
+QUALITY_SHARES = {"fast": (0.10, 0.10), "faithful": (0.30, 0.40)}
+
+
+def check_quality(value) -> str:
+    """``value`` if it names a quality of :data:`QUALITIES`, else one clear error that lists them."""
+    if value not in QUALITIES:
+        raise InvalidRequestError(f"quality must be one of {', '.join(map(repr, QUALITIES))}, got {value!r}")
+    return value
 
 
 def check_remote_url(url) -> str:

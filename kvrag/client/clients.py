@@ -106,7 +106,7 @@ class Client(_Base):
             messages: the conversation; the server renders it with the model's chat template.
             documents: texts of the prompt that are chunks (their KV is reused when cached).
             **options: ``max_new_tokens`` (or ``max_tokens``), ``temperature``, ``top_p``, ``stop``,
-                ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``conversation_id``, ``dedup``;
+                ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``conversation_id``, ``dedup``;
                 ``model`` instead of the client's.
         """
         path, body = chat_body(messages, documents, options, self.model, False)

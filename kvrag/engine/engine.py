@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from typing_extensions import Unpack
 
-from kvrag.config import AUTO, EngineConfig
+from kvrag.config import AUTO, EngineConfig, check_quality
 from kvrag.engine.model import loading
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder, DecodeRow
@@ -746,14 +746,15 @@ class Engine:
         cfg = self.config
         if cfg.recompute_ratio != AUTO:
             return f"{cfg.selection} at {float(cfg.recompute_ratio):.0%} of the cached tokens"
+        own, foreign = cfg.quality_shares()
         if self._auto_measures(cfg.selection):
-            text = f"{cfg.selection}, auto: measured per request, up to {cfg.auto_max_ratio:.0%}"
+            text = f"{cfg.selection}, auto ({cfg.quality}): measured per request, up to {cfg.auto_max_ratio:.0%}"
         else:
-            text = f"{cfg.selection}, auto: {cfg.auto_ratio:.0%} (no calibrated threshold)"
+            text = f"{cfg.selection}, auto ({cfg.quality}): {own:.0%} (no calibrated threshold)"
         if self._foreign_switch(None, AUTO):
             text += (
-                f"; KV from other company (overlap < {cfg.foreign_overlap:g}):"
-                f" {cfg.foreign_selection} at {cfg.foreign_ratio:.0%}"
+                f"; KV from other company (overlap < {cfg.foreign_overlap:g}): {cfg.foreign_selection},"
+                f" {foreign:.0%} of each foreign chunk, {own:.0%} of the others"
             )
         return text
 
@@ -817,6 +818,7 @@ class Engine:
         mode: str | None = None,
         recompute_ratio: float | None = None,
         selection: str | None = None,
+        quality: str | None = None,
         conversation_id: str | None = None,
         dedup: bool | None = None,
         namespace: str | None = None,
@@ -837,6 +839,7 @@ class Engine:
         self.gate.require(self.model_name, mode, ratio)
         foreign_switch = self._foreign_switch(selection, ratio)
         selection = check_selection(cfg, selection)
+        quality = check_quality(cfg.quality if quality is None else quality)
         segments, ids = self.prompt_tokenizer.segment(parts)
         n = int(ids.shape[0])
         if n == 0:
@@ -851,6 +854,7 @@ class Engine:
             sampling=sampling.resolved(cfg.sampling),
             selection=selection,
             foreign_switch=foreign_switch,
+            quality=quality,
             namespace=namespace,
             conversation=conversation,
             deduplicated=deduplicated,
@@ -947,8 +951,11 @@ class Engine:
             overlap = plan.company_overlap() if req.foreign_switch and plan.path == "blend" else None
             if overlap is not None and overlap < cfg.foreign_overlap:
                 # chunk KV computed in other company: the tokens nearest the question carry the drift
-                # (issue 35's measurements), so spend the budget there, without a probe
-                plan.selection, plan.ratio, plan.auto, threshold = cfg.foreign_selection, cfg.foreign_ratio, False, None
+                # (issue 35's measurements), so spend the budget there, without a probe: each chunk
+                # adds its quality's share, by the company its own KV was computed in
+                own, foreign = cfg.quality_shares(req.quality)
+                plan.selection, plan.auto, threshold = cfg.foreign_selection, False, None
+                plan.ratio = plan.dial_ratio(own, foreign, cfg.foreign_overlap)
             self.planner.choose(plan, price=req.priced)
             blended = {start for start, _ in plan.chunk_records}  # what of the turn's KV the chosen path still uses
             req.conversation_spans = [(a, b) for a, b in spans if b <= plan.prefix_len or a in blended]
@@ -991,7 +998,7 @@ class Engine:
             return float(req.ratio), False, None
         if self._auto_measures(req.selection):
             return cfg.auto_max_ratio, True, self.auto_threshold
-        return cfg.auto_ratio, False, None
+        return cfg.quality_shares(req.quality)[0], False, None
 
     def _auto_measures(self, selection: str) -> bool:
         """Whether ``"auto"`` measures each request's budget with ``selection`` (a selection that
@@ -1095,6 +1102,7 @@ def _signature(req: Request) -> tuple:
         req.ratio,
         req.selection,
         req.foreign_switch,
+        req.quality,
         req.namespace,
         repr(req.sampling),
     )

@@ -4,7 +4,7 @@ Requests: the fields of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`
 engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``documents`` (texts of
 the prompt that are chunks: registered with the engine before the request is planned, and kept
 in its bounded registry of chunk boundaries as ``/v1/documents`` keeps them; boundaries only, the
-KV stays in the tenant's namespace), ``mode``, ``recompute_ratio``, ``selection``,
+KV stays in the tenant's namespace), ``mode``, ``recompute_ratio``, ``selection``, ``quality``,
 ``conversation_id``, ``dedup``, ``speculate`` (a key: prefill this request ahead instead of
 answering it; :mod:`kvrag.server.app`). Other OpenAI fields are ignored when they ask for nothing
 (``user``, ``metadata``, a zero penalty, ``n=1``) and rejected when they ask for what kvrag
@@ -43,7 +43,16 @@ __all__ = [
 ]
 
 #: kvrag's fields on an OpenAI request (all optional; ``None`` = the server engine's default).
-EXTENSION_FIELDS = ("documents", "mode", "recompute_ratio", "selection", "conversation_id", "dedup", "speculate")
+EXTENSION_FIELDS = (
+    "documents",
+    "mode",
+    "recompute_ratio",
+    "selection",
+    "quality",
+    "conversation_id",
+    "dedup",
+    "speculate",
+)
 
 
 class _StreamOptions(BaseModel):
@@ -75,6 +84,7 @@ class _GenerationRequest(BaseModel):
     mode: str | None = None
     recompute_ratio: float | Literal["auto"] | None = None
     selection: str | None = None
+    quality: str | None = None
     conversation_id: str | None = None
     dedup: bool | None = None
     speculate: str | None = Field(default=None, min_length=1, max_length=256)
@@ -102,6 +112,7 @@ class _GenerationRequest(BaseModel):
             "mode": self.mode,
             "recompute_ratio": self.recompute_ratio,
             "selection": self.selection,
+            "quality": self.quality,
             "conversation_id": self.conversation_id,
             "dedup": self.dedup,
         }

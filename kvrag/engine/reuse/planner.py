@@ -143,6 +143,16 @@ class Plan:
         total = sum(u.length for u in blended)
         return sum(u.length * (u.overlap or 0.0) for u in blended) / total if total else None
 
+    def dial_ratio(self, own: float, foreign: float, threshold: float) -> float:
+        """The recompute share when each blended chunk adds its own: ``own`` of its tokens when its KV
+        was computed in the company that precedes it here (beta >= ``threshold``), else ``foreign``
+        (the quality dial of ``recompute_ratio="auto"``); ``own`` when nothing is blended."""
+        blended = [u for u in self.chunks if u.hit and u.source == "store"]
+        total = sum(u.length for u in blended)
+        if not total:
+            return own
+        return sum(u.length * (own if (u.overlap or 0.0) >= threshold else foreign) for u in blended) / total
+
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
 

@@ -38,6 +38,7 @@ class Request:
     sampling: SamplingParams  # resolved: no None fields
     selection: str = "probe"
     foreign_switch: bool = False  # no selection named, ratio "auto": other company runs config.foreign_selection
+    quality: str = "balanced"  # the dial of ratio "auto" (EngineConfig.quality)
     namespace: str = "default"  # the tenant: cache entries and conversations of others are never seen
     conversation: str | None = None  # the conversation's key (its id, scoped to the namespace)
     deduplicated: int = 0
@@ -68,6 +69,8 @@ class RequestArgs(TypedDict, total=False):
         recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1), or ``"auto"``.
         selection: which cached tokens ``blend`` recomputes, a registered selection
             (:func:`~kvrag.engine.reuse.selection.registered_selections`).
+        quality: the dial of ``recompute_ratio="auto"``: ``fast``, ``balanced`` or ``faithful``
+            (:data:`kvrag.config.QUALITIES`; default ``config.quality``).
         conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
             answer) is reused where the new prompt repeats it (exact prefix, and shifted history
             runs in blend/reuse), and this turn is kept for the next one
@@ -92,6 +95,7 @@ class RequestArgs(TypedDict, total=False):
     mode: str | None
     recompute_ratio: float | str | None
     selection: str | None
+    quality: str | None
     conversation_id: str | None
     dedup: bool | None
     namespace: str | None

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
 
 import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
-from kvrag.config import MODES, EngineConfig, SamplingParams, check_field_names, check_ratio
+from kvrag.config import MODES, QUALITIES, EngineConfig, SamplingParams, check_field_names, check_ratio
 from kvrag.engine import Engine
 from kvrag.engine.reuse.selection import registered_selections
 from kvrag.errors import InvalidRequestError
@@ -38,6 +38,7 @@ __all__ = [
 # are a plain string: the engine's registry is their one list, checked when a call runs (a server
 # may have selections this process does not).
 Mode = Literal[MODES]  # type: ignore[valid-type]
+Quality = Literal[QUALITIES]  # type: ignore[valid-type]
 
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.complete(x, mode="full")``)
 #: and the engine name each one becomes: an :meth:`Engine.stream` keyword, or ``model``, which
@@ -53,6 +54,7 @@ CALL_ARGUMENTS: Mapping[str, str] = MappingProxyType(
         "mode": "mode",
         "recompute_ratio": "recompute_ratio",
         "selection": "selection",
+        "quality": "quality",
         "dedup": "dedup",
         "conversation_id": "conversation_id",
         "model": "model",
@@ -205,6 +207,11 @@ class GenerationFields(BaseModel):
         default=None,
         description="Which cached tokens blend recomputes, a selection registered in kvrag "
         f"({', '.join(registered_selections())}, ...), checked when a call runs; None = engine default.",
+    )
+    quality: Quality | None = Field(
+        default=None,
+        description=f"The dial of recompute_ratio='auto', one of {', '.join(QUALITIES)}: how much blend "
+        "recomputes of chunks whose KV was computed in other company; None = engine default (balanced).",
     )
     temperature: float | None = Field(default=None, description="0 = greedy; None = engine default (greedy).")
     top_p: float | None = Field(default=None, description="Nucleus sampling threshold; None = engine default.")

@@ -206,7 +206,7 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         assert (g.stats.selection, g.stats.recompute_ratio, g.stats.auto) == ("recency", 0.13, False)
         assert engine.generate(docs[:3], PREFIX, SUFFIX, selection="probe").stats.selection == "probe"
         assert engine.generate(docs[:3], PREFIX, SUFFIX, recompute_ratio=0.2).stats.selection == "probe"
-        assert "recency at 13%" in engine.info().blend  # what a deployment prints at start-up
+        assert "recency, 13% of each foreign chunk" in engine.info().blend  # what a deployment prints at start-up
     with Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection=None, **kw) as engine:
         other_company(engine)
         assert engine.generate(docs[:3], PREFIX, SUFFIX).stats.selection == "probe"
@@ -225,6 +225,41 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="")
     with pytest.raises(InvalidRequestError, match="foreign_overlap"):
         Engine.from_model(tiny_model, tiny_tokenizer, foreign_overlap=1.5)
+
+
+def test_the_quality_dial_sets_each_chunks_share_by_the_company_its_kv_was_computed_in(tiny_model, tiny_tokenizer):
+    """Issue 35's dial: with ratio "auto", each blended chunk of a foreign prompt adds its quality's
+    share of the budget: the own-company share when its KV's company precedes it here, else the
+    foreign share; uncalibrated own-company prompts recompute the own share."""
+    from kvrag import Engine
+    from kvrag.config import QUALITIES, QUALITY_SHARES
+
+    docs = make_docs(8, words=60, seed=36)
+    kw = dict(sampling=SamplingParams(max_new_tokens=2), tree_refresh=False, cost_model=False)
+    with Engine.from_model(tiny_model, tiny_tokenizer, **kw) as engine:
+        for a, b in ((docs[0], docs[4]), (docs[1], docs[5]), (docs[2], docs[6]), (docs[3], docs[7])):
+            engine.generate([b, a], PREFIX, SUFFIX)  # docs 4-7 first (behind nothing), 0-3 behind them
+        engine.flush()
+        # docs[5] leads as it was computed: exact, spends nothing; docs[0] follows its company
+        # (docs[4]): own; docs[4], [2], [3], [7] follow other passages: foreign
+        prompt = [docs[5], docs[4], docs[0], docs[2], docs[3], docs[7]]
+        for quality in QUALITIES:
+            g = engine.generate(prompt, PREFIX, SUFFIX, quality=quality)
+            assert [c.source for c in g.stats.chunks] == ["tree"] + ["store"] * 5 and g.stats.selection == "recency"
+            own, foreign = engine.config.quality_shares(quality)
+            sizes = [c.tokens for c in g.stats.chunks][1:]
+            want = (sizes[1] * own + (sum(sizes) - sizes[1]) * foreign) / sum(sizes)
+            assert g.stats.recompute_ratio == pytest.approx(want)
+        assert QUALITY_SHARES["fast"] == engine.config.quality_shares("fast")
+        assert engine.config.quality_shares("balanced") == (0.15, 0.13)  # auto_ratio, foreign_ratio
+        own_company = engine.generate([docs[4], docs[0]], PREFIX, SUFFIX, quality="fast")
+        assert (own_company.stats.selection, own_company.stats.recompute_ratio) == ("probe", 0.10)
+        with pytest.raises(InvalidRequestError, match="quality must be one of 'fast', 'balanced', 'faithful'"):
+            engine.generate(prompt, PREFIX, SUFFIX, quality="best")
+    with Engine.from_model(tiny_model, tiny_tokenizer, quality="faithful", **kw) as engine:
+        assert "auto (faithful): 30%" in engine.info().blend
+    with pytest.raises(InvalidRequestError, match="quality must be one of"):
+        Engine.from_model(tiny_model, tiny_tokenizer, quality="max")
 
 
 def test_plan_company_overlap_averages_beta_over_the_blended_tokens():
