@@ -277,7 +277,7 @@ class EngineConfig:
             foreign KV): each blended chunk adds its own share of the budget, by the company its KV
             was computed in (Cache-Craft's beta of that chunk against ``foreign_overlap``) —
             ``"fast"`` 10% own / 10% foreign, ``"balanced"`` (default) ``auto_ratio`` /
-            ``foreign_ratio``, ``"faithful"`` 30% / 40% (:data:`QUALITY_SHARES`). With a calibrated
+            ``foreign_ratio``, ``"faithful"`` 30% / 60% (:data:`QUALITY_SHARES`). With a calibrated
             threshold, own-company prompts are measured by it whatever the quality.
         foreign_overlap: the company overlap below which a prompt's chunk KV counts as foreign
             (0.25: chunks asked in their own company, in another order, measured 0.38-0.61 on the
@@ -602,7 +602,7 @@ QUALITIES = ("fast", "balanced", "faithful")
 #: (own company, other company): the share of a blended chunk's tokens ``"auto"`` recomputes when
 #: the chunk's KV was computed in its company in this prompt, and when behind other passages
 #: (``"balanced"``: ``auto_ratio`` and ``foreign_ratio``). Chosen on the dev set: docs/benchmarks.md.
-QUALITY_SHARES = {"fast": (0.10, 0.10), "faithful": (0.30, 0.40)}
+QUALITY_SHARES = {"fast": (0.10, 0.10), "faithful": (0.30, 0.60)}
 
 
 def check_quality(value) -> str:
