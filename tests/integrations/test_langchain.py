@@ -187,6 +187,8 @@ def test_stop_sequences_and_call_arguments(lc_engine):
     assert llm.invoke("hello the river", mode="full").response_metadata["mode"] == "full"
     with pytest.raises(InvalidRequestError, match="unknown selection"):  # handed to the engine per call
         llm.invoke("hello the river", selection="oracle")
+    with pytest.raises(InvalidRequestError, match="quality must be one of"):  # the dial too
+        llm.invoke("hello the river", quality="best")
     with pytest.raises(InvalidRequestError, match="unknown argument"):
         llm.invoke("hello", frequency_penalty=1.0)
     with pytest.raises(InvalidRequestError, match="text messages only"):
@@ -213,6 +215,10 @@ def test_constructor_is_cheap_and_strict():
     KVCachedLLM(engine_config={"selection_params": {"probe_layer": 12}})  # the probe's own: an engine setting
     with pytest.raises(ValueError, match="recompute_ratio"):
         KVCachedLLM(recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="quality"):
+        KVCachedLLM(quality="best")
+    with pytest.raises(ValueError, match="engine_config"):  # per call, not a second engine
+        KVCachedLLM(engine_config={"quality": "fast"})
 
 
 def test_tracing_parameters_name_kvrag_and_the_model():

@@ -165,6 +165,7 @@ HI = [{"role": "user", "content": "hi"}]
         (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, None, "tools"),
         (CHAT, {"messages": HI, "mode": "turbo"}, 400, None, "mode"),
         (CHAT, {"messages": HI, "recompute_ratio": 2}, 400, None, "recompute_ratio"),
+        (CHAT, {"messages": HI, "quality": "best"}, 400, None, "quality must be one of"),
         (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None, "wizard"),
         (CHAT, {"messages": "hello"}, 400, None, "messages"),  # a malformed body: 400 as OpenAI, not FastAPI's 422
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, "text"),

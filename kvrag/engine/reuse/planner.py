@@ -139,15 +139,19 @@ class Plan:
         """How much of the company the blended chunks' KV was computed in is before them in this
         prompt: Cache-Craft's beta, averaged over the blended tokens (1: their own company, 0: all
         computed behind other passages); None when nothing is blended."""
-        blended = [u for u in self.chunks if u.hit and u.source == "store"]
+        blended = self._blended_uses()
         total = sum(u.length for u in blended)
         return sum(u.length * (u.overlap or 0.0) for u in blended) / total if total else None
+
+    def _blended_uses(self) -> list[ChunkUse]:
+        """The chunks whose stored KV this plan blends (hits from the store, not exact)."""
+        return [u for u in self.chunks if u.hit and u.source == "store"]
 
     def dial_ratio(self, own: float, foreign: float, threshold: float) -> float:
         """The recompute share when each blended chunk adds its own: ``own`` of its tokens when its KV
         was computed in the company that precedes it here (beta >= ``threshold``), else ``foreign``
         (the quality dial of ``recompute_ratio="auto"``); ``own`` when nothing is blended."""
-        blended = [u for u in self.chunks if u.hit and u.source == "store"]
+        blended = self._blended_uses()
         total = sum(u.length for u in blended)
         if not total:
             return own

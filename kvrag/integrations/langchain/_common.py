@@ -35,7 +35,7 @@ _BUNDLED_NAME = "SmolLM2-135M-Instruct"
 class EngineSettings(GenerationFields):
     """Fields and plumbing shared by :class:`KVCachedLLM` and :class:`KVCachedTextLLM`.
 
-    The fields common to every kvrag LLM (model, engine_config, mode, recompute_ratio, selection,
+    The fields common to every kvrag LLM (model, engine_config, mode, recompute_ratio, selection, quality,
     temperature, top_p, seed, stop, dedup) come from :class:`GenerationFields`; per-call
     arguments are those of :data:`~kvrag.integrations._shared.CALL_ARGUMENTS`.
     """

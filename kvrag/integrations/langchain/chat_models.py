@@ -70,7 +70,7 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
     ``recomputed_tokens``, ``mode`` and more (the keys of
     :data:`kvrag.integrations._shared.METADATA_KEYS`, the same as LlamaIndex's responses).
     Per-call arguments: ``max_tokens`` (or ``max_new_tokens``), ``temperature``, ``top_p``,
-    ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``dedup``, ``conversation_id``,
+    ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``dedup``, ``conversation_id``,
     ``model``; anything else is an :class:`~kvrag.InvalidRequestError`.
     """
 

@@ -116,7 +116,7 @@ class KVCachedLLM(GenerationFields, LLM):
         base_url, api_key, tenant: a ``kvrag serve`` server to call instead of loading an engine
             (same responses and metadata keys), its API key, the tenant header's value.
         engine_config: :class:`~kvrag.EngineConfig` fields for the shared engine (dtype, ...).
-        mode, recompute_ratio, selection, max_new_tokens, temperature, top_p, stop, seed: generation
+        mode, recompute_ratio, selection, quality, max_new_tokens, temperature, top_p, stop, seed: generation
             defaults (``None`` = the engine config's); each can be overridden per call, as can
             ``model`` (another shared engine). ``max_tokens`` is accepted per call for ``max_new_tokens``.
         conversation_id: conversation of this LLM's chat calls (multi-turn KV reuse, see below).

@@ -114,7 +114,7 @@ def test_info_says_what_the_engine_runs(tiny_engine):
     assert info.context_window == tiny_engine.context_window
     assert info.gate_ok and info.gate.startswith("passed in float32: placement ")
     assert info.decode.startswith("plain: float32")  # packed decode weights are for bfloat16
-    assert info.blend.startswith("probe, auto: ")  # the default selection and budget
+    assert info.blend.startswith("probe, auto (balanced): ")  # the default selection, quality and budget
     assert set(info.to_dict()) == {
         "model", "family", "dtype", "dtype_reason", "device", "threads", "context_window", "gate_ok", "gate",
         "decode", "blend",
