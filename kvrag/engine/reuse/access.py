@@ -219,7 +219,7 @@ class AccessTable:
     """
 
     def __init__(
-        self, window: int | None = 1000, threshold: int = 2, max_paths: int = 10_000, max_computed: int = 1_000_000
+        self, window: int | None = 1000, threshold: int = 2, max_paths: int = 10_000, max_computed: int = 100_000
     ) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be an integer >= 1 or None, got {window!r}")
