@@ -190,7 +190,8 @@ class EngineConfig:
             probed block whose KV deviation reaches ``auto_threshold``: little when the chunks were
             computed in this very company (exact variants need nothing), more when they come from
             foreign company; ``craft`` spends Cache-Craft's own per-chunk budget. Other selections,
-            and models without a threshold, use ``auto_ratio``. 1.0 is exactly the full prefill.
+            and models without a threshold, recompute a share set by ``quality`` (``auto_ratio`` at
+            ``"balanced"``). 1.0 is exactly the full prefill.
         sampling: how requests decode unless they say otherwise, a :class:`SamplingParams` (or a
             mapping of its fields): ``max_new_tokens=64``, ``temperature=0.0`` (greedy),
             ``top_p=1.0``, ``seed=None``, no ``stop`` strings. Fields left ``None`` keep those
@@ -263,16 +264,17 @@ class EngineConfig:
         auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None``
             (default) takes the value ``kvrag calibrate`` measured for this model and dtype, if any.
             None ships with kvrag (on the dev set a calibrated threshold cost TTFT and bought no
-            fidelity; docs/benchmarks.md): uncalibrated, ``"auto"`` recomputes ``auto_ratio``.
-        auto_ratio: the share ``"auto"`` recomputes where it cannot measure (no threshold known, or
-            a selection without a probe; 0.15).
-        foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs,
-            at ``foreign_ratio``, when its blended chunk KV was computed in other company (little
+            fidelity; docs/benchmarks.md): uncalibrated, ``"auto"`` recomputes ``quality``'s share.
+        auto_ratio: the share ``"auto"`` recomputes at ``quality="balanced"`` where it cannot measure
+            (no threshold known, or a selection without a probe; 0.15).
+        foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs
+            (at ``quality``'s shares, per chunk) when its blended chunk KV was computed in other company (little
             of the company a chunk was computed in precedes it now: Cache-Craft's beta, averaged
             over the blended tokens, below ``foreign_overlap``): ``recency`` (default: the cached
             tokens nearest the question, which carry the drift there; docs/benchmarks.md, issue 35);
             ``None``: always ``selection``. A request that names a selection or a ratio runs what it names.
-        foreign_ratio: the share ``foreign_selection`` recomputes (0.13).
+        foreign_ratio: the share ``foreign_selection`` recomputes of a foreign chunk at
+            ``quality="balanced"`` (0.13).
         quality: the dial of ``"auto"`` where it recomputes shares (no calibrated threshold, or on
             foreign KV): each blended chunk adds its own share of the budget, by the company its KV
             was computed in (Cache-Craft's beta of that chunk against ``foreign_overlap``) —

@@ -1002,7 +1002,7 @@ class Engine:
 
     def _auto_measures(self, selection: str) -> bool:
         """Whether ``"auto"`` measures each request's budget with ``selection`` (a selection that
-        measures itself, or a probe with a known threshold), rather than recomputing ``auto_ratio``."""
+        measures itself, or a probe with a known threshold), rather than recomputing ``quality``'s share."""
         kind = auto_kind(selection)
         return kind == "self" or (kind == "threshold" and self.auto_threshold is not None)
 
