@@ -1,10 +1,10 @@
 """Serving benchmark: batched decode, inter-token gaps during a long prefill, sync vs async TTFT.
 
-    python -m benchmarks serving [--dataset QA.json] [--repeat 3] [--only throughput,gaps,ttft]
+    python -m benchmarks serving [--dataset QA.json] [--repeat 3] [--only throughput,gaps,ttft,answers]
                         [--streams 8] [--context-tokens 0] [--gap-prompt-tokens 4096] [--slices 0.1,1e9]
-                        [--config F=V ...]
+                        [--questions 20] [--drafts 0,4] [--config F=V ...]
 
-Three measurements on one engine, each repeated (medians reported, every run kept in the JSON):
+Measurements on one engine, each repeated (medians reported, every run kept in the JSON):
 
 - **throughput**: decode tokens/s of 1 stream, then of ``--streams`` streams started together
   (each prompt behind ``--context-tokens`` tokens of fresh passages: decode over a RAG prompt's KV);
@@ -17,6 +17,11 @@ Three measurements on one engine, each repeated (medians reported, every run kep
 - **ttft**: the same blend request (six passages, warmed), alternately from a plain call
   (``generate``) and from an asyncio task through the integrations' bridge (one worker thread that
   iterates ``engine.stream``), TTFT as the engine reports it and as the caller sees its first piece.
+- **answers** (needs ``--dataset``): single-stream decode of RAG answers: each of ``--questions``
+  questions, its top-6 passages in the chat template, answered greedily (``--max-new-tokens``, full
+  prefill) once per ``draft_tokens`` value of ``--drafts`` (order rotated per question); decode
+  tokens/s = (tokens - 1) / seconds after the first token, paired per question against the first
+  value; the tokens compared with the first value's (prompt-lookup drafts must not change them).
 
 The machine may be shared: the load average is recorded before and after each measurement.
 """
@@ -213,6 +218,71 @@ def _ttft_request(engine, dataset: str | None) -> dict:
     return dict(chunks=req.chunks, prefix=req.prefix, suffix=req.suffix, mode="blend", max_new_tokens=8)
 
 
+def measure_answers(engine, items: list[QAItem], drafts: list[int], max_new_tokens: int) -> dict:
+    """Greedy RAG answers, each question once per ``draft_tokens`` value (see the module's **answers**)."""
+    fmt = PromptFormat(engine.tokenizer)
+    base = engine.config
+    rows = []
+    try:
+        for qi, item in enumerate(items):
+            req = fmt.request(item, list(range(min(6, len(item.passages)))), workload="d", request=qi)
+            prompt = req.prefix + "".join(f"{c}\n\n" for c in req.chunks) + req.suffix
+            row: dict = {"question": item.index, "by_drafts": {}}
+            turn = qi % len(drafts)
+            for k in drafts[turn:] + drafts[:turn]:
+                engine.config = base.replace(draft_tokens=k)
+                g = engine.generate(prompt=prompt, max_new_tokens=max_new_tokens, mode="full", temperature=0.0)
+                s = g.stats
+                row["by_drafts"][k] = {
+                    "tokens": len(g.token_ids),
+                    "token_ids": g.token_ids,
+                    "decode_s": s.decode_s,
+                    "tokens_per_s": (len(g.token_ids) - 1) / s.decode_s if s.decode_s > 0 else None,
+                    "steps": s.decode_steps,
+                    "drafted": s.draft_tokens,
+                    "accepted": s.draft_accepted,
+                    "prompt_tokens": s.prompt_tokens,
+                }
+            rows.append(row)
+            ref = row["by_drafts"][drafts[0]]
+            print(
+                f"  question {item.index}: {ref['prompt_tokens']} prompt tokens, {ref['tokens']} answer tokens;",
+                ", ".join(
+                    f"drafts {k}: {_tps(r['tokens_per_s'])} ({r['steps']} steps, {r['accepted']}/{r['drafted']} kept)"
+                    for k, r in row["by_drafts"].items()
+                ),
+                flush=True,
+            )
+    finally:
+        engine.config = base
+    return {"rows": rows, "summary": _answers_summary(rows, drafts)}
+
+
+def _tps(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} tok/s"
+
+
+def _answers_summary(rows: list[dict], drafts: list[int]) -> dict:
+    out = {}
+    for k in drafts:
+        runs = [r["by_drafts"][k] for r in rows]
+        paired = [
+            r["by_drafts"][k]["tokens_per_s"] / r["by_drafts"][drafts[0]]["tokens_per_s"]
+            for r in rows
+            if r["by_drafts"][k]["tokens_per_s"] and r["by_drafts"][drafts[0]]["tokens_per_s"]
+        ]
+        tps = [x["tokens_per_s"] for x in runs if x["tokens_per_s"]]
+        out[k] = {
+            "tokens_per_s_median": statistics.median(tps) if tps else None,
+            "over_first_median": statistics.median(paired) if paired else None,
+            "identical": sum(r["by_drafts"][k]["token_ids"] == r["by_drafts"][drafts[0]]["token_ids"] for r in rows),
+            "questions": len(rows),
+            "tokens_per_step": sum(x["tokens"] - 1 for x in runs) / max(1, sum(x["steps"] for x in runs)),
+            "drafts_kept": sum(x["accepted"] for x in runs) / max(1, sum(x["drafted"] for x in runs)),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.specs import command_line_overrides
     from kvrag import Engine
@@ -230,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-prompt-tokens", type=int, default=4096)
     p.add_argument("--slices", default="0.1,1e9", help="prefill_slice_s values of the gaps measurement")
     p.add_argument("--ttft-reps", type=int, default=5)
+    p.add_argument("--questions", type=int, default=20, help="questions of --dataset answered (answers)")
+    p.add_argument("--skip", type=int, default=0, help="dataset questions skipped first (answers)")
+    p.add_argument("--drafts", default="0,4", help="draft_tokens values compared (answers; the first is the reference)")
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--out", default=None, help="write every run as JSON here")
     a = p.parse_args(argv)
@@ -249,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     seed += 1
             if "ttft" in only:
                 run["ttft"] = _ttft_run(engine, a)
+            if "answers" in only:
+                run["answers"] = _answers_run(engine, a)
             results["runs"].append(run)
     finally:
         engine.close()
@@ -292,6 +367,23 @@ def _ttft_run(engine, a) -> dict:
         f"{asyn['first_piece_s_median']:.3f} s",
         _load_note(t),
     )
+    return t
+
+
+def _answers_run(engine, a) -> dict:
+    if not a.dataset:
+        raise SystemExit("--only answers needs --dataset (a QA JSON such as ../shared/data/musique_dev.json)")
+    items = load_dataset(a.dataset, a.skip + a.questions)[a.skip :]
+    drafts = [int(x) for x in a.drafts.split(",")]
+    t = dict(load=_load(), **measure_answers(engine, items, drafts, a.max_new_tokens))
+    for k, f in t["summary"].items():
+        print(
+            f"answers, draft_tokens={k}: median {_tps(f['tokens_per_s_median'])},",
+            f"{f['over_first_median']:.2f}x draft_tokens={drafts[0]} (paired median),",
+            f"{f['tokens_per_step']:.2f} tokens a step, {f['drafts_kept']:.0%} of drafts kept,",
+            f"identical {f['identical']}/{f['questions']}",
+            _load_note(t),
+        )
     return t
 
 

@@ -375,6 +375,11 @@ class EngineConfig:
         decode_group: rows of one batched decode pass (8): running requests advance together,
             padded to this many rows (more take several passes), so that a request's tokens do not
             depend on how many others run (:mod:`kvrag.engine.model.batch`).
+        draft_tokens: most prompt-lookup drafts a greedy request checks per decode step (4; 0: none).
+            They go in the rows a decode pass pads anyway (``decode_group`` less the running
+            requests), each costing that row's attention; drafts that match the model's greedy
+            pick are emitted without a step of their own. The tokens are identical with or
+            without drafts (:mod:`kvrag.engine.serving.drafts`).
         prefill_slice_s: while requests are decoding, a prefill (or ``warm`` window, or ``score``)
             runs at most about this long (0.1 s, plus half a layer) before their next decode step.
             Smaller keeps inter-token gaps short; larger finishes the prefill sooner.
@@ -429,6 +434,7 @@ class EngineConfig:
     max_queued_tokens: int = 131072
     starvation_window: int = 32
     decode_group: int = 8
+    draft_tokens: int = 4
     prefill_slice_s: float = 0.1
 
     def __post_init__(self) -> None:
@@ -518,6 +524,7 @@ class EngineConfig:
             ("max_queued_tokens", 1),
             ("starvation_window", 0),
             ("decode_group", 1),
+            ("draft_tokens", 0),
             ("warm_window_tokens", 256),
         ):
             value = getattr(self, name)

@@ -34,6 +34,7 @@ from kvrag.engine.reuse.selection import auto_kind, configured_params
 from kvrag.engine.reuse.selection import check_selection as check_selection_name
 from kvrag.engine.reuse.variants import StoredVariants, VariantIndex
 from kvrag.engine.serving.costs import CostFeedback
+from kvrag.engine.serving.drafts import PromptLookup, next_width
 from kvrag.engine.serving.progress import progress_reporter
 from kvrag.engine.serving.requests import (
     Request,
@@ -737,7 +738,7 @@ class Engine:
             context_window=self.context_window,
             gate_ok=self.gate.ok,
             gate=self.gate.summary(),
-            decode=self.decoder.description,
+            decode=f"{self.decoder.description}; {self._drafts_description()}",
             blend=self._blend_description(),
         )
 
@@ -1067,13 +1068,63 @@ class Engine:
         return seq, res
 
     def _decode_step(self, seqs: list[RunningSequence]) -> None:
-        """Put each sequence's ``token`` in its buffer and sample its next one: one batched pass."""
+        """Put each sequence's ``token`` in its buffer and sample its next one: one batched pass.
+
+        A greedy sequence's prompt-lookup drafts ride in the rows the pass pads anyway, at the
+        positions after its token; the ones the model's own picks confirm are emitted too (``ahead``)
+        and their KV kept (:mod:`kvrag.engine.serving.drafts`).
+        """
+        drafts = self._drafts(seqs)
         rows = [DecodeRow(seq.buf, seq.token, seq.pos) for seq in seqs]
+        for seq, draft in zip(seqs, drafts):
+            rows += [DecodeRow(seq.buf, t, seq.pos + 1 + j) for j, t in enumerate(draft)]
         logits = self.decoder.step(rows)
-        for seq, row in zip(seqs, logits):
+        at = len(seqs)  # the first draft row
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             sp = seq.req.sampling
-            seq.pos += 1
-            seq.token = sample(row, sp.temperature, sp.top_p, seq.generator)
+            token = sample(logits[i], sp.temperature, sp.top_p, seq.generator)
+            confirmed = []
+            for j, guess in enumerate(draft):
+                if token != guess:
+                    break
+                confirmed.append(guess)
+                token = sample(logits[at + j], sp.temperature, sp.top_p, seq.generator)
+            at += len(draft)
+            seq.pos += 1 + len(confirmed)
+            seq.buf.length = seq.pos  # a rejected draft's KV is not the sequence's
+            seq.ahead, seq.token = confirmed, token
+            seq.stats.decode_steps += 1
+            seq.stats.draft_tokens += len(draft)
+            seq.stats.draft_accepted += len(confirmed)
+            if seq.drafter is not None:
+                seq.drafter.extend([*confirmed, token])
+            if draft:
+                seq.draft_width = next_width(seq.draft_width, len(draft), len(confirmed), self.config.draft_tokens)
+
+    def _drafts_description(self) -> str:
+        n = self.config.draft_tokens
+        if n == 0:
+            return "no prompt-lookup drafts (draft_tokens=0)"
+        return f"prompt-lookup drafts: up to {n} a step for greedy requests, in the pass's padding rows"
+
+    def _drafts(self, seqs: list[RunningSequence]) -> list[list[int]]:
+        """Each sequence's drafts for this step: greedy ones only, in the rows the pass pads anyway,
+        never past its token budget, at most its ``draft_width`` (:func:`next_width`)."""
+        free = (-len(seqs)) % self.decoder.group
+        most = self.config.draft_tokens
+        out: list[list[int]] = []
+        for seq in seqs:
+            k = min(seq.draft_width or most, free, seq.budget - len(seq.generated) - 1)
+            if k <= 0 or seq.req.sampling.temperature > 0:
+                out.append([])
+                continue
+            if seq.drafter is None:  # made at the first step, not before the first token
+                seq.drafter = PromptLookup([*seq.req.ids.tolist(), *seq.generated])
+                seq.draft_width = most
+            draft = seq.drafter.propose(k)
+            free -= len(draft)
+            out.append(draft)
+        return out
 
     def _finish(self, seq: RunningSequence) -> Generation:
         """Keep a conversation's turn; the request's result."""

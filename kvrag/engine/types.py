@@ -34,7 +34,8 @@ class EngineInfo:
             transformers' own error in this dtype (its floor) and the tolerance applied.
         decode: the decode step's path and why: ``packed`` (bf16 on a CPU: weights fused and
             prepacked once, the same bits as the plain path; with the time it took at start-up) or
-            ``plain`` (the adapter's own layer functions).
+            ``plain`` (the adapter's own layer functions), and the prompt-lookup drafts a greedy
+            request checks per step (``config.draft_tokens``).
         blend: what ``blend`` recomputes by default: the selection and budget, and what runs on
             chunk KV from other company (``config.foreign_selection``).
     """
@@ -105,6 +106,10 @@ class GenerationStats:
             the conversation placed them and that copy is still in the prompt; counts the history
             too (its turns were deduplicated the same way, so it matches the kept KV).
         completion_tokens: tokens generated.
+        decode_steps: decode passes the request took after its first token.
+        draft_tokens / draft_accepted: prompt-lookup drafts checked in its decode steps, and those
+            that matched the model's own greedy pick (each one a token emitted without a step of
+            its own; :mod:`kvrag.engine.serving.drafts`).
         prefill_s: seconds from the request to the first token (same as ``Generation.ttft_s``).
         decode_s: seconds spent after the first token.
     """
@@ -130,6 +135,9 @@ class GenerationStats:
     conversation_spans: list[tuple[int, int]] = field(default_factory=list)
     deduplicated_chunks: int = 0
     completion_tokens: int = 0
+    decode_steps: int = 0
+    draft_tokens: int = 0
+    draft_accepted: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
 

@@ -9,6 +9,7 @@ import torch
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.model.sampling import TextStream
 from kvrag.engine.reuse.planner import Plan
+from kvrag.engine.serving.drafts import PromptLookup
 from kvrag.engine.serving.requests import Request
 from kvrag.engine.types import GenerationStats
 
@@ -25,6 +26,11 @@ class RunningSequence:
         buf: its KV, positions [0, ``pos``) valid.
         pos: where the next token's KV goes (the prompt length, then one more per decoded token).
         token: the next token to emit, sampled but not yet in ``buf``.
+        ahead: tokens to emit before ``token``, already in ``buf`` (prompt-lookup drafts a decode
+            step confirmed, :mod:`kvrag.engine.serving.drafts`).
+        drafter: a greedy request's prompt lookup, made at its first decode step (None before, and
+            for a sampled request).
+        draft_width: most drafts its next step checks (adapts to how well its drafts hold).
         budget: most tokens it may generate (``max_new_tokens`` within the context window).
         generated: tokens emitted so far.
         text: the detokeniser (stop strings).
@@ -48,19 +54,31 @@ class RunningSequence:
     t0: float
     ttft: float
     generated: list[int] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)
+    drafter: PromptLookup | None = None
+    draft_width: int = 0
     finish: str = "length"
     done: bool = False
 
     def accept(self, eos_ids: set[int]) -> str:
-        """Emit ``token`` (or stop on end of sequence); returns the text that became safe to show."""
+        """Emit the tokens ``ahead``, then ``token``, until a stop; returns the text that became safe to show."""
+        tokens, self.ahead = [*self.ahead, self.token], []
+        pieces = []
+        for token in tokens:
+            pieces.append(self._emit(token, eos_ids))
+            if self.done:
+                break
+        return "".join(pieces)
+
+    def _emit(self, token: int, eos_ids: set[int]) -> str:
         if self.done or len(self.generated) >= self.budget:
             self.done = True
             return ""
-        if self.token in eos_ids:
+        if token in eos_ids:
             self.finish, self.done = "stop", True
             return ""
-        self.generated.append(self.token)
-        piece = self.text.push(self.token)
+        self.generated.append(token)
+        piece = self.text.push(token)
         if self.text.stopped:
             self.finish, self.done = "stop", True
         elif len(self.generated) >= self.budget:

@@ -1,0 +1,198 @@
+"""Prompt-lookup drafts: the tokens are the same with or without them, whatever the drafts guess."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import kvrag.engine.engine as engine_module
+from kvrag import Engine, InvalidRequestError, SamplingParams
+from kvrag.engine.serving.drafts import PromptLookup, next_width
+from tests.helpers import FAMILIES, PREFIX, SUFFIX, as_dtype, make_docs, make_tiny_model
+
+# ---- the lookup itself ---------------------------------------------------------------------------
+
+
+def test_the_longest_tail_that_occurred_before_gives_the_draft():
+    lookup = PromptLookup([5, 6, 7, 8, 9, 1, 6, 7, 2, 3])
+    lookup.extend([6, 7])  # tail "6 7": latest earlier occurrence ends before 2
+    assert lookup.propose(3) == [2, 3, 6]
+    lookup.extend([8])  # "6 7 8" occurred at the start only (the longest match wins over "7 8")
+    assert lookup.propose(2) == [9, 1]
+
+
+def test_no_earlier_occurrence_no_draft_and_a_draft_never_runs_past_the_tokens():
+    lookup = PromptLookup([1, 2, 3])
+    assert lookup.propose(4) == []
+    lookup.extend([1])
+    assert lookup.propose(8) == [2, 3, 1]  # what follows, up to the end of the sequence
+    assert lookup.propose(0) == []
+    with pytest.raises(ValueError):
+        PromptLookup([1], max_ngram=0)
+
+
+def test_the_draft_width_halves_on_a_miss_and_doubles_when_all_hold():
+    assert next_width(4, 4, 0, 4) == 2
+    assert next_width(1, 1, 0, 4) == 1
+    assert next_width(2, 2, 2, 4) == 4
+    assert next_width(4, 4, 4, 4) == 4
+    assert next_width(4, 4, 2, 4) == 4  # some held: unchanged
+    assert next_width(3, 0, 0, 4) == 3  # nothing checked (no match): unchanged
+
+
+def test_draft_tokens_is_validated():
+    with pytest.raises(InvalidRequestError, match="draft_tokens"):
+        from kvrag import EngineConfig
+
+        EngineConfig(draft_tokens=-1)
+
+
+# ---- drafts through the engine --------------------------------------------------------------------
+
+
+class Oracle:
+    """A drafter that knows the answer (``reference``, the tokens generated without drafts) and
+    spoils every third draft at its second token: drafts fully kept, partly kept and refused."""
+
+    reference: list[int] = []
+    calls = 0
+
+    def __init__(self, tokens) -> None:
+        self.tokens = list(tokens)
+        self.prompt_len = len(self.tokens) - 1  # made at the first step: the prompt and one token
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        done = len(self.tokens) - self.prompt_len
+        draft = list(Oracle.reference[done : done + k])
+        Oracle.calls += 1
+        if Oracle.calls % 3 == 0 and len(draft) > 1:
+            draft[1] = draft[1] + 1
+        if Oracle.calls % 5 == 0 and draft:
+            draft[0] = draft[0] + 1  # refused at once
+        return draft
+
+
+def greedy(engine: Engine, chunks, **kw):
+    return engine.generate(chunks, PREFIX, SUFFIX, mode="full", **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_kept_or_refused_never_change_the_tokens(tiny_tokenizer, monkeypatch, family, dtype):
+    model = as_dtype(make_tiny_model(len(tiny_tokenizer), family), dtype)
+    chunks = make_docs(3, seed=41)
+    plain = Engine.from_model(model, tiny_tokenizer, draft_tokens=0, sampling=SamplingParams(max_new_tokens=24))
+    try:
+        expected = greedy(plain, chunks)
+    finally:
+        plain.close()
+    assert expected.stats.draft_tokens == 0 and expected.stats.decode_steps >= len(expected.token_ids) - 1
+    Oracle.reference, Oracle.calls = expected.token_ids, 0
+    monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
+    engine = Engine.from_model(model, tiny_tokenizer, draft_tokens=4, sampling=SamplingParams(max_new_tokens=24))
+    try:
+        got = greedy(engine, chunks)
+        again = greedy(engine, chunks)  # the KV a refused draft left behind is not read
+    finally:
+        engine.close()
+    assert got.token_ids == again.token_ids == expected.token_ids
+    assert got.text == expected.text and got.finish_reason == expected.finish_reason
+    s = got.stats
+    assert 0 < s.draft_accepted < s.draft_tokens  # some drafts held, some did not
+    assert s.decode_steps < expected.stats.decode_steps  # and the held ones saved steps
+
+
+def test_the_lookup_on_each_family_gives_the_plain_tokens(family_model, tiny_tokenizer):
+    chunks = make_docs(2, seed=43)
+    repeated = chunks + chunks  # a prompt that repeats itself: a random model's loops find matches
+    out = {}
+    for k in (0, 4):
+        engine = Engine.from_model(
+            family_model, tiny_tokenizer, draft_tokens=k, sampling=SamplingParams(max_new_tokens=30)
+        )
+        try:
+            out[k] = greedy(engine, repeated)
+        finally:
+            engine.close()
+    assert out[4].token_ids == out[0].token_ids
+    assert out[4].stats.decode_steps <= out[0].stats.decode_steps
+
+
+def test_drafts_stop_at_the_token_budget_and_at_a_stop_string(tiny_model, tiny_tokenizer, monkeypatch):
+    chunks = make_docs(2, seed=44)
+    plain = Engine.from_model(tiny_model, tiny_tokenizer, draft_tokens=0)
+    try:
+        long = greedy(plain, chunks, max_new_tokens=20)
+        short = greedy(plain, chunks, max_new_tokens=5)
+        stop = plain.tokenizer.decode(long.token_ids[6:8])
+        stopped = greedy(plain, chunks, max_new_tokens=20, stop=[stop]) if stop.strip() else None
+    finally:
+        plain.close()
+    Oracle.reference, Oracle.calls = long.token_ids, 1  # calls 2, 3, ...: some spoiled
+    monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, draft_tokens=7)
+    try:
+        got = greedy(engine, chunks, max_new_tokens=5)
+        assert got.token_ids == short.token_ids and len(got.token_ids) == 5
+        assert got.finish_reason == short.finish_reason
+        if stopped is not None:
+            Oracle.calls = 1
+            cut = greedy(engine, chunks, max_new_tokens=20, stop=[stop])
+            assert (cut.text, cut.finish_reason, cut.token_ids) == (
+                stopped.text,
+                stopped.finish_reason,
+                stopped.token_ids,
+            )
+    finally:
+        engine.close()
+
+
+def test_sampled_requests_draft_nothing_and_concurrent_greedy_ones_match_each_alone(tiny_model, tiny_tokenizer):
+    docs = [make_docs(2, seed=s) for s in (45, 46, 47)]
+    plain = Engine.from_model(tiny_model, tiny_tokenizer, draft_tokens=0, sampling=SamplingParams(max_new_tokens=20))
+    try:
+        alone = [greedy(plain, d + d).token_ids for d in docs]
+    finally:
+        plain.close()
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, draft_tokens=4, sampling=SamplingParams(max_new_tokens=20))
+    try:
+        sampled = greedy(engine, docs[0] + docs[0], temperature=0.8, seed=3)
+        assert sampled.stats.draft_tokens == 0
+        results: dict[int, list[int]] = {}
+
+        def run(i):
+            results[i] = greedy(engine, docs[i] + docs[i]).token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(docs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.close()
+    assert [results[i] for i in range(len(docs))] == alone
+
+
+@pytest.mark.model
+def test_drafts_on_the_bundled_model_save_steps_and_change_no_token(smol_engine):
+    passage = (
+        "The Amberley Viaduct carries the Western Line over the River Wey. It was designed by Ada Moreland "
+        "and opened in 1871, and the Amberley Viaduct is still the longest brick viaduct in the county."
+    )
+    question = "Who designed the Amberley Viaduct, and when did the Amberley Viaduct open?"
+    prompt = smol_engine.apply_chat_template([{"role": "user", "content": f"{passage}\n\n{question}"}])
+    base = smol_engine.config
+    out = {}
+    try:
+        for k in (0, 4):
+            smol_engine.config = base.replace(draft_tokens=k)
+            out[k] = smol_engine.generate(prompt=prompt, mode="full", max_new_tokens=40)
+    finally:
+        smol_engine.config = base
+    assert out[4].token_ids == out[0].token_ids
+    assert out[4].stats.draft_accepted > 0
+    assert out[4].stats.decode_steps < out[0].stats.decode_steps
