@@ -16,7 +16,6 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 
 from kvrag import ContextLengthError, Engine, InvalidRequestError, SamplingParams  # noqa: E402
-from kvrag.engine.reuse.access import chunk_key  # noqa: E402
 from kvrag.integrations.langchain import (  # noqa: E402
     KVCachedLLM,
     KVCachedRetriever,
@@ -304,7 +303,7 @@ def test_register_documents_with_warm_computes_each_behind_its_likes(lc_engine, 
 
 def test_frequency_order_is_opt_in_and_keeps_rank_and_score(lc_engine, documents):
     """Default: the wrapped retriever's documents themselves, in its order, counted once per search.
-    ``order="frequency"``: the most retrieved lately first (ties by content key), copies that keep
+    ``order="frequency"``: the most retrieved lately first (ties in retrieval order), copies that keep
     their rank and score; the store's own documents untouched."""
     llm = KVCachedLLM(engine=lc_engine)
     plain = KVCachedRetriever(retriever=ListRetriever(docs=documents), llm=llm)
@@ -330,7 +329,6 @@ def test_frequency_order_is_opt_in_and_keeps_rank_and_score(lc_engine, documents
     assert counts == sorted(counts, reverse=True)
     ranks = [d.metadata["kvrag_rank"] for d, _ in found]
     assert sorted(ranks) == list(range(6)) and all(d.metadata["kvrag_score"] == s for d, s in found)
-    keys = [chunk_key(d.page_content) for d, _ in found]
-    assert all(keys[i] < keys[i + 1] for i in range(5) if counts[i] == counts[i + 1])  # ties: by content key
+    assert all(ranks[i] < ranks[i + 1] for i in range(5) if counts[i] == counts[i + 1])  # ties: retrieval order
     with pytest.raises(ValueError, match="unknown chunk order"):
         KVCachedVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), llm=llm, order="x")

@@ -280,12 +280,13 @@ class AccessTable:
 
     def _ties(self, namespace: str, keyed: list[tuple[str, ...]]) -> list[tuple]:
         """Tie keys of equal counts: a chunk computed before goes in the order its KV was first
-        computed (the earliest of its forms'), ahead of chunks never computed, which go by content key."""
+        computed (the earliest of its forms'), ahead of chunks never computed, which keep their
+        retrieval order (CRAFT's stable sort; equal tie keys fall back to the retrieval rank)."""
         seen = self._computed.get(namespace) or {}
         ties = []
         for keys in keyed:
             first = [seen[k] for k in keys if k in seen]
-            ties.append((0, min(first), "") if first else (1, 0, min(keys) if keys else ""))
+            ties.append((0, min(first)) if first else (1, 0))
         return ties
 
     def computed(self, namespace: str, texts: Sequence[str]) -> None:

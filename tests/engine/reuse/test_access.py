@@ -63,7 +63,7 @@ def by_key(texts: list[str]) -> list[str]:
     return sorted(texts, key=chunk_key)
 
 
-def test_frequency_order_is_descending_with_ties_by_content_key():
+def test_frequency_order_is_descending_with_ties_in_computation_then_retrieval_order():
     assert frequency_order([1, 3, 0, 3, 1]) == [1, 3, 0, 4, 2]  # no keys: ties in retrieval order
     assert frequency_order([1, 3, 0, 3, 1], ["e", "d", "a", "b", "c"]) == [3, 1, 4, 0, 2]
     table = AccessTable()
@@ -71,9 +71,11 @@ def test_frequency_order_is_descending_with_ties_by_content_key():
         table.record("t", docs)
     docs = ["a", "b", "c", "d"]
     got = [docs[i] for i in table.order("t", docs, "frequency")]
-    assert got == ["c", *by_key(["b", "d"]), "a"]  # b and d tied: by content key
+    assert got == ["c", "b", "d", "a"]  # b and d tied, never computed: in retrieval order (stable)
     back = docs[::-1]
-    assert [back[i] for i in table.order("t", back, "frequency")] == got  # same set, same order
+    assert [back[i] for i in table.order("t", back, "frequency")] == ["c", "d", "b", "a"]
+    table.computed("t", ["d", "b"])  # once computed, tied chunks go in the order their KV was computed
+    assert [x[i] for x in (docs, back) for i in table.order("t", x, "frequency")] == ["c", "d", "b", "a"] * 2
     assert table.order("t", docs, "retrieval") == [0, 1, 2, 3]
 
 
@@ -97,7 +99,7 @@ def test_stored_paths_lead_the_frequency_order_per_tenant_and_are_bounded():
     table.stored("t", ["cold", "warm"])  # kept exactly: cold, then warm
     docs = ["warm", "hot", "cold"]
     assert [docs[i] for i in table.order("t", docs, "frequency")] == ["cold", "warm", "hot"]
-    assert [docs[i] for i in table.order("u", docs, "frequency")] == by_key(docs)  # another tenant: none
+    assert [docs[i] for i in table.order("u", docs, "frequency")] == docs  # another tenant: retrieval order
     assert table.stats("t").stored_paths == 2 and table.stats("u").stored_paths == 0
     table.stored("t", ["a", "b", "c"])  # 5 paths > 4: the least recently used goes, a leaf first
     paths = table.stored_paths("t")
@@ -215,8 +217,8 @@ def test_generate_orders_chunks_by_frequency_only_when_asked(engine):
         engine.record_retrieval([docs[3], docs[2]])
     plain = engine.generate(docs, PREFIX, SUFFIX, mode="full")
     assert [c.tokens for c in plain.stats.chunks] == [engine.count_tokens(d) for d in docs]  # given order
-    # docs 2 and 3 lead, then 0 and 1 (full prefills store no exact path; ties by content key)
-    ordered = [*by_key([docs[2], docs[3]]), *by_key([docs[0], docs[1]])]
+    # docs 3 and 2 lead, then 0 and 1 (full prefills store no exact path; ties never computed: retrieval order)
+    ordered = [docs[2], docs[3], docs[0], docs[1]]
     want = engine.generate(ordered, PREFIX, SUFFIX, mode="full")
     got = engine.generate(docs, PREFIX, SUFFIX, mode="full", chunk_order="frequency")
     assert got.token_ids == want.token_ids and got.stats.prompt_tokens == want.stats.prompt_tokens
@@ -255,9 +257,9 @@ def test_a_later_turn_of_a_conversation_keeps_retrieval_order(engine):
 def test_record_retrieval_counts_per_tenant_and_checks_its_input(engine):
     docs = make_docs(2, seed=65)
     assert engine.record_retrieval(docs, namespace="a") == [0, 1]
-    tied = [0, 1] if chunk_key(docs[1]) < chunk_key(docs[0]) else [1, 0]  # tied counts: by content key
-    assert engine.record_retrieval(docs[::-1], order="frequency", namespace="a") == tied
-    assert engine.record_retrieval([docs[0], docs[1]], order="frequency", namespace="a") == tied[::-1]
+    # tied counts, never computed: retrieval order
+    assert engine.record_retrieval(docs[::-1], order="frequency", namespace="a") == [0, 1]
+    assert engine.record_retrieval([docs[0], docs[1]], order="frequency", namespace="a") == [0, 1]
     engine.record_retrieval([docs[1]], namespace="b")
     assert engine.record_retrieval(docs, order="frequency", namespace="b") == [1, 0]
     assert engine.chunk_access("a").retrievals == 3 and engine.chunk_access("b").retrievals == 2
@@ -286,9 +288,9 @@ def test_tied_chunks_go_in_the_order_their_kv_was_first_computed():
     assert table.computation_order("t") == [chunk_key(x) for x in ("d", "b", "a", "e")]
     docs = ["a", "b", "c", "d", "e", "f"]
     got = [docs[i] for i in table.order("t", docs, "frequency")]
-    # c (2), then b (1), then the count-0 chunks: computed ones in computation order, then f by key
+    # c (2), then b (1), then the count-0 chunks: computed ones in computation order, then f
     assert got == ["c", "b", "d", "a", "e", "f"]
-    assert [docs[i] for i in table.order("u", docs, "frequency")][:1] == by_key(docs)[:1]  # tenants apart
+    assert table.order("u", docs[::-1], "frequency") == list(range(6))  # tenants apart: nothing known there
     table.stored("t", ["e"])  # a stored path still leads
     assert [docs[i] for i in table.order("t", docs, "frequency")][:3] == ["e", "c", "b"]
     small = AccessTable(max_computed=2)
