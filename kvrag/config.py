@@ -375,7 +375,8 @@ class EngineConfig:
         decode_group: rows of one batched decode pass (8): running requests advance together,
             padded to this many rows (more take several passes), so that a request's tokens do not
             depend on how many others run (:mod:`kvrag.engine.model.batch`).
-        draft_tokens: most prompt-lookup drafts a greedy request checks per decode step (4; 0: none).
+        draft_tokens: most prompt-lookup drafts a decode step checks (4; 0: none), shared by the
+            greedy requests running.
             They go in the rows a decode pass pads anyway (``decode_group`` less the running
             requests), each costing that row's attention; drafts that match the model's greedy
             pick are emitted without a step of their own. The tokens are identical with or

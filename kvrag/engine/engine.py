@@ -284,7 +284,7 @@ class Engine:
             documents: the retrieved documents, in retrieval order.
             order: ``"retrieval"`` (the given order) or ``"frequency"`` (CRAFT: most retrieved in the
                 window first, after the longest chunk sequence the tenant holds exactly; ties in the order
-                their KV was first computed, else by content key:
+                their KV was first computed, else in retrieval order:
                 :func:`kvrag.engine.reuse.access.stored_path_order`).
             namespace: the tenant (default ``config.namespace``).
 
@@ -1109,9 +1109,11 @@ class Engine:
 
     def _drafts(self, seqs: list[RunningSequence]) -> list[list[int]]:
         """Each sequence's drafts for this step: greedy ones only, in the rows the pass pads anyway,
-        never past its token budget, at most its ``draft_width`` (:func:`next_width`)."""
-        free = (-len(seqs)) % self.decoder.group
+        never past its token budget, at most its ``draft_width`` (:func:`next_width`), and at most
+        ``config.draft_tokens`` for the whole step: a draft row's attention slows every sequence of
+        the step, so several running requests share one request's worth of drafts."""
         most = self.config.draft_tokens
+        free = min((-len(seqs)) % self.decoder.group, most)  # a step checks at most `most` drafts in all
         out: list[list[int]] = []
         for seq in seqs:
             k = min(seq.draft_width or most, free, seq.budget - len(seq.generated) - 1)

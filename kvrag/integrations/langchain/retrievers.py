@@ -7,7 +7,7 @@ reuses their KV. Nothing else changes: same documents, same order, same scores.
 The wrappers also count each search once in the engine's chunk-access table (CRAFT), and with
 ``order="frequency"`` (opt-in: it changes the prompt the chain builds) return the documents most
 retrieved lately first (after the longest chunk sequence the engine holds exactly; ties in the
-order their KV was first computed, else by content key), so that popular documents line up as a shared
+order their KV was first computed, else in retrieval order), so that popular documents line up as a shared
 prompt prefix that is reused exactly. Each document returned so keeps its retrieval rank
 (``kvrag_rank``, 0 = best) and, where the search gave one, its score (``kvrag_score``) in its
 metadata (copies: the store's own documents are not touched). Reordering is for single-turn

@@ -11,7 +11,7 @@ The postprocessor and the retriever wrapper also count each pass once in the eng
 chunk-access table (CRAFT; a node under all its forms), however many LLM calls the synthesizer
 then makes; with ``order="frequency"`` (opt-in: it changes the prompt) they return the nodes most
 retrieved lately first (after the longest chunk sequence the engine holds exactly; ties in the
-order their KV was first computed, else by content key). Each node returned so is a copy that keeps its
+order their KV was first computed, else in retrieval order). Each node returned so is a copy that keeps its
 score and its retrieval rank (``kvrag_rank`` in its metadata, left out of the text the LLM and
 the embedder see). Use one of the two per query engine (both would count a query twice), and
 reorder single-turn queries only: a chat engine's later turns keep retrieval order best.
