@@ -26,8 +26,10 @@ prefill (``drift_unscored``).
 
 from __future__ import annotations
 
+import copy
 import math
 import time
+from dataclasses import replace
 
 from benchmarks.corpus import Ask, Corpus, corpus_order, make_embedder, question_stream
 from benchmarks.data import QAItem, Request
@@ -120,6 +122,12 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
             )
             outcomes: dict[str, Outcome] = {}
             logps: dict[str, list[float] | None] = {}
+            # each reordered method's prompt order, from its own chunk-access table before this request
+            # counts; its reference full prefill runs in exactly that order, not in one of its own
+            orders = {n: _prompt_order(e, m, req) for n, m, e in runners if n in same_order}
+            ref_orders: dict[str, tuple[int, ...]] = {}
+            for n, perm in orders.items():
+                ref_orders.setdefault(same_order[n], perm)
             # a method whose store holds none of the request's chunks reuses no chunk KV: its prefill is
             # the full one's computation, drift 0 without a scoring prefill (nor full's, if none needs it)
             wanted = [(n, m, e) for n, m, e in runners if n != "full" and m.answers and m.name in score_set]
@@ -137,20 +145,27 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
             own_scored = set(own) - own_exact
             own_refs = {own[n] for n in own_scored}
             own_logps: dict[str, list[float] | None] = {}
+            others: dict[tuple[int, ...], tuple[str, list[float] | None]] = {}  # another order's reference
             for name, m, eng in runners:  # full first, then the other full prefills (ordered)
+                run_m, run_req = (_as_given(m), _permuted(req, ref_orders[name])) if name in ref_orders else (m, req)
                 answer = outcomes["full"].text if outcomes else None
                 if answer and answer.strip() and name in scored:
-                    logps[name] = m.score_tokens(eng, req, answer)  # before the run: see the module docstring
-                ref_text = outcomes[own[name]].text if name in own_scored else None
-                if ref_text and ref_text.strip():
-                    own_logps[name] = m.score_tokens(eng, req, ref_text)
-                outcomes[name] = m.run(eng, req, max_new_tokens=max_new)
+                    logps[name] = run_m.score_tokens(eng, run_req, answer)  # before the run: see the docstring
+                if name in own_scored:
+                    ref, perm = own[name], orders[name]
+                    if perm != ref_orders[ref] and perm not in others:
+                        # the reference ran in another method's order: a full prefill in this one's
+                        others[perm] = _reference(runners, ref, _permuted(req, perm), max_new)
+                    ref_text = outcomes[ref].text if perm == ref_orders[ref] else others[perm][0]
+                    if ref_text and ref_text.strip():
+                        own_logps[name] = m.score_tokens(eng, req, ref_text)
+                outcomes[name] = run_m.run(eng, run_req, max_new_tokens=max_new)
                 eng.flush()  # write-back off the clock, before the next method is timed
                 text = outcomes[name].text
                 if name == "full" and "full" in score_set and scored and text and text.strip():
                     logps[name] = m.score_tokens(eng, req, text)
                 if name in own_refs and text and text.strip():
-                    own_logps[name] = m.score_tokens(eng, req, text)
+                    own_logps[name] = run_m.score_tokens(eng, run_req, text)
             answered = bool((outcomes["full"].text or "").strip())
             for name, m, eng in runners:
                 rec = retrieval_record(ctx.run_id, req, ask, m, outcomes[name], outcomes["full"], name=name)
@@ -159,11 +174,18 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                     rec["answer_drift_full"] = answer_drift(logps[name], logps["full"])
                 elif name in exact and answered:
                     rec["answer_drift_full"], rec["drift_unscored"] = 0.0, True
+                if name in orders or name in ref_orders:
+                    perm = orders.get(name) or ref_orders[name]
+                    rec["prompt_order"] = [req.order[i] for i in perm]
                 if name in own:
-                    rec["drift_reference"] = own[name]
-                    if own_logps.get(name) and own_logps.get(own[name]):
-                        rec["answer_drift_own_order"] = answer_drift(own_logps[name], own_logps[own[name]])
-                    elif name in own_exact and (outcomes[own[name]].text or "").strip():
+                    ref, perm = own[name], orders[name]
+                    rec["drift_reference"] = ref
+                    # else its reference's answer came from a full prefill in its order, run for it
+                    rec["reference_in_own_order"] = same = perm == ref_orders[ref]
+                    ref_logps = own_logps.get(ref) if same else others.get(perm, ("", None))[1]
+                    if own_logps.get(name) and ref_logps:
+                        rec["answer_drift_own_order"] = answer_drift(own_logps[name], ref_logps)
+                    elif name in own_exact and (outcomes[ref].text or "").strip():
                         rec["answer_drift_own_order"] = 0.0
                 if name in owned:
                     rec.update(store_usage(eng.store.stats()))
@@ -254,6 +276,33 @@ def _same_order_refs(methods: list[Method]) -> dict[str, str]:
         for m in methods
         if getattr(m, "order", None) is not None and getattr(m, "mode", None) != "full" and m.order in fulls
     }
+
+
+def _prompt_order(engine, method: Method, req: Request) -> tuple[int, ...]:
+    """The chunk order ``method`` will put ``req``'s chunks in on ``engine`` (indices into
+    ``req.chunks``): what its chunk-access table says now, before the request is counted."""
+    if req.prompt is not None or len(req.chunks) < 2:
+        return tuple(range(len(req.chunks)))
+    return tuple(engine.access.order(engine.config.namespace, req.chunks, method.order))
+
+
+def _permuted(req: Request, perm: tuple[int, ...]) -> Request:
+    """``req`` with its chunks (and passage ids) in the order ``perm``."""
+    return replace(req, chunks=[req.chunks[i] for i in perm], order=[req.order[i] for i in perm])
+
+
+def _as_given(method: Method) -> Method:
+    """``method`` putting chunks in the order given (a reference told its order explicitly)."""
+    plain = copy.copy(method)
+    plain.order = None
+    return plain
+
+
+def _reference(runners, name: str, req: Request, max_new: int) -> tuple[str, list[float] | None]:
+    """Reference ``name``'s answer to ``req`` as given, and its log-probabilities (untimed, unrecorded)."""
+    m, eng = next((_as_given(m), e) for n, m, e in runners if n == name)
+    text = m.run(eng, req, max_new_tokens=max_new).text
+    return text, (m.score_tokens(eng, req, text) if text and text.strip() else None)
 
 
 def _blends_nothing(engine, req: Request) -> bool:

@@ -216,7 +216,46 @@ def test_a_reordered_method_is_scored_against_the_full_prefill_in_its_order(tmp_
     # nothing stored: its prefill is the full prefill in its own order, not in retrieval order's
     assert first[0]["answer_drift_own_order"] == 0.0 and "drift_unscored" not in first[0]
     assert all("answer_drift_own_order" not in r for r in rows if r["method"] == "probe@0.5")
+    # the reference ran in exactly the reordered method's prompt order (its own table's, not full's)
+    refs = {r["request"]: r for r in rows if r["method"] == "full+order=frequency"}
+    assert all(r["reference_in_own_order"] for r in ordered_rows)
+    assert all(r["prompt_order"] == refs[r["request"]]["prompt_order"] for r in ordered_rows)
+    assert all(sorted(r["prompt_order"]) == sorted(r["passages"]) for r in ordered_rows)
     summary = res["summary"]["retrieval/writeback"]["retrieval"]["probe@0.5+order=frequency"]
     assert summary["returns"]["n"] + summary["first_asks"]["n"] == 6
     md = (tmp_path / "o" / "results.md").read_text()
     assert "Returning questions:" in md and "drift vs full in its chunk order" in md
+
+
+def test_a_second_reordered_method_in_another_order_gets_a_reference_in_its_order(tmp_path, tiny_engine, monkeypatch):
+    """Two methods share ``full+order=frequency``; the reference runs in the first one's order, and the
+    second one's drift is taken against a full prefill run in the order it used (here forced to differ)."""
+    import benchmarks.retrieval as retrieval
+
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(make_synthetic_dataset(3, passages=3, words=6)))
+    real_order, real_reference = retrieval._prompt_order, retrieval._reference
+    references = []
+
+    def order(engine, method, req):
+        perm = real_order(engine, method, req)
+        return perm[::-1] if method.name == "probe@0.3+order=frequency" else perm
+
+    def reference(runners, name, req, max_new):
+        references.append([c for c in req.chunks])
+        return real_reference(runners, name, req, max_new)
+
+    monkeypatch.setattr(retrieval, "_prompt_order", order)
+    monkeypatch.setattr(retrieval, "_reference", reference)
+    methods = "full,probe@0.5+order=frequency,probe@0.3+order=frequency,full+order=frequency"
+    res = _run_r(tmp_path, tiny_engine, data, methods, n=3, retrieval_score="all", plots=False, store="writeback")
+    rows = [r for r in res["records"] if r["workload"] == "retrieval/writeback"]
+    refs = {r["request"]: r for r in rows if r["method"] == "full+order=frequency"}
+    first = [r for r in rows if r["method"] == "probe@0.5+order=frequency"]
+    second = [r for r in rows if r["method"] == "probe@0.3+order=frequency"]
+    assert all(r["reference_in_own_order"] and r["prompt_order"] == refs[r["request"]]["prompt_order"] for r in first)
+    assert all(not r["reference_in_own_order"] for r in second)
+    assert all(r["prompt_order"] == refs[r["request"]]["prompt_order"][::-1] for r in second)
+    # one full prefill in the second order per request whose store held a chunk (blank ones are exact)
+    assert len(references) == sum(r["chunk_hits"] > 0 for r in second)
+    assert all("answer_drift_own_order" in r for r in second)
