@@ -21,6 +21,7 @@ from kvrag.kernels.reference import (
     attention_ref,
     contiguous_tail,
     kv_deviation_ref,
+    positions_span,
     rope_rotate_into_ref,
     rope_rotate_ref,
     signed_sin,
@@ -114,28 +115,33 @@ def attention(
     scale: float,
     masks: dict | None = None,
     window: int | None = None,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D].
 
     ``window``: a sliding-window layer's size (row at p sees keys (p - window, p]); None: global.
     ``masks``: a dict the reference path keeps the rows' attention masks in, to be passed again
     with the same ``q_pos`` and ``window`` (the Triton kernel needs none).
+    ``span``: ``(q_pos[0], q_pos[-1])`` as Python ints, when the caller knows them: on a GPU, reading
+    them from ``q_pos`` waits for every queued kernel (a decode step's rows know their positions).
     """
-    if _triton_for(q) and not (_backend == "auto" and _contiguous_tail(q_pos, q.shape[1], k.shape[1], window)):
+    if _triton_for(q) and not (_backend == "auto" and _contiguous_tail(q_pos, q.shape[1], k.shape[1], window, span)):
         from kvrag.kernels.triton_attention import attention_triton
 
         return attention_triton(q, q_pos, k, v, scale, window=window)
-    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window)
+    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span)
 
 
-def _contiguous_tail(q_pos: torch.Tensor, rows: int, keys: int, window: int | None) -> bool:
+def _contiguous_tail(
+    q_pos: torch.Tensor, rows: int, keys: int, window: int | None, span: tuple[int, int] | None = None
+) -> bool:
     """Whether the rows are the last ``rows`` positions of the keys (a prefill or a decode step) on a
     global layer: PyTorch's fused causal attention beats the scattered-row kernel there (H200,
     bf16: 0.37-0.74x its time at 1-8K keys, ``python -m benchmarks kernels``), which wins on rows
     scattered through the keys (3.6-8.8x), the blend's recompute."""
     if window is not None or rows == 0:
         return False
-    return contiguous_tail(int(q_pos[0]), int(q_pos[-1]), rows, keys)
+    return contiguous_tail(*(span or positions_span(q_pos)), rows, keys)
 
 
 def kv_deviation(k_new, k_old, v_new, v_old, what: str = "kv") -> torch.Tensor:

@@ -62,6 +62,11 @@ def rope_rotate_into_ref(
     return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin(sin) if signed is None else signed))
 
 
+def positions_span(q_pos: torch.Tensor) -> tuple[int, int]:
+    """The first and last of positions ``q_pos`` [T>0] as Python ints (read from the device)."""
+    return int(q_pos[0]), int(q_pos[-1])
+
+
 def contiguous_tail(first: int, last: int, rows: int, keys: int) -> bool:
     """Whether query rows at positions ``first``..``last`` (increasing) are the last ``rows`` of
     ``keys`` positions: a prefill's or a decode step's rows, not rows scattered through the keys."""
@@ -77,6 +82,7 @@ def attention_ref(
     block: int = QUERY_BLOCK,
     masks: dict[int, tuple[int, torch.Tensor]] | None = None,
     window: int | None = None,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows at given positions over a full KV sequence.
 
@@ -92,6 +98,8 @@ def attention_ref(
             one when they change.
         window: sliding-window attention: row i sees only keys (q_pos[i] - window, q_pos[i]]
             (each block then reads at most ``window + block`` keys); None for global attention.
+        span: ``(q_pos[0], q_pos[-1])`` as Python ints when the caller knows them (not read from
+            ``q_pos``: on a GPU that read waits for the queued kernels).
 
     Returns:
         [H, Tq, D]; row i attends to keys 0..q_pos[i] (the last ``window`` of them with a window).
@@ -100,7 +108,7 @@ def attention_ref(
     if tq == 0:
         return q.new_empty(q.shape)
     gqa = q.shape[0] != k.shape[0]
-    first, last = int(q_pos[0]), int(q_pos[-1])
+    first, last = span if span is not None else positions_span(q_pos)
     if window is not None and last < window:
         window = None  # every row sees all the keys before it anyway
     if window is None and contiguous_tail(first, last, tq, s):  # plain causal attention

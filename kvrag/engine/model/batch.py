@@ -108,8 +108,8 @@ def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q
         bk[:, r.pos] = k[:, i]
         bv[:, r.pos] = v[:, i]
         end = r.pos + 1
-        out[:, i : i + 1] = attention(
-            q[:, i : i + 1], pos[i : i + 1], bk[:, :end], bv[:, :end], adapter.scale, window=window
+        out[:, i : i + 1] = attention(  # the row's position from the host: no wait for the device
+            q[:, i : i + 1], pos[i : i + 1], bk[:, :end], bv[:, :end], adapter.scale, window=window, span=(r.pos, r.pos)
         )
 
 

@@ -104,3 +104,24 @@ def test_the_bundled_model_decodes_packed_with_the_plain_steps_bits(smol_engine)
         pytest.skip(f"the bundled model computes in {smol_engine.info().dtype} here")
     assert smol_engine.info().decode.startswith("packed")
     decode_both(smol_engine.adapter, smol_engine.decoder, steps=3)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_decode_step_reads_no_position_from_the_device(tiny_tokenizer, family, monkeypatch):
+    """Each row's position is a host int: attention is told it (on a GPU a read from the position
+    tensor waits for every queued kernel, once per row and layer). Sliding-window layers too."""
+    import kvrag.kernels as K
+    from kvrag.kernels import reference
+
+    adapter = ModelAdapter(make_tiny_model(len(tiny_tokenizer), family))
+    torch.manual_seed(2)
+    prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS[:5]]
+    told, read = rows_for(adapter, prompts, 1), rows_for(adapter, prompts, 1)  # prefills read positions
+    expected = decode_step(adapter, read, 8)
+
+    def refuse(q_pos):
+        raise AssertionError("a position was read from the tensor")
+
+    monkeypatch.setattr(reference, "positions_span", refuse)
+    monkeypatch.setattr(K, "positions_span", refuse)
+    assert torch.equal(decode_step(adapter, told, 8), expected)
