@@ -175,7 +175,7 @@ def _run_mode(ctx: RunContext, items, corpus: Corpus, stream: list[tuple[Ask, li
                 elif name in exact and answered:
                     rec["answer_drift_full"], rec["drift_unscored"] = 0.0, True
                 if name in orders or name in ref_orders:
-                    perm = orders.get(name) or ref_orders[name]
+                    perm = orders[name] if name in orders else ref_orders[name]
                     rec["prompt_order"] = [req.order[i] for i in perm]
                 if name in own:
                     ref, perm = own[name], orders[name]
