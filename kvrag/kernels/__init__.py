@@ -125,10 +125,13 @@ def attention(
     ``span``: ``(q_pos[0], q_pos[-1])`` as Python ints, when the caller knows them: on a GPU, reading
     them from ``q_pos`` waits for every queued kernel (a decode step's rows know their positions).
     """
-    if _triton_for(q) and not (_backend == "auto" and _contiguous_tail(q_pos, q.shape[1], k.shape[1], window, span)):
-        from kvrag.kernels.triton_attention import attention_triton
+    if _triton_for(q):
+        if span is None and _backend == "auto" and window is None and q.shape[1]:
+            span = positions_span(q_pos)  # read once: the dispatch needs it, the reference path takes it too
+        if not (_backend == "auto" and _contiguous_tail(q_pos, q.shape[1], k.shape[1], window, span)):
+            from kvrag.kernels.triton_attention import attention_triton
 
-        return attention_triton(q, q_pos, k, v, scale, window=window)
+            return attention_triton(q, q_pos, k, v, scale, window=window)
     return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span)
 
 

@@ -242,7 +242,7 @@ def test_a_second_reordered_method_in_another_order_gets_a_reference_in_its_orde
         return perm[::-1] if method.name == "probe@0.3+order=frequency" else perm
 
     def reference(runners, name, req, max_new):
-        references.append([c for c in req.chunks])
+        references.append(list(req.chunks))
         return real_reference(runners, name, req, max_new)
 
     monkeypatch.setattr(retrieval, "_prompt_order", order)
