@@ -283,9 +283,9 @@ class Engine:
         Args:
             documents: the retrieved documents, in retrieval order.
             order: ``"retrieval"`` (the given order) or ``"frequency"`` (CRAFT: most retrieved in the
-                window first, after the longest chunk sequence the tenant holds exactly; ties in the order
-                their KV was first computed, else in retrieval order:
-                :func:`kvrag.engine.reuse.access.stored_path_order`).
+                window first, after the longest chunk sequence the tenant holds exactly; ties in retrieval
+                order, or behind a held sequence in the order their KV was first computed:
+                :meth:`kvrag.engine.reuse.access.AccessTable.order`).
             namespace: the tenant (default ``config.namespace``).
 
         Returns:
@@ -424,8 +424,8 @@ class Engine:
 
         ``chunks`` are one retrieval: they are counted once in the namespace's chunk-access table
         (:meth:`record_retrieval`). ``chunk_order="frequency"`` puts them in CRAFT's order first
-        (the longest chunk sequence held exactly first, then most retrieved lately, ties by content
-        key), except in a later turn of a
+        (the longest chunk sequence held exactly first, then most retrieved lately, ties as
+        :meth:`record_retrieval` says), except in a later turn of a
         conversation, whose kept history would otherwise be recomputed; ``"retrieval"`` (default)
         keeps the given order.
         """

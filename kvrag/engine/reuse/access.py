@@ -11,11 +11,14 @@ CRAFT (§4.1-4.2) counts each chunk's accesses over a sliding window of the last
   the namespace holds *exactly* (its stored paths, below) that the retrieval's chunks can form
   goes first (CRAFT's prefix lookup, with prefix slicing: any leading part of a stored path
   counts), then the other chunks by descending count, ties in the order the namespace first
-  computed their KV (:meth:`AccessTable.computed`: a corpus warm's stream, or the request that met
-  them first), so that a chunk follows the documents its KV was computed behind; chunks never
-  computed keep their retrieval order (CRAFT's stable sort: on a question's first ask the best
-  ranked chunk, the likeliest to be retrieved again, leads what gets computed and stored; ties by
-  content key instead closed less of the replay's gap, 66% against 81%). With nothing stored it
+  computed their KV (:meth:`AccessTable.computed`: a request's missed chunks, a warm's stream), so
+  that a return's chunks beyond its stored path follow in the order its first ask computed them;
+  chunks never computed keep their retrieval order. Where no stored path leads, all ties keep
+  retrieval order (CRAFT's stable sort): on a question's first ask the best ranked chunk, the
+  likeliest to be retrieved again, leads what gets computed and stored, and a warmed corpus (every
+  chunk computed, none in this company) does not reorder a prompt for nothing (ties in the warm's
+  order did: an order-only drift of 0.17-0.29 on first asks with no exact chunk gained, docs/benchmarks.md;
+  ties by content key closed less of the replay's gap, 66% against 81%). With nothing stored it
   is CRAFT's sort;
 - **promotion**: a chunk sequence is worth keeping exactly only for its leading run of chunks
   whose counts reach the threshold ``tau`` (:meth:`AccessTable.promoted`); a kept prefix grows by
@@ -56,13 +59,14 @@ __all__ = [
     "check_chunk_order",
     "chunk_key",
     "frequency_order",
+    "stored_lead",
     "stored_path_order",
 ]
 
 #: How a retrieval's chunks are put into the prompt: ``retrieval`` (as the retriever ranked them)
 #: or ``frequency`` (CRAFT's, tree-aware: the longest stored path first, then descending access
-#: count in the window, ties in the order their KV was first computed, else in retrieval order:
-#: :func:`stored_path_order`).
+#: count in the window, ties in retrieval order, or behind a stored path in the order their KV was
+#: first computed: :meth:`AccessTable.order`).
 CHUNK_ORDERS = ("retrieval", "frequency")
 
 #: One document of a retrieval: its text, or the texts of the forms it may take in a prompt.
@@ -106,30 +110,18 @@ def frequency_order(counts: Sequence[int], keys: Sequence | None = None) -> list
 MAX_PATH_LOOKUPS = 4096
 
 
-def stored_path_order(
-    keys: Sequence[Sequence[str]],
-    counts: Sequence[int],
-    stored: Callable[[tuple[str, ...]], bool],
-    tie: Sequence | None = None,
-) -> list[int]:
-    """The frequency order, tree-aware: indices of a retrieval's chunks, in the order to prompt them.
+def stored_lead(keys: Sequence[Sequence[str]], stored: Callable[[tuple[str, ...]], bool]) -> list[int]:
+    """Indices of the longest stored chunk sequence a retrieval's chunks can form, in its order.
 
     Args:
         keys: each chunk's keys (one per form it may take in a prompt), in retrieval order.
-        counts: each chunk's access count in the window.
         stored: whether a chunk sequence (keys, from the prompt's first chunk) is stored exactly;
             every leading part of a stored sequence must be stored too.
-        tie: each chunk's tie key among equal counts (comparable); default its content key (the
-            smallest of its keys).
 
-    The longest stored sequence that the retrieval's chunks can form leads (depth-first over the
-    chunks, most retrieved first, so of equally long paths the one through the most retrieved chunk
-    wins); the other chunks follow by descending count, ties by ``tie``. Pure: the same inputs give
-    the same order.
+    Depth-first over the chunks in retrieval order, so of equally long paths the one through the
+    best ranked chunk wins; at most :data:`MAX_PATH_LOOKUPS` lookups. Empty when no chunk starts a
+    stored sequence.
     """
-    if tie is None:
-        tie = [min(k) if k else "" for k in keys]
-    ranked = frequency_order(counts, tie)
     best: list[int] = []
     budget = [MAX_PATH_LOOKUPS]
 
@@ -138,7 +130,7 @@ def stored_path_order(
         if len(taken) > len(best):
             best = list(taken)
         for i in range(len(keys)):
-            if i in taken or len(best) == len(ranked):
+            if i in taken or len(best) == len(keys):
                 continue
             for key in keys[i]:
                 if budget[0] <= 0:
@@ -151,8 +143,33 @@ def stored_path_order(
                     break
 
     walk((), [])
-    lead = set(best)
-    return best + [i for i in ranked if i not in lead]
+    return best
+
+
+def stored_path_order(
+    keys: Sequence[Sequence[str]],
+    counts: Sequence[int],
+    stored: Callable[[tuple[str, ...]], bool],
+    tie: Sequence | None = None,
+) -> list[int]:
+    """The frequency order, tree-aware: indices of a retrieval's chunks, in the order to prompt them.
+
+    Args:
+        keys: each chunk's keys (one per form it may take in a prompt), in retrieval order.
+        counts: each chunk's access count in the window.
+        stored: whether a chunk sequence is stored exactly (:func:`stored_lead`).
+        tie: each chunk's tie key among equal counts (comparable); default its content key (the
+            smallest of its keys).
+
+    The longest stored sequence that the retrieval's chunks can form leads (:func:`stored_lead`);
+    the other chunks follow by descending count, ties by ``tie``. Pure: the same inputs give the
+    same order.
+    """
+    if tie is None:
+        tie = [min(k) if k else "" for k in keys]
+    lead = stored_lead(keys, stored)
+    taken = set(lead)
+    return lead + [i for i in frequency_order(counts, tie) if i not in taken]
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,16 +289,18 @@ class AccessTable:
         with self._lock:
             table = self._tables.get(namespace)
             counts = [max((table.counts.get(k, 0) for k in ks), default=0) if table else 0 for ks in keyed]
-            tie = self._ties(namespace, keyed)
             paths = self._paths.get(namespace)
-            if not paths:
-                return frequency_order(counts, tie)
-            ranked = stored_path_order(keyed, counts, paths.__contains__, tie)
+            lead = stored_lead(keyed, paths.__contains__) if paths else []
+            if not lead:  # nothing held exactly to continue: CRAFT's stable sort
+                return frequency_order(counts)
+            # behind a stored sequence, tied chunks go in the order their KV was first computed
+            taken = set(lead)
+            ranked = lead + [i for i in frequency_order(counts, self._ties(namespace, keyed)) if i not in taken]
             self._touch(paths, self._lead(paths, [keyed[i] for i in ranked]))
             return ranked
 
     def _ties(self, namespace: str, keyed: list[tuple[str, ...]]) -> list[tuple]:
-        """Tie keys of equal counts: a chunk computed before goes in the order its KV was first
+        """Tie keys of equal counts behind a stored path: a chunk computed before goes in the order its KV was first
         computed (the earliest of its forms'), ahead of chunks never computed, which keep their
         retrieval order (CRAFT's stable sort; equal tie keys fall back to the retrieval rank)."""
         seen = self._computed.get(namespace) or {}

@@ -63,7 +63,7 @@ def by_key(texts: list[str]) -> list[str]:
     return sorted(texts, key=chunk_key)
 
 
-def test_frequency_order_is_descending_with_ties_in_computation_then_retrieval_order():
+def test_frequency_order_is_descending_with_ties_in_retrieval_order_unless_a_stored_path_leads():
     assert frequency_order([1, 3, 0, 3, 1]) == [1, 3, 0, 4, 2]  # no keys: ties in retrieval order
     assert frequency_order([1, 3, 0, 3, 1], ["e", "d", "a", "b", "c"]) == [3, 1, 4, 0, 2]
     table = AccessTable()
@@ -74,7 +74,9 @@ def test_frequency_order_is_descending_with_ties_in_computation_then_retrieval_o
     assert got == ["c", "b", "d", "a"]  # b and d tied, never computed: in retrieval order (stable)
     back = docs[::-1]
     assert [back[i] for i in table.order("t", back, "frequency")] == ["c", "d", "b", "a"]
-    table.computed("t", ["d", "b"])  # once computed, tied chunks go in the order their KV was computed
+    table.computed("t", ["d", "b"])  # computed, nothing stored: ties still keep retrieval order
+    assert [docs[i] for i in table.order("t", docs, "frequency")] == ["c", "b", "d", "a"]
+    table.stored("t", ["c"])  # behind a stored path, tied chunks go in the order their KV was computed
     assert [x[i] for x in (docs, back) for i in table.order("t", x, "frequency")] == ["c", "d", "b", "a"] * 2
     assert table.order("t", docs, "retrieval") == [0, 1, 2, 3]
 
@@ -279,7 +281,7 @@ def test_config_checks_the_window_and_the_threshold(tiny_model, tiny_tokenizer):
         assert engine.chunk_access().window is None
 
 
-def test_tied_chunks_go_in_the_order_their_kv_was_first_computed():
+def test_tied_chunks_behind_a_stored_path_go_in_the_order_their_kv_was_first_computed():
     table = AccessTable()
     for docs in (["b", "c"], ["c"]):
         table.record("t", docs)
@@ -287,12 +289,12 @@ def test_tied_chunks_go_in_the_order_their_kv_was_first_computed():
     table.computed("t", ["a", "e"])  # a keeps its first number; e comes after
     assert table.computation_order("t") == [chunk_key(x) for x in ("d", "b", "a", "e")]
     docs = ["a", "b", "c", "d", "e", "f"]
-    got = [docs[i] for i in table.order("t", docs, "frequency")]
-    # c (2), then b (1), then the count-0 chunks: computed ones in computation order, then f
-    assert got == ["c", "b", "d", "a", "e", "f"]
+    # no stored path leads: c (2), then b (1), then the count-0 chunks in retrieval order (a warmed
+    # corpus computed every chunk in its own stream: following it reorders a first ask for nothing)
+    assert [docs[i] for i in table.order("t", docs, "frequency")] == ["c", "b", "a", "d", "e", "f"]
+    table.stored("t", ["e"])  # a stored path leads; behind it the count-0 chunks in computation order
+    assert [docs[i] for i in table.order("t", docs, "frequency")] == ["e", "c", "b", "d", "a", "f"]
     assert table.order("u", docs[::-1], "frequency") == list(range(6))  # tenants apart: nothing known there
-    table.stored("t", ["e"])  # a stored path still leads
-    assert [docs[i] for i in table.order("t", docs, "frequency")][:3] == ["e", "c", "b"]
     small = AccessTable(max_computed=2)
     small.computed("t", ["x", "y", "z"])
     assert small.computation_order("t") == [chunk_key("y"), chunk_key("z")]  # the earliest forgotten
@@ -300,11 +302,12 @@ def test_tied_chunks_go_in_the_order_their_kv_was_first_computed():
         AccessTable(max_computed=-1)
 
 
-def test_a_warm_stream_orders_tied_chunks_in_a_request(engine):
+def test_a_warm_stream_does_not_reorder_a_first_ask(engine):
     docs = make_docs(4, seed=67)
     engine.warm([docs[2], docs[0], docs[3], docs[1]])
     engine.flush()
+    assert engine.access.computation_order(engine.config.namespace) == [chunk_key(docs[i]) for i in (2, 0, 3, 1)]
+    assert engine.record_retrieval(docs, order="frequency") == [0, 1, 2, 3]  # tied, none stored: retrieval order
     got = engine.generate(docs, PREFIX, SUFFIX, chunk_order="frequency")
-    want = [docs[2], docs[0], docs[3], docs[1]]  # all tied at count 0: the warm's order, each behind its company
-    assert [c.tokens for c in got.stats.chunks] == [engine.count_tokens(d) for d in want]
+    assert [c.tokens for c in got.stats.chunks] == [engine.count_tokens(d) for d in docs]
     assert sources(got) == ["store"] * 4
