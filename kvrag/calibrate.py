@@ -4,11 +4,15 @@
 
 ``auto`` recomputes every probed block whose KV deviation reaches a per-model threshold (with
 ``craft``: ``alpha * CFO`` of each chunk); until a model is calibrated it recomputes a fixed share.
+On KV computed in other company it recomputes a share of each foreign chunk set by ``quality``;
+``--what qualities`` measures that share per quality for this model
+(:meth:`kvrag.Engine.calibrate_qualities`). ``--what both`` (default) runs the two.
 The command reads a QA file in the dev-set shape (a JSON list of ``{"question", "answers",
 "ctxs": [{"title", "text"}]}``), builds each of the first ``--n`` questions' prompt as the benchmark
 does (its first ``--top-k`` passages as chunks, in a seeded shuffled order, inside the model's chat
-template), and runs :meth:`kvrag.Engine.calibrate`, which writes the constants where every engine of
-this model (same weights, tokenizer and dtype: ``--config dtype=...``) finds them.
+template), and runs :meth:`kvrag.Engine.calibrate` (and ``calibrate_qualities``), which write the
+constants where every engine of this model (same weights, tokenizer and dtype: ``--config
+dtype=...``) finds them.
 """
 
 from __future__ import annotations
@@ -144,6 +148,13 @@ def parser(prog: str = "kvrag calibrate") -> argparse.ArgumentParser:
     p.add_argument(
         "--target", type=float, default=0.15, help="share of cached tokens auto recomputes in the favourable case"
     )
+    p.add_argument(
+        "--what",
+        choices=("both", "threshold", "qualities"),
+        default="both",
+        help="the probe's threshold (own company), the foreign share per quality, or both",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer tokens scored by the quality calibration")
     p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled SmolLM2-135M)")
     p.add_argument("--seed", type=int, default=0, help="passage orders (as the benchmark's)")
     p.add_argument(
@@ -171,17 +182,32 @@ def main(argv: list[str] | None = None, *, prog: str = "kvrag calibrate") -> int
         print(f"{prog}: question {done}/{total}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     try:  # the arguments and the dataset are checked before the model loads
-        if a.n < 1 or a.top_k < 1:
-            raise InvalidRequestError("--n and --top-k must be >= 1")
+        if a.n < 1 or a.top_k < 1 or a.max_new_tokens < 1:
+            raise InvalidRequestError("--n, --top-k and --max-new-tokens must be >= 1")
+        if a.what != "threshold" and a.n < 2:
+            raise InvalidRequestError("the quality calibration needs --n 2 or more (passages of other questions)")
         check_target(a.target)
         config = EngineConfig(**parse_overrides(a.config))
         items = read_questions(a.dataset, a.n)
         with Engine.from_pretrained(a.model, config=config) as engine:
             questions = calibration_questions(items, engine.tokenizer, top_k=a.top_k, seed=a.seed)
-            res = engine.calibrate(questions, target=a.target, progress=progress, facts={"top_k": a.top_k})
-            print(
-                f"{engine.model_name} ({res.probe}): threshold {res.threshold:.6g}, alpha {res.alpha:.4g} -> {res.path}"
-            )
+            if a.what in ("both", "threshold"):
+                res = engine.calibrate(questions, target=a.target, progress=progress, facts={"top_k": a.top_k})
+                print(
+                    f"{engine.model_name} ({res.probe}): threshold {res.threshold:.6g}, alpha {res.alpha:.4g}"
+                    f" -> {res.path}"
+                )
+            if a.what in ("both", "qualities"):
+                got = engine.calibrate_qualities(
+                    questions, max_new_tokens=a.max_new_tokens, progress=progress, facts={"top_k": a.top_k}
+                )
+                drifts = ", ".join(f"{s:g}: {d:.3f}" for s, d in got.drifts.items())
+                print(f"{engine.model_name} ({got.selection} on foreign KV): drift {drifts}")
+                print(f"  probe@15%: {got.reference:.3f}")
+                for quality, share in got.shares.items():
+                    note = "" if got.reached[quality] else " (target not reached: the largest share tried)"
+                    print(f"  {quality}: {share:.0%} of each foreign chunk{note}")
+                print(f"  -> {got.path}")
             print(f"fingerprint {engine.fingerprint}")
     except KvragError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -165,6 +165,11 @@ def _engine_sampling(value) -> SamplingParams:
     return dataclasses.replace(DEFAULT_SAMPLING, **given)
 
 
+#: ``EngineConfig.foreign_ratio``'s default: the share of a foreign chunk ``"auto"`` recomputes at
+#: ``quality="balanced"`` on a model without calibrated shares (chosen on the dev set: docs/benchmarks.md).
+FOREIGN_RATIO = 0.13
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine settings: what users set first, then the advanced ones (defaults are fine for most).
@@ -274,12 +279,14 @@ class EngineConfig:
             tokens nearest the question, which carry the drift there; docs/benchmarks.md, issue 35);
             ``None``: always ``selection``. A request that names a selection or a ratio runs what it names.
         foreign_ratio: the share ``foreign_selection`` recomputes of a foreign chunk at
-            ``quality="balanced"`` (0.13).
+            ``quality="balanced"`` (0.13), unless ``kvrag calibrate`` measured the model's own
+            shares (:meth:`kvrag.Engine.calibrate_qualities`); set to another value, it wins.
         quality: the dial of ``"auto"`` where it recomputes shares (no calibrated threshold, or on
             foreign KV): each blended chunk adds its own share of the budget, by the company its KV
             was computed in (Cache-Craft's beta of that chunk against ``foreign_overlap``) —
             ``"fast"`` 10% own / 10% foreign, ``"balanced"`` (default) ``auto_ratio`` /
-            ``foreign_ratio``, ``"faithful"`` 30% / 60% (:data:`QUALITY_SHARES`). With a calibrated
+            ``foreign_ratio``, ``"faithful"`` 30% / 60% (:data:`QUALITY_SHARES`); a model's calibrated
+            foreign shares replace these (``kvrag calibrate``). With a calibrated
             threshold, own-company prompts are measured by it whatever the quality.
         foreign_overlap: the company overlap below which a prompt's chunk KV counts as foreign
             (0.25: chunks asked in their own company, in another order, measured 0.38-0.61 on the
@@ -398,7 +405,7 @@ class EngineConfig:
     auto_threshold: float | None = None
     auto_ratio: float = 0.15
     foreign_selection: str | None = "recency"
-    foreign_ratio: float = 0.13
+    foreign_ratio: float = FOREIGN_RATIO
     foreign_overlap: float = 0.25
     quality: str = "balanced"
     selection: str = "probe"
@@ -539,11 +546,20 @@ class EngineConfig:
         """Variants of each chunk ``warm(order=...)`` computes (``warm_variants``, or its default)."""
         return self.warm_variants or min(2 if order == "similar" else 1, self.max_variants)
 
-    def quality_shares(self, quality: str | None = None) -> tuple[float, float]:
+    def quality_shares(
+        self, quality: str | None = None, calibrated: Mapping[str, float] | None = None
+    ) -> tuple[float, float]:
         """(own company, other company) shares ``"auto"`` recomputes at ``quality`` (default
-        :attr:`quality`; :data:`QUALITY_SHARES`, ``"balanced"``: ``auto_ratio`` and ``foreign_ratio``)."""
+        :attr:`quality`; :data:`QUALITY_SHARES`, ``"balanced"``: ``auto_ratio`` and ``foreign_ratio``).
+
+        ``calibrated``: the model's foreign share per quality measured by ``kvrag calibrate``
+        (:meth:`kvrag.Engine.calibrate_qualities`); it replaces the built-in one, except that a
+        ``foreign_ratio`` set to another value than its default wins for ``"balanced"``."""
         quality = check_quality(self.quality if quality is None else quality)
-        return QUALITY_SHARES.get(quality, (self.auto_ratio, self.foreign_ratio))
+        own, foreign = QUALITY_SHARES.get(quality, (self.auto_ratio, self.foreign_ratio))
+        if calibrated and quality in calibrated and (quality != "balanced" or self.foreign_ratio == FOREIGN_RATIO):
+            foreign = calibrated[quality]
+        return own, foreign
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with some fields changed (validated again).

@@ -62,11 +62,15 @@ def test_bad_arguments_fail_before_the_model_loads(tmp_path, qa, capsys):
     (tmp_path / "list.json").write_text(json.dumps([{"question": "q?", "ctxs": []}]))
     cases = [
         (["--dataset", missing], "dataset not found"),
-        (["--dataset", str(qa), "--n", "0"], "--n and --top-k must be >= 1"),
+        (["--dataset", str(qa), "--n", "0"], "--n, --top-k and --max-new-tokens must be >= 1"),
+        (["--dataset", str(qa), "--n", "1"], "needs --n 2 or more"),
         (["--dataset", str(qa), "--n", "4"], "has 3 questions, 4 were asked for"),
         (["--dataset", str(qa), "--target", "2"], "target must be"),
         (["--dataset", str(qa), "--config", "no_such_field=1"], "no_such_field"),
-        (["--dataset", str(tmp_path / "list.json"), "--n", "1"], "'ctxs' must be a non-empty list"),
+        (
+            ["--dataset", str(tmp_path / "list.json"), "--n", "1", "--what", "threshold"],
+            "'ctxs' must be a non-empty list",
+        ),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
@@ -87,6 +91,11 @@ def test_kvrag_calibrate_writes_the_constants_for_the_model(tmp_path, qa, tiny_m
     out, err = capsys.readouterr()
     assert "kvrag calibrate: question 2/2" in err
     assert "threshold" in out and "alpha" in out and str(cache) in out
+    assert "balanced: " in out and "of each foreign chunk" in out
     (path,) = (cache / "calibration").glob("*.json")
-    (entry,) = json.loads(path.read_text()).values()
+    data = json.loads(path.read_text())
+    (probe,) = (k for k in data if k.startswith("layer="))
+    entry, foreign = data[probe], data["foreign=recency"]
     assert entry["questions"] == 2 and entry["top_k"] == 3 and entry["target"] == 0.15 and entry["threshold"] > 0
+    assert set(foreign["shares"]) == {"fast", "balanced", "faithful"} and foreign["top_k"] == 3
+    assert foreign["shares"]["fast"] <= foreign["shares"]["balanced"] <= foreign["shares"]["faithful"]

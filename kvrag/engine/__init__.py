@@ -9,7 +9,7 @@ and :mod:`~kvrag.engine.reuse` -> :mod:`~kvrag.engine.store` (tiers, record form
 
 from kvrag.engine.engine import Engine, drop_engines, get_engine
 from kvrag.engine.model.sampling import SamplingParams
-from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
+from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult, QualityCalibration
 from kvrag.engine.types import (
     CacheLookup,
     ChunkInfo,
@@ -36,4 +36,5 @@ __all__ = [
     "CacheLookup",
     "CalibrationQuestion",
     "CalibrationResult",
+    "QualityCalibration",
 ]

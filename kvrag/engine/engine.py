@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import random
 import threading
 import time
 import weakref
@@ -21,7 +22,7 @@ from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
 from kvrag.engine.reuse import calibration
 from kvrag.engine.reuse.access import AccessStats, AccessTable, check_chunk_order
-from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult
+from kvrag.engine.reuse.calibration import CalibrationQuestion, CalibrationResult, QualityCalibration
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label, similarity_order, warm_list
 from kvrag.engine.reuse.conversations import Conversations, check_conversation_id
 from kvrag.engine.reuse.documents import DocumentFinder
@@ -168,6 +169,13 @@ class Engine:
         )
         #: Cache-Craft's alpha for ``selection="craft"`` with ``"auto"``
         self.auto_alpha = calibrated.get("alpha", 1.0)
+        #: the share of a foreign chunk ``"auto"`` recomputes per quality, as ``kvrag calibrate``
+        #: measured it for this model (empty: the built-in shares, ``EngineConfig.quality``)
+        self.foreign_shares = (
+            calibration.load_shares(config.resolved_cache_dir(), self.fingerprint, config.foreign_selection)
+            if config.foreign_selection
+            else {}
+        )
         self.scheduler = Scheduler(
             max_running=config.max_running,
             max_queued=config.max_queued,
@@ -598,7 +606,11 @@ class Engine:
             recompute_ratio=recompute_ratio,
             selection=selection,
         )
-        cont_ids = self.prompt_tokenizer.tokenize(cont)
+        return self._score(req, cont)
+
+    def _score(self, req: Request, continuation: str, *, internal: bool = False) -> ScoreResult:
+        """:meth:`score` of a built request, on the engine thread (``internal``: never refused)."""
+        cont_ids = self.prompt_tokenizer.tokenize(continuation)
         if not cont_ids:
             raise InvalidRequestError("continuation is empty")
         n = int(req.ids.shape[0])
@@ -614,7 +626,11 @@ class Engine:
             logp = torch.log_softmax(torch.cat(logits), dim=-1)
             return plan, res, logp[torch.arange(len(cont_ids)), torch.tensor(cont_ids)].tolist()
 
-        plan, res, per_token = self._worker.call(self._ticket(req), run)
+        tokens = n + len(cont_ids)
+        if internal:
+            plan, res, per_token = self._run_internal(run, tokens)
+        else:
+            plan, res, per_token = self._worker.call(self._ticket(req), run)
         stats = generation_stats(plan, res, self.adapter.n_layers, time.perf_counter() - t0)
         return ScoreResult(float(sum(per_token)), len(cont_ids), per_token, stats)
 
@@ -725,6 +741,136 @@ class Engine:
             threshold, alpha, probe, path, len(questions), measured.blocks, time.perf_counter() - t0
         )
 
+    def calibrate_qualities(
+        self,
+        questions: Sequence[CalibrationQuestion],
+        *,
+        max_new_tokens: int = 16,
+        others: int = 3,
+        shares: Sequence[float] = calibration.QUALITY_GRID,
+        seed: int = 0,
+        progress: bool | Callable[[int, int], None] = False,
+        facts: dict | None = None,
+    ) -> QualityCalibration:
+        """Measure this model's share of foreign KV per ``quality``; save and use them.
+
+        On a prompt whose chunk KV was computed in other company, ``"auto"`` recomputes a share of
+        each foreign chunk set by ``quality`` (``config.foreign_selection``'s tokens). How much such
+        KV drifts, and how much each share buys back, is the model's own. For each question its
+        full prefill answers (greedy, ``max_new_tokens``); then each of its passages is warmed on
+        its own behind ``others`` passages of other questions, and that answer is scored
+        (teacher-forced) under full prefill, under CacheBlend's probe at 15% and under
+        ``foreign_selection`` at each of ``shares``. Per quality the least share whose mean answer
+        drift reaches the quality's target (a multiple of the probe's drift:
+        :data:`~kvrag.engine.reuse.calibration.QUALITY_TARGETS`) is kept, written for this model's
+        fingerprint under the cache directory (where every engine of this model finds it) and used
+        by this engine at once. Each measured prefill is the blend itself (the cost model does not
+        turn it into a full prefill).
+
+        The store is emptied before and after each question: calibrate on an engine of its own.
+        One with a disk or remote tier is refused (those would be emptied too).
+
+        Args:
+            questions: the dev questions (at least 2: each one's passages are warmed behind others').
+            max_new_tokens: length of the full prefill's answer that is scored.
+            others: passages of other questions warmed before each passage.
+            shares: the shares of a foreign chunk tried, each in (0, 1].
+            seed: which passages of other questions go before each passage.
+            progress: a progress bar (tqdm when installed, else log lines), or a callback
+                ``progress(questions done, questions)``.
+            facts: more to record beside the shares.
+
+        Raises:
+            InvalidRequestError: bad questions or arguments, no ``foreign_selection``, a store with
+                persistent tiers, too few passages of other questions, or no question answered.
+        """
+        self._check_open()
+        questions = calibration.check_questions(questions)
+        selection = self.config.foreign_selection
+        if selection is None:
+            raise InvalidRequestError("config.foreign_selection is None: no foreign share to calibrate")
+        if self.config.disk_tier or self.config.remote_url:
+            raise InvalidRequestError(
+                "calibrate empties the store after each question; use an engine without disk_tier and remote_url"
+            )
+        for name, value in (("max_new_tokens", max_new_tokens), ("others", others)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+        ok = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1  # noqa: E731
+        if (
+            isinstance(shares, (str, bytes))
+            or not isinstance(shares, Sequence)
+            or not shares
+            or not all(map(ok, shares))
+        ):
+            raise InvalidRequestError(f"shares must be a non-empty list of shares in (0, 1], got {shares!r}")
+        grid = sorted({float(x) for x in shares})
+        pool = list(dict.fromkeys(p for q in questions for p in q.retrieved))
+        rng = random.Random(seed)
+        ref_selection, ref_share = calibration.QUALITY_REFERENCE
+        t0 = time.perf_counter()
+        measured = calibration.QualityMeasurements()
+
+        def drift(answer: str, q: CalibrationQuestion, ref: list[float] | None, mode: str, sel=None, ratio=None):
+            req = self._request(
+                chunks=q.chunks,
+                prefix=q.prefix,
+                suffix=q.suffix,
+                sampling=SamplingParams(max_new_tokens=0, temperature=0.0),
+                mode=mode,
+                recompute_ratio=ratio,
+                selection=sel,
+            )
+            req.priced = False  # the blend is measured, whatever the cost model would choose
+            got = self._score(req, answer, internal=True).token_logprobs
+            return got if ref is None else calibration.drift(got, ref)
+
+        with progress_reporter(progress, "kvrag calibrate qualities", unit="question") as report:
+            for done, q in enumerate(questions, 1):
+                self.store.clear()
+                answer = self.generate(
+                    q.chunks, q.prefix, q.suffix, mode="full", max_new_tokens=max_new_tokens, temperature=0.0
+                ).text
+                self.flush()
+                self.store.clear()  # nothing the full prefill wrote back is found by the blends
+                if answer.strip():
+                    mine = set(q.chunks)
+                    strangers = [p for p in pool if p not in mine]
+                    if len(strangers) < others:
+                        raise InvalidRequestError(
+                            f"the quality calibration needs {others} passages of other questions; "
+                            f"the questions hold {len(strangers)} (give more questions or fewer others)"
+                        )
+                    for passage in q.chunks:
+                        self.warm(rng.sample(strangers, others) + [passage])
+                    self.flush()
+                    ref = drift(answer, q, None, "full")
+                    measured.add(
+                        drift(answer, q, ref, "blend", ref_selection, ref_share),
+                        {s: drift(answer, q, ref, "blend", selection, s) for s in grid},
+                    )
+                if report is not None:
+                    report(done, len(questions))
+        self.store.clear()
+        chosen, reached = measured.shares()
+        means = measured.means()
+        reference = sum(measured.reference) / len(measured.reference)
+        facts = {
+            **(facts or {}),
+            "reached": reached,
+            "reference": {"selection": ref_selection, "share": ref_share, "drift": reference},
+            "drifts": {f"{s:g}": d for s, d in means.items()},
+            "targets": dict(calibration.QUALITY_TARGETS),
+            "questions": len(measured.reference),
+            "max_new_tokens": max_new_tokens,
+            "model": self.model_name,
+        }
+        path = calibration.save_shares(self.config.resolved_cache_dir(), self.fingerprint, selection, chosen, facts)
+        self.foreign_shares = dict(chosen)
+        return QualityCalibration(
+            chosen, reached, reference, means, selection, path, len(measured.reference), time.perf_counter() - t0
+        )
+
     def info(self) -> EngineInfo:
         """What this engine runs: model, family, compute dtype and why, device, threads, context
         window, and the correctness gate's verdict (see :class:`~kvrag.engine.types.EngineInfo`)."""
@@ -747,7 +893,7 @@ class Engine:
         cfg = self.config
         if cfg.recompute_ratio != AUTO:
             return f"{cfg.selection} at {float(cfg.recompute_ratio):.0%} of the cached tokens"
-        own, foreign = cfg.quality_shares()
+        own, foreign = cfg.quality_shares(calibrated=self.foreign_shares)
         if self._auto_measures(cfg.selection):
             text = f"{cfg.selection}, auto ({cfg.quality}): measured per request, up to {cfg.auto_max_ratio:.0%}"
         else:
@@ -954,7 +1100,7 @@ class Engine:
                 # chunk KV computed in other company: the tokens nearest the question carry the drift
                 # (issue 35's measurements), so spend the budget there, without a probe: each chunk
                 # adds its quality's share, by the company its own KV was computed in
-                own, foreign = cfg.quality_shares(req.quality)
+                own, foreign = cfg.quality_shares(req.quality, self.foreign_shares)
                 plan.selection, plan.auto, threshold = cfg.foreign_selection, False, None
                 plan.ratio = plan.dial_ratio(own, foreign, cfg.foreign_overlap)
             self.planner.choose(plan, price=req.priced)

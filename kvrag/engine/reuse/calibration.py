@@ -1,4 +1,5 @@
-"""Per-model calibration of ``recompute_ratio="auto"``: the probe deviation from which a block is recomputed.
+"""Per-model calibration of ``recompute_ratio="auto"``: the probe deviation from which a block is
+recomputed, and the share of foreign KV each ``quality`` recomputes.
 
 A probe's KV deviation has a scale of its own for every model (and probe layer, block size and
 deviation kind), and so has Cache-Craft's fix overhead. :meth:`kvrag.Engine.calibrate` (the
@@ -6,6 +7,13 @@ deviation kind), and so has Cache-Craft's fix overhead. :meth:`kvrag.Engine.cali
 ``auto`` recompute what a fixed budget would in the favourable case, and writes them here:
 ``<cache_dir>/calibration/<model fingerprint>.json``. The bundled model's values may ship with kvrag
 (``kvrag/engine/reuse/data/calibration.json``), keyed the same way.
+
+How much a chunk's KV computed behind other passages drifts, and how much recomputing buys back,
+is a model's own too. :meth:`kvrag.Engine.calibrate_qualities` warms each question's passages behind
+passages of other questions, measures the answer drift (mean |log p| difference per token of the
+full prefill's answer, teacher-forced) of ``foreign_selection`` at a grid of shares against that of
+CacheBlend's probe at 15%, and keeps per quality the least share whose mean drift reaches the
+quality's target (:data:`QUALITY_TARGETS`), under the key ``foreign=<selection>`` of the same file.
 """
 
 from __future__ import annotations
@@ -36,6 +44,13 @@ __all__ = [
     "Measurements",
     "check_questions",
     "check_target",
+    "QUALITY_GRID",
+    "QUALITY_TARGETS",
+    "QualityCalibration",
+    "QualityMeasurements",
+    "foreign_key",
+    "load_shares",
+    "save_shares",
 ]
 
 
@@ -80,17 +95,110 @@ def load(cache_dir: Path, fingerprint: str, probe: str) -> dict:
     return mine or _entry(_shipped().get(fingerprint), probe)
 
 
-def save(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts: dict) -> Path:
-    """Record a calibrated threshold (with ``alpha`` and what they were measured on) for this model and probe."""
+def _write(cache_dir: Path, fingerprint: str, key: str, entry: dict) -> Path:
+    """Set ``key``'s entry in this model's calibration file (atomically; other keys kept)."""
     path = Path(cache_dir) / "calibration" / f"{fingerprint}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _read(path)
-    data[probe] = {"threshold": float(threshold), **facts}
+    data[key] = entry
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     return path
+
+
+def save(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts: dict) -> Path:
+    """Record a calibrated threshold (with ``alpha`` and what they were measured on) for this model and probe."""
+    return _write(cache_dir, fingerprint, probe, {"threshold": float(threshold), **facts})
+
+
+# -- the shares of foreign KV per quality ---------------------------------------------------------------
+
+#: Shares of a foreign chunk's tokens the quality calibration tries (``foreign_selection`` at each).
+QUALITY_GRID = (0.05, 0.10, 0.13, 0.20, 0.30, 0.45, 0.60, 0.80)
+#: Each quality's target: the mean answer drift on foreign KV, as a multiple of the drift of
+#: CacheBlend's probe at 15% on the same prompts. ``fast``: no worse than CacheBlend; ``balanced``:
+#: 15% below it (issue 35's line); ``faithful``: half of it.
+QUALITY_TARGETS = {"fast": 1.0, "balanced": 0.85, "faithful": 0.5}
+#: The reference the targets are multiples of: (selection, share).
+QUALITY_REFERENCE = ("probe", 0.15)
+
+
+def foreign_key(selection: str) -> str:
+    """The calibration file's key of the shares measured for ``foreign_selection``."""
+    return f"foreign={selection}"
+
+
+def load_shares(cache_dir: Path, fingerprint: str, selection: str) -> dict[str, float]:
+    """The calibrated share of a foreign chunk per quality for this model and selection (may be
+    empty): the user's own first, then the one shipped with kvrag. Values outside (0, 1] are dropped."""
+    key = foreign_key(selection)
+
+    def shares(data) -> dict[str, float]:
+        entry = data.get(key) if isinstance(data, dict) else None
+        got = entry.get("shares") if isinstance(entry, dict) else None
+        if not isinstance(got, dict):
+            return {}
+        return {q: x for q, v in got.items() if q in QUALITY_TARGETS and (x := _number(v)) and x <= 1}
+
+    mine = shares(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"))
+    return mine or shares(_shipped().get(fingerprint))
+
+
+def save_shares(cache_dir: Path, fingerprint: str, selection: str, shares: dict[str, float], facts: dict) -> Path:
+    """Record the calibrated shares (with what they were measured on) for this model and selection."""
+    return _write(cache_dir, fingerprint, foreign_key(selection), {"shares": dict(shares), **facts})
+
+
+def drift(got: Sequence[float], ref: Sequence[float]) -> float:
+    """Mean |log p difference| per token of one continuation scored two ways."""
+    if len(got) != len(ref) or not ref:
+        raise ValueError("log-probabilities of different continuations")
+    return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
+
+
+@dataclass
+class QualityMeasurements:
+    """Answer drifts on foreign KV over the calibration questions.
+
+    Attributes:
+        reference: per question, the drift of :data:`QUALITY_REFERENCE`.
+        drifts: share -> per question, the drift of ``foreign_selection`` at that share.
+    """
+
+    reference: list[float] = field(default_factory=list)
+    drifts: dict[float, list[float]] = field(default_factory=dict)
+
+    def add(self, reference: float, drifts: dict[float, float]) -> None:
+        self.reference.append(reference)
+        for share, d in drifts.items():
+            self.drifts.setdefault(share, []).append(d)
+
+    def means(self) -> dict[float, float]:
+        """Mean drift per share, least share first."""
+        return {s: sum(d) / len(d) for s, d in sorted(self.drifts.items())}
+
+    def shares(self) -> tuple[dict[str, float], dict[str, bool]]:
+        """Per quality, the least share whose mean drift reaches its target, and whether one did
+        (else the grid's largest); never less than a faster quality's.
+
+        Raises:
+            InvalidRequestError: nothing was measured.
+        """
+        if not self.reference or not self.drifts:
+            raise InvalidRequestError("the quality calibration measured nothing: give questions with an answer")
+        ref = sum(self.reference) / len(self.reference)
+        means = self.means()
+        out: dict[str, float] = {}
+        reached: dict[str, bool] = {}
+        floor = 0.0
+        for quality, factor in QUALITY_TARGETS.items():  # fastest first
+            ok = [s for s, d in means.items() if d <= factor * ref and s >= floor]
+            out[quality] = ok[0] if ok else max(max(means), floor)
+            reached[quality] = bool(ok)
+            floor = out[quality]
+        return out, reached
 
 
 # -- the constants from what the probe measured --------------------------------------------------------
@@ -203,6 +311,31 @@ class CalibrationResult:
     path: Path
     questions: int
     blocks: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class QualityCalibration:
+    """What :meth:`kvrag.Engine.calibrate_qualities` measured and where it wrote it.
+
+    Attributes:
+        shares: per quality, the share of a foreign chunk ``"auto"`` recomputes from now on.
+        reached: per quality, whether some share of the grid reached its target (else the largest).
+        reference: mean answer drift of :data:`QUALITY_REFERENCE` on these prompts.
+        drifts: mean answer drift of ``selection`` per share tried.
+        selection: the selection measured (``EngineConfig.foreign_selection``).
+        path: the file they were written to.
+        questions: questions measured (those whose full prefill answered something).
+        seconds: time the calibration took.
+    """
+
+    shares: dict[str, float]
+    reached: dict[str, bool]
+    reference: float
+    drifts: dict[float, float]
+    selection: str
+    path: Path
+    questions: int
     seconds: float
 
 

@@ -104,3 +104,100 @@ def test_engine_calibrate_refuses_bad_input_with_one_clear_error(tmp_path, tiny_
             disk.calibrate([q])
     finally:
         disk.close()
+
+
+# -- the foreign share per quality ------------------------------------------------------------------------
+
+
+def test_quality_shares_are_the_least_that_reach_each_target_never_below_a_faster_one():
+    m = calibration.QualityMeasurements()
+    with pytest.raises(InvalidRequestError, match="measured nothing"):
+        m.shares()
+    # the probe's drift 0.10; recency's falls with the share
+    m.add(0.12, {0.1: 0.13, 0.2: 0.09, 0.4: 0.07, 0.6: 0.05})
+    m.add(0.08, {0.1: 0.09, 0.2: 0.07, 0.4: 0.05, 0.6: 0.05})
+    assert m.means() == pytest.approx({0.1: 0.11, 0.2: 0.08, 0.4: 0.06, 0.6: 0.05})
+    shares, reached = m.shares()
+    # fast <= 0.10 -> 0.2; balanced <= 0.085 -> 0.2; faithful <= 0.05 -> 0.6
+    assert shares == {"fast": 0.2, "balanced": 0.2, "faithful": 0.6} and all(reached.values())
+    hard = calibration.QualityMeasurements()
+    hard.add(0.10, {0.1: 0.2, 0.3: 0.09})
+    shares, reached = hard.shares()
+    assert shares == {"fast": 0.3, "balanced": 0.3, "faithful": 0.3}  # unreached: the largest tried
+    assert reached == {"fast": True, "balanced": False, "faithful": False}
+
+
+def test_calibrated_shares_are_kept_per_model_and_selection_and_replace_the_built_in_ones(tmp_path):
+    from kvrag.config import EngineConfig
+
+    fp = "f" * 64
+    assert calibration.load_shares(tmp_path, fp, "recency") == {}
+    calibration.save_shares(tmp_path, fp, "recency", {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}, {"n": 2})
+    calibration.save(tmp_path, fp, "layer=2,stride=16,deviation=kv", 0.3, {})  # other keys kept side by side
+    assert calibration.load_shares(tmp_path, fp, "recency") == {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}
+    assert calibration.load_shares(tmp_path, fp, "probe") == {}
+    path = tmp_path / "calibration" / f"{fp}.json"
+    data = json.loads(path.read_text())
+    data["foreign=recency"]["shares"] = {"fast": -1, "balanced": "x", "faithful": 0.5, "other": 0.1}
+    path.write_text(json.dumps(data))
+    assert calibration.load_shares(tmp_path, fp, "recency") == {"faithful": 0.5}  # bad values dropped
+    cfg, calibrated = EngineConfig(), {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}
+    assert cfg.quality_shares() == (0.15, 0.13)
+    assert cfg.quality_shares("faithful", calibrated) == (0.30, 0.45)
+    assert cfg.quality_shares(calibrated=calibrated) == (0.15, 0.2)
+    assert EngineConfig(foreign_ratio=0.3).quality_shares(calibrated=calibrated) == (0.15, 0.3)  # a set ratio wins
+
+
+def test_engine_calibrate_qualities_measures_saves_and_uses_the_shares(tmp_path, tiny_model, tiny_tokenizer):
+    seen = []
+    docs = make_docs(4, words=50, seed=5)
+    questions = _questions() + [
+        CalibrationQuestion(chunks=[docs[1], docs[0]], retrieved=docs[:2], prefix=PREFIX, suffix=SUFFIX)
+    ]
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert engine.foreign_shares == {}
+        got = engine.calibrate_qualities(
+            questions, max_new_tokens=4, shares=(0.1, 0.5, 1.0), progress=lambda d, t: seen.append((d, t))
+        )
+        assert seen == [(1, 3), (2, 3), (3, 3)] and got.questions == 3 and got.selection == "recency"
+        assert set(got.drifts) == {0.1, 0.5, 1.0} and got.drifts[1.0] < 1e-3  # everything recomputed: no drift
+        assert got.shares["fast"] <= got.shares["balanced"] <= got.shares["faithful"] <= 1.0
+        assert engine.foreign_shares == got.shares  # used at once
+        assert engine.store.stats()["entries"] == 0
+        saved = json.loads(got.path.read_text())["foreign=recency"]
+        assert saved["shares"] == got.shares and saved["questions"] == 3 and saved["reference"]["share"] == 0.15
+    finally:
+        engine.close()
+    again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        assert again.foreign_shares == got.shares
+        assert f"{got.shares['balanced']:.0%} of each foreign chunk" in again.info().blend
+    finally:
+        again.close()
+
+
+def test_engine_calibrate_qualities_refuses_bad_input_with_one_clear_error(tmp_path, tiny_model, tiny_tokenizer):
+    qs = _questions()
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+    try:
+        bad = [
+            (qs[:1], {}, "passages of other questions"),  # one question: no stranger to warm before its passages
+            (qs, {"others": 4}, "passages of other questions"),
+            (qs, {"shares": ()}, "non-empty list of shares"),
+            (qs, {"shares": (0.1, 2.0)}, "in \\(0, 1\\]"),
+            (qs, {"max_new_tokens": 0}, "max_new_tokens must be"),
+            (qs, {"others": True}, "others must be"),
+        ]
+        for questions, kwargs, match in bad:
+            with pytest.raises(InvalidRequestError, match=match):
+                engine.calibrate_qualities(questions, **kwargs)
+    finally:
+        engine.close()
+    for settings, match in (({"foreign_selection": None}, "foreign_selection"), ({"disk_tier": True}, "disk_tier")):
+        other = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), **settings)
+        try:
+            with pytest.raises(InvalidRequestError, match=match):
+                other.calibrate_qualities(qs)
+        finally:
+            other.close()
