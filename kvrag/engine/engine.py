@@ -806,6 +806,12 @@ class Engine:
             raise InvalidRequestError(f"shares must be a non-empty list of shares in (0, 1], got {shares!r}")
         grid = sorted({float(x) for x in shares})
         pool = list(dict.fromkeys(p for q in questions for p in q.retrieved))
+        fewest = min(sum(p not in set(q.chunks) for p in pool) for q in questions)
+        if fewest < others:  # checked before any work
+            raise InvalidRequestError(
+                f"the quality calibration needs {others} passages of other questions before each passage; "
+                f"a question has {fewest} (give more questions or fewer others)"
+            )
         rng = random.Random(seed)
         ref_selection, ref_share = calibration.QUALITY_REFERENCE
         t0 = time.perf_counter()
@@ -836,11 +842,6 @@ class Engine:
                 if answer.strip():
                     mine = set(q.chunks)
                     strangers = [p for p in pool if p not in mine]
-                    if len(strangers) < others:
-                        raise InvalidRequestError(
-                            f"the quality calibration needs {others} passages of other questions; "
-                            f"the questions hold {len(strangers)} (give more questions or fewer others)"
-                        )
                     for passage in q.chunks:
                         self.warm(rng.sample(strangers, others) + [passage])
                     self.flush()
