@@ -204,9 +204,14 @@ def main(argv: list[str] | None = None, *, prog: str = "kvrag calibrate") -> int
                 drifts = ", ".join(f"{s:g}: {d:.3f}" for s, d in got.drifts.items())
                 print(f"{engine.model_name} ({got.selection} on foreign KV): drift {drifts}")
                 print(f"  probe@15%: {got.reference:.3f}")
-                for quality, share in got.shares.items():
-                    note = "" if got.reached[quality] else " (target not reached: the largest share tried)"
-                    print(f"  {quality}: {share:.0%} of each foreign chunk{note}")
+                if not got.switch:
+                    print(f"  {got.selection} needs more than the probe's 15% for the probe's drift: foreign KV stays")
+                    print("  with the probe on this model (the qualities' own-company shares)")
+                for quality in got.reached:
+                    if quality in got.shares:
+                        print(f"  {quality}: {got.shares[quality]:.0%} of each foreign chunk")
+                    elif got.switch:
+                        print(f"  {quality}: no share tried reaches its target; the built-in share stays")
                 print(f"  -> {got.path}")
             print(f"fingerprint {engine.fingerprint}")
     except KvragError as exc:

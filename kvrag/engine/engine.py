@@ -169,12 +169,13 @@ class Engine:
         )
         #: Cache-Craft's alpha for ``selection="craft"`` with ``"auto"``
         self.auto_alpha = calibrated.get("alpha", 1.0)
-        #: the share of a foreign chunk ``"auto"`` recomputes per quality, as ``kvrag calibrate``
-        #: measured it for this model (empty: the built-in shares, ``EngineConfig.quality``)
-        self.foreign_shares = (
+        #: as ``kvrag calibrate`` measured this model: whether foreign KV runs ``foreign_selection``
+        #: (None: not calibrated, it does), and the share of a foreign chunk per quality (empty: the
+        #: built-in shares, ``EngineConfig.quality``)
+        self.foreign_calibrated, self.foreign_shares = (
             calibration.load_shares(config.resolved_cache_dir(), self.fingerprint, config.foreign_selection)
             if config.foreign_selection
-            else {}
+            else (None, {})
         )
         self.scheduler = Scheduler(
             max_running=config.max_running,
@@ -762,7 +763,9 @@ class Engine:
         (teacher-forced) under full prefill, under CacheBlend's probe at 15% and under
         ``foreign_selection`` at each of ``shares``. Per quality the least share whose mean answer
         drift reaches the quality's target (a multiple of the probe's drift:
-        :data:`~kvrag.engine.reuse.calibration.QUALITY_TARGETS`) is kept, written for this model's
+        :data:`~kvrag.engine.reuse.calibration.QUALITY_TARGETS`) is kept (a quality no share reaches
+        keeps the built-in one; where even ``fast``'s needs more than the probe's 15%, foreign KV is
+        left to the probe on this model: no switch), written for this model's
         fingerprint under the cache directory (where every engine of this model finds it) and used
         by this engine at once. Each measured prefill is the blend itself (the cost model does not
         turn it into a full prefill).
@@ -853,7 +856,7 @@ class Engine:
                 if report is not None:
                     report(done, len(questions))
         self.store.clear()
-        chosen, reached = measured.shares()
+        switch, chosen, reached = measured.shares()
         means = measured.means()
         reference = sum(measured.reference) / len(measured.reference)
         facts = {
@@ -866,10 +869,20 @@ class Engine:
             "max_new_tokens": max_new_tokens,
             "model": self.model_name,
         }
-        path = calibration.save_shares(self.config.resolved_cache_dir(), self.fingerprint, selection, chosen, facts)
-        self.foreign_shares = dict(chosen)
+        path = calibration.save_shares(
+            self.config.resolved_cache_dir(), self.fingerprint, selection, switch, chosen, facts
+        )
+        self.foreign_calibrated, self.foreign_shares = switch, dict(chosen)
         return QualityCalibration(
-            chosen, reached, reference, means, selection, path, len(measured.reference), time.perf_counter() - t0
+            switch,
+            chosen,
+            reached,
+            reference,
+            means,
+            selection,
+            path,
+            len(measured.reference),
+            time.perf_counter() - t0,
         )
 
     def info(self) -> EngineInfo:
@@ -1156,9 +1169,16 @@ class Engine:
 
     def _foreign_switch(self, selection: str | None, ratio) -> bool:
         """Whether a request may switch to ``config.foreign_selection`` on chunk KV computed in other
-        company: it names no selection, the default one is the probe, and its ratio is ``"auto"``."""
+        company: it names no selection, the default one is the probe, its ratio is ``"auto"``, and
+        ``kvrag calibrate`` did not find the switch worse than the probe on this model."""
         cfg = self.config
-        return selection is None and cfg.selection == "probe" and ratio == AUTO and cfg.foreign_selection is not None
+        named = selection is not None or ratio != AUTO
+        return (
+            not named
+            and cfg.selection == "probe"
+            and cfg.foreign_selection is not None
+            and self.foreign_calibrated is not False
+        )
 
     # -- a request's life on the engine thread: prefill, batched decode steps, finish -----------------
 

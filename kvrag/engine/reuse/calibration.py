@@ -13,7 +13,9 @@ is a model's own too. :meth:`kvrag.Engine.calibrate_qualities` warms each questi
 passages of other questions, measures the answer drift (mean |log p| difference per token of the
 full prefill's answer, teacher-forced) of ``foreign_selection`` at a grid of shares against that of
 CacheBlend's probe at 15%, and keeps per quality the least share whose mean drift reaches the
-quality's target (:data:`QUALITY_TARGETS`), under the key ``foreign=<selection>`` of the same file.
+quality's target (:data:`QUALITY_TARGETS`), under the key ``foreign=<selection>`` of the same file;
+where the selection needs more than the probe's budget to drift no more than it, foreign KV is left
+to the probe on that model (``switch`` false).
 """
 
 from __future__ import annotations
@@ -130,25 +132,29 @@ def foreign_key(selection: str) -> str:
     return f"foreign={selection}"
 
 
-def load_shares(cache_dir: Path, fingerprint: str, selection: str) -> dict[str, float]:
-    """The calibrated share of a foreign chunk per quality for this model and selection (may be
-    empty): the user's own first, then the one shipped with kvrag. Values outside (0, 1] are dropped."""
+def load_shares(cache_dir: Path, fingerprint: str, selection: str) -> tuple[bool | None, dict[str, float]]:
+    """``(switch, shares)`` calibrated for this model and selection: whether foreign KV runs
+    ``selection`` at all (``None``: not calibrated), and the share of a foreign chunk per quality
+    (may be empty). The user's own first, then the one shipped with kvrag; values outside (0, 1]
+    are dropped."""
     key = foreign_key(selection)
 
-    def shares(data) -> dict[str, float]:
-        entry = data.get(key) if isinstance(data, dict) else None
-        got = entry.get("shares") if isinstance(entry, dict) else None
-        if not isinstance(got, dict):
-            return {}
-        return {q: x for q, v in got.items() if q in QUALITY_TARGETS and (x := _number(v)) and x <= 1}
+    def entry(data) -> tuple[bool | None, dict[str, float]]:
+        got = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(got, dict) or not isinstance(got.get("switch"), bool):
+            return None, {}
+        shares = got.get("shares") if isinstance(got.get("shares"), dict) else {}
+        return got["switch"], {q: x for q, v in shares.items() if q in QUALITY_TARGETS and (x := _number(v)) and x <= 1}
 
-    mine = shares(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"))
-    return mine or shares(_shipped().get(fingerprint))
+    mine = entry(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"))
+    return mine if mine[0] is not None else entry(_shipped().get(fingerprint))
 
 
-def save_shares(cache_dir: Path, fingerprint: str, selection: str, shares: dict[str, float], facts: dict) -> Path:
-    """Record the calibrated shares (with what they were measured on) for this model and selection."""
-    return _write(cache_dir, fingerprint, foreign_key(selection), {"shares": dict(shares), **facts})
+def save_shares(
+    cache_dir: Path, fingerprint: str, selection: str, switch: bool, shares: dict[str, float], facts: dict
+) -> Path:
+    """Record the calibrated switch and shares (with what they were measured on) for this model and selection."""
+    return _write(cache_dir, fingerprint, foreign_key(selection), {"switch": switch, "shares": dict(shares), **facts})
 
 
 def drift(got: Sequence[float], ref: Sequence[float]) -> float:
@@ -179,9 +185,14 @@ class QualityMeasurements:
         """Mean drift per share, least share first."""
         return {s: sum(d) / len(d) for s, d in sorted(self.drifts.items())}
 
-    def shares(self) -> tuple[dict[str, float], dict[str, bool]]:
-        """Per quality, the least share whose mean drift reaches its target, and whether one did
-        (else the grid's largest); never less than a faster quality's.
+    def shares(self) -> tuple[bool, dict[str, float], dict[str, bool]]:
+        """``(switch, shares, reached)``: whether foreign KV is worth its own selection on this model,
+        per quality the least share whose mean drift reaches its target (never less than a faster
+        quality's; only the qualities some share reached), and which did.
+
+        The switch pays when some share no larger than the reference's reaches ``fast``'s target
+        (the reference's own drift): else the selection needs more of the budget than CacheBlend's
+        probe for the same drift, and foreign KV is better left to the probe (no shares then).
 
         Raises:
             InvalidRequestError: nothing was measured.
@@ -195,10 +206,11 @@ class QualityMeasurements:
         floor = 0.0
         for quality, factor in QUALITY_TARGETS.items():  # fastest first
             ok = [s for s, d in means.items() if d <= factor * ref and s >= floor]
-            out[quality] = ok[0] if ok else max(max(means), floor)
             reached[quality] = bool(ok)
-            floor = out[quality]
-        return out, reached
+            if ok:
+                out[quality] = floor = ok[0]
+        switch = reached["fast"] and out["fast"] <= QUALITY_REFERENCE[1]
+        return switch, out if switch else {}, reached
 
 
 # -- the constants from what the probe measured --------------------------------------------------------
@@ -319,8 +331,11 @@ class QualityCalibration:
     """What :meth:`kvrag.Engine.calibrate_qualities` measured and where it wrote it.
 
     Attributes:
-        shares: per quality, the share of a foreign chunk ``"auto"`` recomputes from now on.
-        reached: per quality, whether some share of the grid reached its target (else the largest).
+        switch: whether prompts of foreign KV run ``selection`` from now on (else the probe, as in
+            own company: on this model ``selection`` needs more than the probe's budget for its drift).
+        shares: per quality whose target some share reached, the share of a foreign chunk ``"auto"``
+            recomputes from now on (the others keep the built-in one); empty without the switch.
+        reached: per quality, whether some share of the grid reached its target.
         reference: mean answer drift of :data:`QUALITY_REFERENCE` on these prompts.
         drifts: mean answer drift of ``selection`` per share tried.
         selection: the selection measured (``EngineConfig.foreign_selection``).
@@ -329,6 +344,7 @@ class QualityCalibration:
         seconds: time the calibration took.
     """
 
+    switch: bool
     shares: dict[str, float]
     reached: dict[str, bool]
     reference: float

@@ -117,13 +117,17 @@ def test_quality_shares_are_the_least_that_reach_each_target_never_below_a_faste
     m.add(0.12, {0.1: 0.13, 0.2: 0.09, 0.4: 0.07, 0.6: 0.05})
     m.add(0.08, {0.1: 0.09, 0.2: 0.07, 0.4: 0.05, 0.6: 0.05})
     assert m.means() == pytest.approx({0.1: 0.11, 0.2: 0.08, 0.4: 0.06, 0.6: 0.05})
-    shares, reached = m.shares()
-    # fast <= 0.10 -> 0.2; balanced <= 0.085 -> 0.2; faithful <= 0.05 -> 0.6
-    assert shares == {"fast": 0.2, "balanced": 0.2, "faithful": 0.6} and all(reached.values())
+    switch, shares, reached = m.shares()
+    # fast <= 0.10 -> 0.2: more than the probe's 15% for the probe's drift: no switch, no shares
+    assert (switch, shares) == (False, {}) and all(reached.values())
+    m.add(0.10, {0.1: 0.05, 0.2: 0.08, 0.4: 0.06, 0.6: 0.05})  # now 0.1 reaches the probe's drift (0.10)
+    switch, shares, reached = m.shares()
+    # fast <= 0.10 -> 0.1; balanced <= 0.085 -> 0.2; faithful <= 0.05 -> 0.6
+    assert switch and shares == {"fast": 0.1, "balanced": 0.2, "faithful": 0.6} and all(reached.values())
     hard = calibration.QualityMeasurements()
-    hard.add(0.10, {0.1: 0.2, 0.3: 0.09})
-    shares, reached = hard.shares()
-    assert shares == {"fast": 0.3, "balanced": 0.3, "faithful": 0.3}  # unreached: the largest tried
+    hard.add(0.10, {0.1: 0.09, 0.3: 0.09})
+    switch, shares, reached = hard.shares()
+    assert switch and shares == {"fast": 0.1}  # a quality no share reaches keeps the built-in share
     assert reached == {"fast": True, "balanced": False, "faithful": False}
 
 
@@ -131,16 +135,20 @@ def test_calibrated_shares_are_kept_per_model_and_selection_and_replace_the_buil
     from kvrag.config import EngineConfig
 
     fp = "f" * 64
-    assert calibration.load_shares(tmp_path, fp, "recency") == {}
-    calibration.save_shares(tmp_path, fp, "recency", {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}, {"n": 2})
+    assert calibration.load_shares(tmp_path, fp, "recency") == (None, {})
+    shares = {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}
+    calibration.save_shares(tmp_path, fp, "recency", True, shares, {"n": 2})
     calibration.save(tmp_path, fp, "layer=2,stride=16,deviation=kv", 0.3, {})  # other keys kept side by side
-    assert calibration.load_shares(tmp_path, fp, "recency") == {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}
-    assert calibration.load_shares(tmp_path, fp, "probe") == {}
+    assert calibration.load_shares(tmp_path, fp, "recency") == (True, shares)
+    assert calibration.load_shares(tmp_path, fp, "probe") == (None, {})
     path = tmp_path / "calibration" / f"{fp}.json"
     data = json.loads(path.read_text())
     data["foreign=recency"]["shares"] = {"fast": -1, "balanced": "x", "faithful": 0.5, "other": 0.1}
     path.write_text(json.dumps(data))
-    assert calibration.load_shares(tmp_path, fp, "recency") == {"faithful": 0.5}  # bad values dropped
+    assert calibration.load_shares(tmp_path, fp, "recency") == (True, {"faithful": 0.5})  # bad values dropped
+    data["foreign=recency"]["switch"] = "yes"
+    path.write_text(json.dumps(data))
+    assert calibration.load_shares(tmp_path, fp, "recency") == (None, {})  # a damaged entry: not calibrated
     cfg, calibrated = EngineConfig(), {"fast": 0.05, "balanced": 0.2, "faithful": 0.45}
     assert cfg.quality_shares() == (0.15, 0.13)
     assert cfg.quality_shares("faithful", calibrated) == (0.30, 0.45)
@@ -162,19 +170,27 @@ def test_engine_calibrate_qualities_measures_saves_and_uses_the_shares(tmp_path,
         )
         assert seen == [(1, 3), (2, 3), (3, 3)] and got.questions == 3 and got.selection == "recency"
         assert set(got.drifts) == {0.1, 0.5, 1.0} and got.drifts[1.0] < 1e-3  # everything recomputed: no drift
-        assert got.shares["fast"] <= got.shares["balanced"] <= got.shares["faithful"] <= 1.0
-        assert engine.foreign_shares == got.shares  # used at once
+        picked = [got.shares[q] for q in ("fast", "balanced", "faithful") if q in got.shares]
+        assert picked == sorted(picked) and all(0 < x <= 1.0 for x in picked)
+        assert set(got.shares) == ({q for q, ok in got.reached.items() if ok} if got.switch else set())
+        assert (engine.foreign_calibrated, engine.foreign_shares) == (got.switch, got.shares)  # used at once
         assert engine.store.stats()["entries"] == 0
         saved = json.loads(got.path.read_text())["foreign=recency"]
-        assert saved["shares"] == got.shares and saved["questions"] == 3 and saved["reference"]["share"] == 0.15
+        assert saved["shares"] == got.shares and saved["switch"] == got.switch and saved["questions"] == 3
+        assert saved["reference"]["share"] == 0.15
     finally:
         engine.close()
-    again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
-    try:
-        assert again.foreign_shares == got.shares
-        assert f"{got.shares['balanced']:.0%} of each foreign chunk" in again.info().blend
-    finally:
-        again.close()
+    for switch in (True, False):  # a later engine of the model follows what was saved
+        shares = {"balanced": 0.42} if switch else {}
+        calibration.save_shares(tmp_path, got.path.stem, "recency", switch, shares, {})
+        again = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path))
+        try:
+            assert (again.foreign_calibrated, again.foreign_shares) == (switch, shares)
+            blend = again.info().blend
+            assert ("42% of each foreign chunk" in blend) if switch else ("other company" not in blend)
+            assert again._foreign_switch(None, "auto") is switch
+        finally:
+            again.close()
 
 
 def test_engine_calibrate_qualities_refuses_bad_input_with_one_clear_error(tmp_path, tiny_model, tiny_tokenizer):
