@@ -25,9 +25,9 @@ chunk sequences stored so far, never a later request):
   remaining one, a chunk that continues a path of the promoted tree goes first;
 - ``path-first``: a chunk that continues a path of the promoted tree always goes first (greedily,
   most retrieved first), then ``counts``;
-- ``frequency``: the engine's ``order="frequency"`` (:meth:`AccessTable.order`,
-  :func:`~kvrag.engine.reuse.access.stored_path_order`): the longest stored path the retrieval's
-  chunks can form first, then descending count, ties by content key (the replay computes no KV);
+- ``frequency``: the engine's ``order="frequency"`` (:meth:`AccessTable.order`): the longest
+  stored path the retrieval's chunks can form first, then descending count, ties in retrieval order
+  (the replay computes no KV, so no tie follows a computation order);
   its stored paths are every earlier request's sequence (as ``prefix`` mode's exact prefix cache,
   or write-back of missed chunks behind exact ones, keeps them);
 - ``frequency-promoted``: the same, told only of the promoted tree's sequences (what the
