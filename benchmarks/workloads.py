@@ -36,6 +36,7 @@ from benchmarks.data import PromptFormat, QAItem, Request, request_order
 from benchmarks.engines import MethodEngines
 from benchmarks.methods import Method, Outcome, ttft_ratios
 from benchmarks.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
+from kvrag.engine.reuse.calibration import drift as answer_drift  # the engine's calibration measures the same
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 
@@ -252,17 +253,6 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
             bar.set_postfix_str(ttft_ratios(outcomes))
     ctx.records.extend(out)
     return out
-
-
-def answer_drift(got: list[float], ref: list[float]) -> float:
-    """Mean |Δ log p| per token of the full prefill's answer, teacher-forced, against full's own.
-
-    More sensitive than ROUGE-L: two methods whose greedy answers read the same can still differ
-    in how sure they are of every token, and one flipped token no longer hides the rest.
-    """
-    if len(got) != len(ref) or not ref:
-        raise ValueError("log-probabilities of different continuations")
-    return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
 
 
 # -- (b) a pooled Zipf stream ----------------------------------------------------------------------

@@ -858,7 +858,7 @@ class Engine:
         self.store.clear()
         switch, chosen, reached = measured.shares()
         means = measured.means()
-        reference = sum(measured.reference) / len(measured.reference)
+        reference = measured.reference_drift()
         facts = {
             **(facts or {}),
             "reached": reached,

@@ -50,6 +50,7 @@ __all__ = [
     "QUALITY_TARGETS",
     "QualityCalibration",
     "QualityMeasurements",
+    "drift",
     "foreign_key",
     "load_shares",
     "save_shares",
@@ -158,7 +159,12 @@ def save_shares(
 
 
 def drift(got: Sequence[float], ref: Sequence[float]) -> float:
-    """Mean |log p difference| per token of one continuation scored two ways."""
+    """Answer drift: mean |Δ log p| per token of the full prefill's answer, teacher-forced, against
+    the full prefill's own log-probabilities (the benchmarks' fidelity measure too).
+
+    More sensitive than ROUGE-L: two methods whose greedy answers read the same can still differ
+    in how sure they are of every token, and one flipped token no longer hides the rest.
+    """
     if len(got) != len(ref) or not ref:
         raise ValueError("log-probabilities of different continuations")
     return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
@@ -181,6 +187,10 @@ class QualityMeasurements:
         for share, d in drifts.items():
             self.drifts.setdefault(share, []).append(d)
 
+    def reference_drift(self) -> float:
+        """Mean drift of :data:`QUALITY_REFERENCE` over the questions."""
+        return sum(self.reference) / len(self.reference)
+
     def means(self) -> dict[float, float]:
         """Mean drift per share, least share first."""
         return {s: sum(d) / len(d) for s, d in sorted(self.drifts.items())}
@@ -199,7 +209,7 @@ class QualityMeasurements:
         """
         if not self.reference or not self.drifts:
             raise InvalidRequestError("the quality calibration measured nothing: give questions with an answer")
-        ref = sum(self.reference) / len(self.reference)
+        ref = self.reference_drift()
         means = self.means()
         out: dict[str, float] = {}
         reached: dict[str, bool] = {}
