@@ -186,6 +186,11 @@ class EngineConfig:
         device: torch device (``cpu``, the default); CUDA tensors use the Triton kernels.
             ``Engine.from_model`` computes where the given model's weights are (another device is refused).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        tune_malloc: on Linux with glibc, an engine computing on the CPU fixes malloc's mmap and
+            trim thresholds for the process (64 MiB, 256 MiB), so a prefill's large temporaries reuse
+            freed memory instead of faulting in fresh pages (on; a threshold set in the environment
+            is left alone). Process-wide and kept once set: up to 256 MiB freed at the heap's top
+            stays with the process (:mod:`kvrag.engine.model.host`; what it did: ``Engine.info().malloc``).
         mode: default prefill mode: ``blend`` (the default: cached chunk KV fused, a selection of
             tokens recomputed), ``full`` (every token computed: the fidelity reference), ``prefix``
             (exact reuse of the longest cached prompt prefix) or ``reuse`` (cached chunk KV as is).
@@ -399,6 +404,7 @@ class EngineConfig:
     cache_dir: str | None = None
     max_context: int | None = None
     num_threads: int | None = None
+    tune_malloc: bool = True
     mode: str = "blend"
     recompute_ratio: float | str = "auto"
     auto_max_ratio: float = 0.3

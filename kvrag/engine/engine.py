@@ -19,6 +19,7 @@ from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder, DecodeRow
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
 from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
+from kvrag.engine.model.host import tune_malloc
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
 from kvrag.engine.reuse import calibration
 from kvrag.engine.reuse.access import AccessStats, AccessTable, check_chunk_order
@@ -127,6 +128,10 @@ class Engine:
         self.compute_dtype = weights if compute_dtype is None else compute_dtype
         self.config = config = config.replace(dtype=self.compute_dtype.name)
         log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
+        #: what the process's allocator does with a prefill's temporaries (:mod:`kvrag.engine.model.host`)
+        self.malloc = (
+            tune_malloc(config.tune_malloc) if self.adapter.device.type == "cpu" else "unchanged (computes on a GPU)"
+        )
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
         self.costs = CostFeedback(
@@ -900,6 +905,7 @@ class Engine:
             gate=self.gate.summary(),
             decode=f"{self.decoder.description}; {self._drafts_description()}",
             blend=self._blend_description(),
+            malloc=self.malloc,
         )
 
     def _blend_description(self) -> str:

@@ -38,6 +38,8 @@ class EngineInfo:
             request checks per step (``config.draft_tokens``).
         blend: what ``blend`` recomputes by default: the selection and budget, and what runs on
             chunk KV from other company (``config.foreign_selection``).
+        malloc: what the process's allocator does with a prefill's large temporaries (glibc's
+            thresholds fixed by ``config.tune_malloc``, or why left unchanged).
     """
 
     model: str
@@ -51,6 +53,7 @@ class EngineInfo:
     gate: str
     decode: str = ""
     blend: str = ""
+    malloc: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

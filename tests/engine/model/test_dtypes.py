@@ -115,9 +115,10 @@ def test_info_says_what_the_engine_runs(tiny_engine):
     assert info.gate_ok and info.gate.startswith("passed in float32: placement ")
     assert info.decode.startswith("plain: float32")  # packed decode weights are for bfloat16
     assert info.blend.startswith("probe, auto (balanced): ")  # the default selection, quality and budget
+    assert info.malloc  # what the process's allocator does (tests/engine/model/test_host.py)
     assert set(info.to_dict()) == {
         "model", "family", "dtype", "dtype_reason", "device", "threads", "context_window", "gate_ok", "gate",
-        "decode", "blend",
+        "decode", "blend", "malloc",
     }  # fmt: skip
 
 
