@@ -367,6 +367,22 @@ def test_attention_reference_paths_match_dense_softmax(first, window):
         torch.testing.assert_close(first_call, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_one_bfloat16_row_upcast_attends_in_float32(window):
+    """A decode row (the keys' last position) with ``upcast``: the float32 result of the same bf16
+    inputs, in bf16; the window's slice taken before the conversion."""
+    s, d = 61, 16
+    q, k, v = (
+        rand(*shape, seed=seed).bfloat16() for shape, seed in (((6, 1, d), 21), ((2, s, d), 22), ((2, s, d), 23))
+    )
+    q_pos = torch.tensor([s - 1])
+    got = R.attention_ref(q, q_pos, k, v, 0.25, window=window, upcast=True)
+    want = R.attention_ref(q.float(), q_pos, k.float(), v.float(), 0.25, window=window).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(R.attention_ref(q.float(), q_pos, k.float(), v.float(), 0.25, window=window, upcast=True),
+                       R.attention_ref(q.float(), q_pos, k.float(), v.float(), 0.25, window=window))  # fmt: skip
+
+
 def test_auto_backend_keeps_contiguous_rows_on_fused_attention():
     """On a GPU, ``auto`` sends only scattered rows to the Triton attention: a prefill or a decode
     step (the keys' last rows, global layer) goes to PyTorch's fused attention, which is faster there."""

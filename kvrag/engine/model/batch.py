@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.dtypes import decode_rows_upcast
 from kvrag.engine.model.packed import DecodeWeights
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.kernels import attention
@@ -52,38 +53,42 @@ class Decoder:
     why) and every step uses them; elsewhere every step is :func:`decode_step`.
     """
 
-    def __init__(self, adapter: ModelAdapter, group: int) -> None:
+    def __init__(self, adapter: ModelAdapter, group: int, upcast: bool | None = None) -> None:
         self.adapter = adapter
         self.group = group
         t0 = time.perf_counter()
         self.weights, why = DecodeWeights.build(adapter, group)
         self.build_s = time.perf_counter() - t0
+        #: rows attend in float32 (:func:`~kvrag.engine.model.dtypes.decode_rows_upcast` unless given)
+        self.upcast = decode_rows_upcast(adapter.device, adapter.dtype) if upcast is None else upcast
         #: which decode path runs, and why (``Engine.info().decode``)
         self.description = (
             f"packed: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
         )
+        if self.upcast and adapter.dtype != torch.float32:
+            self.description += "; each row's attention in float32 (the CPU has no AMX: faster so)"
 
     def step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits [len(rows), V] (float32)."""
         if self.weights is None:
-            return decode_step(self.adapter, rows, self.group)
+            return decode_step(self.adapter, rows, self.group, self.upcast)
         out = [
-            _packed_group(self.adapter, self.weights, rows[first : first + self.group], self.group)
+            _packed_group(self.adapter, self.weights, rows[first : first + self.group], self.group, self.upcast)
             for first in range(0, len(rows), self.group)
         ]
         return torch.cat(out) if out else torch.empty(0, 0)
 
 
 @torch.inference_mode()
-def decode_step(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
+def decode_step(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int, upcast: bool = False) -> torch.Tensor:
     """Append one token to each sequence and return the next-token logits [len(rows), V] (float32).
 
     Rows run in groups of ``group`` (the last one padded), so a row's logits do not depend on the
-    other rows of the step. Buffers grow when full.
+    other rows of the step. Buffers grow when full. ``upcast``: each row's attention in float32.
     """
     out = []
     for first in range(0, len(rows), group):
-        out.append(_decode_group(adapter, rows[first : first + group], group))
+        out.append(_decode_group(adapter, rows[first : first + group], group, upcast))
     return torch.cat(out) if out else torch.empty(0, 0)
 
 
@@ -99,9 +104,11 @@ def _inputs(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> tup
     return ids, pos
 
 
-def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor) -> None:
+def _attend(
+    adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor, upcast: bool
+) -> None:
     """Write each row's k/v [Hkv, G, D] at its position of its buffer and its attention over
-    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are)."""
+    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are); ``upcast``: in float32."""
     window = adapter.windows[layer]  # a sliding-window layer's size, or None
     for i, r in enumerate(rows):
         bk, bv = r.buf.k[layer], r.buf.v[layer]  # [Hkv, capacity, D]
@@ -109,7 +116,14 @@ def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q
         bv[:, r.pos] = v[:, i]
         end = r.pos + 1
         out[:, i : i + 1] = attention(  # the row's position from the host: no wait for the device
-            q[:, i : i + 1], pos[i : i + 1], bk[:, :end], bv[:, :end], adapter.scale, window=window, span=(r.pos, r.pos)
+            q[:, i : i + 1],
+            pos[i : i + 1],
+            bk[:, :end],
+            bv[:, :end],
+            adapter.scale,
+            window=window,
+            span=(r.pos, r.pos),
+            upcast=upcast,
         )
 
 
@@ -118,7 +132,7 @@ def _finish(rows: Sequence[DecodeRow]) -> None:
         r.buf.length = max(r.buf.length, r.pos + 1)
 
 
-def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
+def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int, upcast: bool) -> torch.Tensor:
     ids, pos = _inputs(adapter, rows, group)
     h = adapter.embed(ids)  # [G, E]
     rope = adapter.rope(pos)  # cos/sin [G, D] per RoPE of the model
@@ -128,14 +142,16 @@ def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) 
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         att = torch.zeros_like(q)  # padding rows attend to nothing
-        _attend(adapter, layer, rows, pos, q, k, v, att)
+        _attend(adapter, layer, rows, pos, q, k, v, att, upcast)
         h = adapter.finish_layer(layer, h, att)
     _finish(rows)
     return adapter.logits(h)[: len(rows)]  # the LM head on every row too: its result depends on the row count
 
 
 @torch.inference_mode()
-def _packed_group(adapter: ModelAdapter, weights: DecodeWeights, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
+def _packed_group(
+    adapter: ModelAdapter, weights: DecodeWeights, rows: Sequence[DecodeRow], group: int, upcast: bool
+) -> torch.Tensor:
     """:func:`_decode_group` through the packed weights: the same products and elementwise ops in
     the same order (so the same bits), with Q/K/V and gate/up as one product each and RoPE applied
     to queries and keys together.
@@ -165,7 +181,7 @@ def _packed_group(adapter: ModelAdapter, weights: DecodeWeights, rows: Sequence[
             k = k * cos + k.roll(half, -1) * sin
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
         att = torch.zeros_like(q)  # [H, G, D]; padding rows attend to nothing
-        _attend(adapter, layer, rows, pos, q, k, v, att)
+        _attend(adapter, layer, rows, pos, q, k, v, att, upcast)
         a = p.o(att.transpose(0, 1).reshape(group, heads * dim))
         if w.ln_attn_out is not None:
             a = adapter.rms_norm(a, w.ln_attn_out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrag.engine.model import dtypes
 from kvrag.engine.model import packed as packed_module
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder, DecodeRow, decode_step
@@ -33,7 +34,7 @@ def decode_both(adapter: ModelAdapter, decoder: Decoder, steps: int = 4) -> None
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
     plain, fast = rows_for(adapter, prompts, steps), rows_for(adapter, prompts, steps)
     for _ in range(steps):
-        expected = decode_step(adapter, plain, decoder.group)
+        expected = decode_step(adapter, plain, decoder.group, decoder.upcast)
         got = decoder.step(fast)
         assert torch.equal(got, expected)
         for p, f in zip(plain, fast):
@@ -47,23 +48,25 @@ def decode_both(adapter: ModelAdapter, decoder: Decoder, steps: int = 4) -> None
             f.pos += 1
 
 
-def packed_decoder(adapter: ModelAdapter) -> Decoder:
-    decoder = Decoder(adapter, 8)
+def packed_decoder(adapter: ModelAdapter, upcast: bool | None = None) -> Decoder:
+    decoder = Decoder(adapter, 8, upcast)
     if decoder.weights is None and not torch.backends.mkldnn.is_available():
         pytest.skip(f"no packed decode here: {decoder.description}")
     assert decoder.description.startswith("packed"), decoder.description
     return decoder
 
 
+@pytest.mark.parametrize("upcast", [False, True], ids=["bf16-rows", "fp32-rows"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_bfloat16_decode_gives_the_plain_steps_bits(tiny_tokenizer, family):
+def test_packed_bfloat16_decode_gives_the_plain_steps_bits(tiny_tokenizer, family, upcast):
     adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer), family), "bfloat16"))
-    decode_both(adapter, packed_decoder(adapter))
+    decode_both(adapter, packed_decoder(adapter, upcast))
 
 
-def test_a_packed_decode_step_of_a_row_does_not_depend_on_the_others(tiny_tokenizer):
+@pytest.mark.parametrize("upcast", [False, True], ids=["bf16-rows", "fp32-rows"])
+def test_a_packed_decode_step_of_a_row_does_not_depend_on_the_others(tiny_tokenizer, upcast):
     adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
-    decoder = packed_decoder(adapter)
+    decoder = packed_decoder(adapter, upcast)
     torch.manual_seed(1)
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
     alone = [decoder.step([row])[0] for row in rows_for(adapter, prompts, 1)]
@@ -74,6 +77,37 @@ def test_a_packed_decode_step_of_a_row_does_not_depend_on_the_others(tiny_tokeni
 def test_float32_decodes_through_the_plain_step(tiny_model):
     decoder = Decoder(ModelAdapter(tiny_model), 8)
     assert decoder.weights is None and decoder.description.startswith("plain: float32")
+    assert "float32 (the CPU has no AMX" not in decoder.description  # float32 rows have nothing to convert
+
+
+@pytest.mark.parametrize("flags", ["avx512_bf16 amx_bf16", "avx512_bf16", ""])
+def test_rows_attend_in_float32_on_a_cpu_without_amx(tiny_tokenizer, monkeypatch, flags):
+    """PyTorch's fused bf16 attention runs one row ~7x slower than float32 without AMX (measured on
+    an AMD EPYC with AVX512-BF16); the rule reads the CPU's flags, and the description says it."""
+    monkeypatch.setattr(dtypes, "_cpu_flags", lambda: frozenset(flags.split()))
+    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
+    decoder = Decoder(adapter, 8)
+    assert decoder.upcast == ("amx_bf16" not in flags)
+    assert decoder.description.endswith("each row's attention in float32 (the CPU has no AMX: faster so)") == (
+        decoder.upcast
+    )
+    assert not dtypes.decode_rows_upcast("cpu", torch.float32)
+    assert not dtypes.decode_rows_upcast("cuda", torch.bfloat16)
+
+
+def test_float32_rows_stay_near_the_float32_model(tiny_tokenizer):
+    """A bf16 row's attention in float32 is no further from the float32 model than the bf16 kernel's."""
+    model = make_tiny_model(len(tiny_tokenizer))
+    exact = ModelAdapter(model)
+    adapter = ModelAdapter(as_dtype(model, "bfloat16"))
+    torch.manual_seed(3)
+    prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
+    truth = decode_step(exact, rows_for(exact, prompts, 1), 8)
+    errors = {
+        upcast: (decode_step(adapter, rows_for(adapter, prompts, 1), 8, upcast) - truth).abs().mean().item()
+        for upcast in (False, True)
+    }
+    assert errors[True] <= 1.1 * errors[False], errors
 
 
 def test_a_packed_product_that_differs_keeps_the_plain_path(tiny_tokenizer, monkeypatch):
@@ -83,7 +117,7 @@ def test_a_packed_product_that_differs_keeps_the_plain_path(tiny_tokenizer, monk
     monkeypatch.setattr(packed_module.PackedLinear, "__call__", lambda self, x: call(self, x) * 1.25)
     decoder = Decoder(adapter, 8)
     assert decoder.weights is None
-    assert decoder.description == "plain: a packed product differs from F.linear (layer 0 q/k/v)"
+    assert decoder.description.split("; ")[0] == "plain: a packed product differs from F.linear (layer 0 q/k/v)"
     decode_both(adapter, decoder, steps=1)  # and it decodes, through the plain step
 
 
@@ -95,7 +129,7 @@ def test_packing_that_fails_keeps_the_plain_path(tiny_tokenizer, monkeypatch):
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
     decoder = Decoder(adapter, 8)
-    assert decoder.weights is None and decoder.description == "plain: packing failed (RuntimeError)"
+    assert decoder.weights is None and decoder.description.split("; ")[0] == "plain: packing failed (RuntimeError)"
 
 
 @pytest.mark.model
