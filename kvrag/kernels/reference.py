@@ -174,7 +174,7 @@ def one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, upc
     """
     if upcast and q.dtype != torch.float32:  # plain products: each KV head's queries as one [G, S] block
         heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
-        scores = torch.matmul(q.float().view(kv_heads, heads // kv_heads, d), k.float().transpose(1, 2))
+        scores = torch.matmul(q.float().reshape(kv_heads, heads // kv_heads, d), k.float().transpose(1, 2))
         weights = torch.softmax(scores.mul_(scale), dim=-1)
         return torch.matmul(weights, v.float()).view(heads, 1, d).to(q.dtype)
     gqa = q.shape[0] != k.shape[0]

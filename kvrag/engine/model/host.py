@@ -25,7 +25,7 @@ import os
 import platform
 import threading
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_malloc"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "glibc", "tune_malloc"]
 
 #: Blocks above this come from mmap (glibc's own threshold grows to 32 MiB at most).
 MMAP_THRESHOLD = 64 << 20
@@ -57,8 +57,18 @@ def tune_malloc(enabled: bool = True) -> str:
         return _done
 
 
+def glibc() -> bool:
+    """Whether this process runs on Linux with glibc (whose ``mallopt`` thresholds this module sets)."""
+    if platform.system() != "Linux":
+        return False
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, OSError, ValueError):  # musl and others have no such name
+        return False
+
+
 def _tune() -> str:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not glibc():
         return "the platform's allocator, unchanged (not Linux with glibc)"
     named = [name for name in _ENV if name in os.environ]
     named += [name for name in _TUNABLES if name in os.environ.get("GLIBC_TUNABLES", "")]

@@ -14,7 +14,7 @@ import pytest
 
 from kvrag.engine.model import host
 
-GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+GLIBC = host.glibc()
 
 # allocates, fills and frees a 48 MB block 6 times; prints the minor page faults of the last 5
 FAULTS = textwrap.dedent(
