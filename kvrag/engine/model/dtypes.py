@@ -95,8 +95,8 @@ def _cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
 
 def decode_rows_upcast(device: str | torch.device, dtype: torch.dtype) -> bool:
     """Whether a decode row's attention computes in float32 (:func:`kvrag.kernels.reference.one_row`):
-    a 16-bit dtype on a CPU without AMX, where PyTorch's fused bf16 attention runs a single row ~7x
-    slower than converting to float32 first (it is the faster one with AMX tiles, and on GPUs)."""
+    a 16-bit dtype on a CPU without AMX, where PyTorch's fused bf16 attention runs a single row ~8x
+    slower than float32 products (it is the faster one with AMX tiles, and on GPUs)."""
     return torch.device(device).type == "cpu" and dtype != torch.float32 and "amx_bf16" not in _cpu_flags()
 
 

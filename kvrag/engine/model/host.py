@@ -10,7 +10,7 @@ prefill of the bundled model, ~21,000 in a blend of it, ~200,000 with the write-
 
 :func:`tune_malloc` fixes both thresholds once per process (mmap above 64 MiB, trim past 256 MiB
 free), so freed temporaries are reused by the next layer and the next request: the same prefills
-then fault ~1,300-2,900 and ~100 times. The cost: up to 256 MiB freed at the top of the heap stays
+then fault ~50-3,000 and ~100 times (scratch runs, 1 thread). The cost: up to 256 MiB freed at the top of the heap stays
 with the process, and blocks of up to 64 MiB come from the heap (a KV store's entries are smaller
 and already did, once glibc's own threshold had grown). Only on Linux with glibc, only for engines
 computing on the CPU; a threshold the user set (``MALLOC_MMAP_THRESHOLD_``,
