@@ -130,7 +130,9 @@ class Engine:
         log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
         #: what the process's allocator does with a prefill's temporaries (:mod:`kvrag.engine.model.host`)
         self.malloc = (
-            tune_malloc(config.tune_malloc) if self.adapter.device.type == "cpu" else "unchanged (computes on a GPU)"
+            tune_malloc(config.tune_malloc)
+            if self.adapter.device.type == "cpu"
+            else f"unchanged (computes on {self.adapter.device.type})"
         )
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
