@@ -193,6 +193,7 @@ def _method_summary(records: list[dict], method: str, fp32_ref: str | None = Non
             abs(r["delta_logprob_full"]) for r in rs if r.get("delta_logprob_full") is not None
         ),
         "answer_drift_full": _mean(r.get("answer_drift_full") for r in rs),
+        "answer_drift_fp32_full": _mean(r.get("answer_drift_fp32_full") for r in rs),
         "recompute_fraction": _mean(r.get("recompute_fraction") for r in rs),
         "compute_fraction": _mean(r.get("compute_fraction") for r in rs),
         "chunk_hit_rate": hits / chunks if chunks else None,
@@ -327,11 +328,15 @@ def markdown_table(summary: dict, workload: str, dtype: str | None = None) -> st
     """The benchmark table of one workload (markdown); ``dtype``: the run's, for results that do not
     record one per method."""
     methods = summary[workload]["methods"]
+    # the drift from the float32 full prefill too, where a bf16 run scored one (`full+dtype=float32`)
+    vs_fp32 = any(s.get("answer_drift_fp32_full") is not None for s in methods.values())
     head = (
         "| method | dtype | TTFT median (s) | TTFT p90 (s) | TTFT × full (paired median) | "
         "TTFT × fp32 full (paired median) | total (s) | "
         "ROUGE-L vs full | first word = full | identical to full | F1 gold | ROUGE-L gold | "
-        "mean abs Δ log p(gold) vs full | answer drift vs full (nats/token) | recomputed | chunk hits |"
+        "mean abs Δ log p(gold) vs full | answer drift vs full (nats/token) | "
+        + ("answer drift vs fp32 full | " if vs_fp32 else "")
+        + "recomputed | chunk hits |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, s in methods.items():
@@ -360,6 +365,7 @@ def markdown_table(summary: dict, workload: str, dtype: str | None = None) -> st
                     _fmt(s["rouge_l_gold"]),
                     _fmt(s["abs_delta_logprob_full"]["mean"], ".3f") if name != "full" else "ref",
                     _fmt(s["answer_drift_full"], ".3f") if name != "full" else "ref",
+                    *([_fmt(s.get("answer_drift_fp32_full"), ".3f")] if vs_fp32 else []),
                     _fmt(s["recompute_fraction"], ".0%"),
                     _fmt(s["chunk_hit_rate"], ".0%"),
                 ]

@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks.data import PromptFormat, QAItem, Request, request_order
 from benchmarks.engines import MethodEngines
 from benchmarks.methods import Method, Outcome, ttft_ratios
-from benchmarks.metrics import best_f1, best_rouge_l, first_word_agreement, rouge_l
+from benchmarks.metrics import FP32_FULL, best_f1, best_rouge_l, first_word_agreement, rouge_l
 from kvrag.engine.reuse.calibration import drift as answer_drift  # the engine's calibration measures the same
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
@@ -248,6 +248,11 @@ def run_questions(ctx: RunContext, items: list[QAItem]) -> list[dict]:
                     rec["delta_logprob_full"] = scores[m.name] - scores["full"]
             if m.name != "full" and drifts.get(m.name) and drifts.get("full"):
                 rec["answer_drift_full"] = answer_drift(drifts[m.name], drifts["full"])
+            fp32 = drifts.get(FP32_FULL[1])
+            if m.name != FP32_FULL[1] and drifts.get(m.name) and fp32 and rec.get("dtype") != "float32":
+                # the same full answer under the float32 full prefill: a bf16 method's distance from
+                # the exacter computation (bf16's own rounding included), beside its distance from bf16 full
+                rec["answer_drift_fp32_full"] = answer_drift(drifts[m.name], fp32)
             out.append(rec)
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(ttft_ratios(outcomes))

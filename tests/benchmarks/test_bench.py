@@ -329,9 +329,14 @@ def test_a_float32_full_prefill_beside_a_bfloat16_run(tmp_path, tiny_model, tiny
     rows = [r for r in res["records"] if r["method"] == "full+dtype=float32"]
     assert all(r["chunk_hits"] == 0 and r["dtype"] == "float32" for r in rows)
     assert all(r.get("answer_drift_full") is not None for r in rows)  # bf16 full vs float32 full
+    assert all("answer_drift_fp32_full" not in r for r in rows)  # the reference against itself
+    fulls = {r["request"]: r for r in res["records"] if r["method"] == "full"}
+    for r in rows:  # bf16 full's distance from the float32 full, measured both ways: the same
+        assert fulls[r["request"]]["answer_drift_fp32_full"] == pytest.approx(r["answer_drift_full"])
+    assert m["blend@0.3"]["answer_drift_fp32_full"] is not None
     assert m["blend@0.3"]["chunk_hit_rate"] == 1.0
     md = (tmp_path / "o" / "results.md").read_text()
-    assert "| method | dtype |" in md and "TTFT × fp32 full" in md
+    assert "| method | dtype |" in md and "TTFT × fp32 full" in md and "answer drift vs fp32 full" in md
     assert "| full+dtype=float32 | float32 |" in md and "| blend@0.3 | bfloat16 |" in md
 
 
