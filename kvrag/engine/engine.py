@@ -36,7 +36,14 @@ from kvrag.engine.reuse.selection import auto_kind, configured_params
 from kvrag.engine.reuse.selection import check_selection as check_selection_name
 from kvrag.engine.reuse.variants import StoredVariants, VariantIndex
 from kvrag.engine.serving.costs import CostFeedback
-from kvrag.engine.serving.drafts import PromptLookup, next_width
+from kvrag.engine.serving.drafts import (
+    PROBE_EVERY,
+    DraftCandidate,
+    PromptLookup,
+    StepCost,
+    next_width,
+    plan_drafts,
+)
 from kvrag.engine.serving.progress import progress_reporter
 from kvrag.engine.serving.requests import (
     Request,
@@ -166,6 +173,7 @@ class Engine:
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         #: the decode step (packed bf16 weights on a CPU where they give the same bits: Engine.info().decode)
         self.decoder = Decoder(self.adapter, config.decode_group)
+        self.step_cost = StepCost()  # a decode pass's seconds, fitted as the engine decodes (drafts plan with it)
         log.info("kvrag: decode %s", self.decoder.description)
         self.documents = DocumentFinder()
         self.conversations = Conversations(self.adapter, config.max_conversations)
@@ -1253,7 +1261,10 @@ class Engine:
         rows = [DecodeRow(seq.buf, seq.token, seq.pos) for seq in seqs]
         for seq, draft in zip(seqs, drafts):
             rows += [DecodeRow(seq.buf, t, seq.pos + 1 + j) for j, t in enumerate(draft)]
+        t0 = time.perf_counter()
         logits = self.decoder.step(rows)
+        if len(rows) <= self.decoder.group:  # one pass: the products once, each row's attention
+            self.step_cost.observe(sum(r.pos + 1 for r in rows), time.perf_counter() - t0)
         at = len(seqs)  # the first draft row
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             sp = seq.req.sampling
@@ -1275,30 +1286,57 @@ class Engine:
                 seq.drafter.extend([*confirmed, token])
             if draft:
                 seq.draft_width = next_width(seq.draft_width, len(draft), len(confirmed), self.config.draft_tokens)
+                seq.draft_hold.update(len(draft), len(confirmed))
 
     def _drafts_description(self) -> str:
         n = self.config.draft_tokens
         if n == 0:
             return "no prompt-lookup drafts (draft_tokens=0)"
-        return f"prompt-lookup drafts: up to {n} a step for greedy requests, in the pass's padding rows"
+        return (
+            f"prompt-lookup drafts: up to {n} a step for greedy requests, in the pass's padding rows, "
+            "as many as the measured step cost says pay"
+        )
 
     def _drafts(self, seqs: list[RunningSequence]) -> list[list[int]]:
         """Each sequence's drafts for this step: greedy ones only, in the rows the pass pads anyway,
-        never past its token budget, at most its ``draft_width`` (:func:`next_width`), and at most
-        ``config.draft_tokens`` for the whole step: a draft row's attention slows every sequence of
-        the step, so several running requests share one request's worth of drafts."""
+        never past its token budget, and at most ``config.draft_tokens`` for the whole step (a draft
+        row's attention slows every sequence of the step).
+
+        How many: once the engine has timed passes of different sizes (:class:`StepCost`), as many as
+        raise the step's expected tokens per second (:func:`plan_drafts`, from each sequence's recent
+        hold rate and what a row of its context costs); a greedy sequence that gets none checks one
+        every :data:`PROBE_EVERY` steps, so its hold rate (and the fit) stay current. Before that, each
+        sequence's ``draft_width`` (:func:`next_width`).
+        """
         most = self.config.draft_tokens
         free = min((-len(seqs)) % self.decoder.group, most)  # a step checks at most `most` drafts in all
-        out: list[list[int]] = []
+        caps = []
         for seq in seqs:
-            k = min(seq.draft_width or most, free, seq.budget - len(seq.generated) - 1)
-            if k <= 0 or seq.req.sampling.temperature > 0:
-                out.append([])
-                continue
-            if seq.drafter is None:  # made at the first step, not before the first token
+            k = min(most, free, seq.budget - len(seq.generated) - 1)
+            if k > 0 and seq.req.sampling.temperature == 0 and seq.drafter is None:  # made at the first step
                 seq.drafter = PromptLookup([*seq.req.ids.tolist(), *seq.generated])
                 seq.draft_width = most
-            draft = seq.drafter.propose(k)
+            caps.append(k if k > 0 and seq.drafter is not None and seq.req.sampling.temperature == 0 else 0)
+        cost = self.step_cost.fit()
+        if cost is None:
+            widths = [min(cap, seq.draft_width or most) for seq, cap in zip(seqs, caps)]
+        else:
+            live = [i for i, cap in enumerate(caps) if cap]
+            planned = plan_drafts(
+                [DraftCandidate(caps[i], seqs[i].draft_hold.p, seqs[i].pos + 1) for i in live],
+                len(seqs),
+                sum(seq.pos + 1 for seq in seqs),
+                cost,
+                free,
+            )
+            widths = [0] * len(seqs)
+            for i, w in zip(live, planned):
+                probe = w == 0 and seqs[i].stats.decode_steps % PROBE_EVERY == 0
+                widths[i] = 1 if probe else w
+        out: list[list[int]] = []
+        for seq, k in zip(seqs, widths):
+            k = min(k, free)
+            draft = seq.drafter.propose(k) if k > 0 else []
             free -= len(draft)
             out.append(draft)
         return out

@@ -21,11 +21,24 @@ ended, so a draft costs a few dictionary lookups, not a scan of the prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["PromptLookup", "MAX_NGRAM", "next_width"]
+__all__ = [
+    "PromptLookup",
+    "MAX_NGRAM",
+    "PROBE_EVERY",
+    "DraftCandidate",
+    "HoldRate",
+    "StepCost",
+    "next_width",
+    "plan_drafts",
+]
 
 #: Longest n-gram matched (the longest match found is used; 3, then 2, then 1 token).
 MAX_NGRAM = 3
+
+#: A greedy sequence the plan gives no draft checks one every this many steps (keeps its hold rate current).
+PROBE_EVERY = 8
 
 
 class PromptLookup:
@@ -87,3 +100,110 @@ def next_width(width: int, drafted: int, confirmed: int, most: int) -> int:
     if drafted and not confirmed:
         return max(1, width // 2)
     return width
+
+
+class StepCost:
+    """What a decode pass costs, fitted online: ``seconds ~ fixed + per_key * keys``.
+
+    ``keys`` sums the context every row of the pass attends over. The products read the weights once
+    for all the rows of a pass (``fixed``), each row's attention reads its own context (``per_key``
+    a key), so a draft row costs ``per_key`` times its context and nothing else. How the two compare
+    is the machine's: a sixth of a step for a draft row at 3.7K keys with AMX, a third without
+    (float32 rows: :func:`~kvrag.engine.model.dtypes.decode_rows_upcast`). Least squares over sums
+    that decay by ``decay`` a pass, so the fit follows the machine's load; no fit until ``min_passes``
+    passes were seen and their keys differed (a constant row count says nothing of ``per_key``).
+    """
+
+    __slots__ = ("decay", "min_passes", "_n", "_x", "_y", "_xx", "_xy", "_fit", "_seen")
+
+    def __init__(self, decay: float = 0.97, min_passes: int = 8) -> None:
+        self.decay, self.min_passes = decay, min_passes
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._fit: tuple[float, float] | None = None
+        self._seen = 0
+
+    def observe(self, keys: int, seconds: float) -> None:
+        """One pass of ``keys`` keys took ``seconds``."""
+        d = self.decay
+        self._n, self._x, self._y = self._n * d + 1, self._x * d + keys, self._y * d + seconds
+        self._xx, self._xy = self._xx * d + keys * keys, self._xy * d + keys * seconds
+        self._seen += 1
+        mean = self._x / self._n
+        var = self._xx / self._n - mean * mean
+        if self._seen >= self.min_passes and var > (0.05 * mean) ** 2:  # keys that differed by ~5%+
+            per_key = max(0.0, (self._xy / self._n - mean * self._y / self._n) / var)
+            self._fit = (max(0.0, self._y / self._n - per_key * mean), per_key)
+        # else: keep the last fit (passes of one shape only move the intercept's evidence)
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed, per_key)`` in seconds, or None before there is evidence for both."""
+        return self._fit
+
+
+class HoldRate:
+    """How often a sequence's next draft holds once the ones before it did, over its recent steps.
+
+    Each checked draft up to the first miss is a trial (those after a miss say nothing); the counts
+    decay by ``decay`` a trial, so the rate reads the last few trials and a sequence that starts or
+    stops copying its passages is followed within a few steps. Starts at one half (a prior of one hit
+    in two trials).
+    """
+
+    __slots__ = ("decay", "hits", "trials")
+
+    def __init__(self, decay: float = 0.7) -> None:
+        self.decay, self.hits, self.trials = decay, 0.0, 0.0
+
+    def update(self, drafted: int, confirmed: int) -> None:
+        """A step checked ``drafted`` drafts and kept the first ``confirmed``."""
+        for held in [True] * confirmed + [False] * (confirmed < drafted):
+            self.hits = self.hits * self.decay + held
+            self.trials = self.trials * self.decay + 1
+
+    @property
+    def p(self) -> float:
+        return (self.hits + 1.0) / (self.trials + 2.0)
+
+
+@dataclass(frozen=True)
+class DraftCandidate:
+    """A greedy sequence that may check drafts this step: at most ``most``, each of the next one holding
+    with probability ``hold`` once its predecessors did, each row reading ``context`` keys."""
+
+    most: int
+    hold: float
+    context: int
+
+
+def plan_drafts(
+    candidates: Sequence[DraftCandidate], rows: int, keys: int, cost: tuple[float, float], room: int
+) -> list[int]:
+    """How many drafts each candidate checks, so the step's expected tokens per second are the most.
+
+    ``rows`` sequences emit a token anyway over ``keys`` keys; ``cost`` is :meth:`StepCost.fit`; at most
+    ``room`` drafts in all (the pass's free rows). Draft ``k`` (0-based) of a candidate is expected
+    to add ``hold ** (k + 1)`` tokens (a draft counts only when all before it held) and costs
+    ``per_key * context`` seconds; drafts are added best gain per second first, while they raise the
+    step's rate — so a machine where a draft row is dear checks fewer, one where it is cheap the most.
+    """
+    fixed, per_key = cost
+    tokens, seconds = float(rows), fixed + per_key * keys
+    widths = [0] * len(candidates)
+    for _ in range(room):
+        best, best_rate = -1, 0.0
+        for i, c in enumerate(candidates):
+            if widths[i] >= c.most:
+                continue
+            gain, dt = c.hold ** (widths[i] + 1), per_key * c.context
+            rate = gain / dt if dt > 0 else float("inf")
+            if rate > best_rate:
+                best, best_rate = i, rate
+        if best < 0:
+            break
+        c = candidates[best]
+        gain, dt = c.hold ** (widths[best] + 1), per_key * c.context
+        if seconds > 0 and (tokens + gain) / (seconds + dt) <= tokens / seconds:
+            break  # the likeliest draft left would slow the step's tokens per second
+        widths[best] += 1
+        tokens, seconds = tokens + gain, seconds + dt
+    return widths

@@ -9,7 +9,7 @@ import torch
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.model.sampling import TextStream
 from kvrag.engine.reuse.planner import Plan
-from kvrag.engine.serving.drafts import PromptLookup
+from kvrag.engine.serving.drafts import HoldRate, PromptLookup
 from kvrag.engine.serving.requests import Request
 from kvrag.engine.types import GenerationStats
 
@@ -30,7 +30,9 @@ class RunningSequence:
             step confirmed, :mod:`kvrag.engine.serving.drafts`).
         drafter: a greedy request's prompt lookup, made at its first decode step (None before, and
             for a sampled request).
-        draft_width: most drafts its next step checks (adapts to how well its drafts hold).
+        draft_width: most drafts its next step checks before the engine has a step cost to plan with
+            (adapts to how well its drafts hold: :func:`~kvrag.engine.serving.drafts.next_width`).
+        draft_hold: how often its drafts have held lately (the plan's odds once there is a step cost).
         budget: most tokens it may generate (``max_new_tokens`` within the context window).
         generated: tokens emitted so far.
         text: the detokeniser (stop strings).
@@ -57,6 +59,7 @@ class RunningSequence:
     ahead: list[int] = field(default_factory=list)
     drafter: PromptLookup | None = None
     draft_width: int = 0
+    draft_hold: HoldRate = field(default_factory=HoldRate)
     finish: str = "length"
     done: bool = False
 

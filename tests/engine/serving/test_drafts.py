@@ -8,7 +8,15 @@ import pytest
 
 import kvrag.engine.engine as engine_module
 from kvrag import Engine, InvalidRequestError, SamplingParams
-from kvrag.engine.serving.drafts import PromptLookup, next_width
+from kvrag.engine.serving.drafts import (
+    PROBE_EVERY,
+    DraftCandidate,
+    HoldRate,
+    PromptLookup,
+    StepCost,
+    next_width,
+    plan_drafts,
+)
 from tests.helpers import FAMILIES, PREFIX, SUFFIX, as_dtype, make_docs, make_tiny_model
 
 # ---- the lookup itself ---------------------------------------------------------------------------
@@ -39,6 +47,91 @@ def test_the_draft_width_halves_on_a_miss_and_doubles_when_all_hold():
     assert next_width(4, 4, 4, 4) == 4
     assert next_width(4, 4, 2, 4) == 4  # some held: unchanged
     assert next_width(3, 0, 0, 4) == 3  # nothing checked (no match): unchanged
+
+
+def test_the_step_cost_fits_the_products_and_each_key_once_the_keys_varied():
+    cost = StepCost()
+    for _ in range(20):  # one row, one context: nothing tells the products from the attention
+        cost.observe(3700, 0.030 + 2e-6 * 3700)
+    assert cost.fit() is None
+    for i in range(40):  # rows of 1..5 contexts (a step with 0..4 drafts)
+        keys = 3700 * (1 + i % 5)
+        cost.observe(keys, 0.030 + 2e-6 * keys)
+    fixed, per_key = cost.fit()
+    assert fixed == pytest.approx(0.030, rel=1e-3) and per_key == pytest.approx(2e-6, rel=1e-3)
+    for _ in range(200):  # back to one row: the fit stays what the varied passes said
+        cost.observe(3800, 0.030 + 2e-6 * 3800)
+    assert cost.fit()[1] == pytest.approx(2e-6, rel=0.05)
+    noisy = StepCost()
+    for i in range(40):
+        noisy.observe(1000 * (1 + i % 2), 0.05 - 1e-6 * 1000 * (i % 2))  # more keys, less time: noise
+    assert noisy.fit()[1] == 0.0  # never a negative cost
+
+
+def test_drafts_are_planned_for_the_most_tokens_a_second():
+    step, context = 0.030, 3700
+    third = DraftCandidate(most=4, hold=0.5, context=context)
+    per_key = step / 3 / context  # a draft row costs a third of the step (no AMX, 3.7K keys)
+    assert plan_drafts([third], 1, context, (step - per_key * context, per_key), room=4) == [1]
+    sure = DraftCandidate(most=4, hold=0.95, context=context)
+    assert plan_drafts([sure], 1, context, (step - per_key * context, per_key), room=4) == [4]
+    assert plan_drafts([sure], 1, context, (step - per_key * context, per_key), room=2) == [2]
+    poor = DraftCandidate(most=4, hold=0.2, context=context)
+    assert plan_drafts([poor], 1, context, (step - per_key * context, per_key), room=4) == [0]
+    sixth = step / 6 / context  # a sixth (AMX): the same odds buy more drafts
+    assert plan_drafts([third], 1, context, (step - sixth * context, sixth), room=4) == [2]
+    assert plan_drafts([third], 1, context, (step, 0.0), room=4) == [4]  # free rows: all of them
+    # two sequences: the likelier drafts first, and a step shared by several pays for less
+    both = plan_drafts([poor, sure], 2, 2 * context, (step - 2 * per_key * context, per_key), room=4)
+    assert both[0] == 0 and 1 <= both[1] <= 4
+
+
+def test_the_hold_rate_follows_the_recent_steps():
+    hold = HoldRate()
+    assert hold.p == 0.5
+    for _ in range(6):
+        hold.update(4, 4)  # copying a passage
+    assert hold.p > 0.8
+    for _ in range(6):
+        hold.update(2, 0)  # stopped copying
+    assert hold.p < 0.3
+    before = hold.p
+    hold.update(0, 0)  # nothing checked: no evidence
+    assert hold.p == before
+
+
+class PlantedCost:
+    """A step cost the test decides (the engine's own fit depends on this machine's timings)."""
+
+    def __init__(self, fit) -> None:
+        self._fit = fit
+
+    def observe(self, keys, seconds) -> None:
+        pass
+
+    def fit(self):
+        return self._fit
+
+
+def test_the_engine_checks_the_drafts_the_cost_pays_for(tiny_model, tiny_tokenizer, monkeypatch):
+    chunks = make_docs(3, seed=41)
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, draft_tokens=0, sampling=SamplingParams(max_new_tokens=24)
+    ) as plain:
+        expected = greedy(plain, chunks)
+    Oracle.reference, Oracle.calls = expected.token_ids, 0
+    monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
+    with Engine.from_model(
+        tiny_model, tiny_tokenizer, draft_tokens=4, sampling=SamplingParams(max_new_tokens=24)
+    ) as engine:
+        engine.step_cost = PlantedCost((0.0, 1.0))  # a draft row costs as much as the step: never worth it
+        dear = greedy(engine, chunks)
+        engine.step_cost = PlantedCost((1.0, 0.0))  # draft rows are free: as many as allowed
+        free = greedy(engine, chunks)
+    assert dear.token_ids == free.token_ids == expected.token_ids
+    steps = dear.stats.decode_steps
+    assert dear.stats.draft_tokens == len(range(0, steps, PROBE_EVERY))  # one on every PROBE_EVERY-th step
+    assert free.stats.draft_tokens > steps and free.stats.decode_steps < expected.stats.decode_steps
 
 
 def test_draft_tokens_is_validated():
