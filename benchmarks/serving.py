@@ -255,7 +255,9 @@ def measure_answers(engine, items: list[QAItem], drafts: list[int], max_new_toke
             )
     finally:
         engine.config = base
-    return {"rows": rows, "summary": _answers_summary(rows, drafts)}
+    fit = engine.step_cost.fit()  # what the drafts were planned with at the end (None: no fit yet)
+    cost = None if fit is None else {"fixed_ms": fit[0] * 1e3, "per_1k_keys_ms": fit[1] * 1e6}
+    return {"rows": rows, "summary": _answers_summary(rows, drafts), "step_cost": cost}
 
 
 def _tps(v: float | None) -> str:
@@ -383,6 +385,12 @@ def _answers_run(engine, a) -> dict:
             f"{f['tokens_per_step']:.2f} tokens a step, {f['drafts_kept']:.0%} of drafts kept,",
             f"identical {f['identical']}/{f['questions']}",
             _load_note(t),
+        )
+    if t["step_cost"]:
+        c = t["step_cost"]
+        print(
+            f"decode pass as the engine fitted it: {c['fixed_ms']:.1f} ms",
+            f"+ {c['per_1k_keys_ms']:.2f} ms per 1K keys read",
         )
     return t
 

@@ -391,8 +391,10 @@ class EngineConfig:
             greedy requests running.
             They go in the rows a decode pass pads anyway (``decode_group`` less the running
             requests), each costing that row's attention; drafts that match the model's greedy
-            pick are emitted without a step of their own. The tokens are identical with or
-            without drafts (:mod:`kvrag.engine.serving.drafts`).
+            pick are emitted without a step of their own. How many a step checks follows the decode
+            passes the engine has timed (products against each row's keys) and how often each
+            request's drafts held lately: as many as raise the expected tokens per second. The
+            tokens are identical with or without drafts (:mod:`kvrag.engine.serving.drafts`).
         prefill_slice_s: while requests are decoding, a prefill (or ``warm`` window, or ``score``)
             runs at most about this long (0.1 s, plus half a layer) before their next decode step.
             Smaller keeps inter-token gaps short; larger finishes the prefill sooner.

@@ -16,6 +16,12 @@ than one when the guesses hold.
 
 :class:`PromptLookup` keeps, per sequence, where each n-gram (``1..max_ngram`` tokens) last
 ended, so a draft costs a few dictionary lookups, not a scan of the prompt.
+
+How many drafts pay is the machine's: a draft row's attention over a 3.7K-token context is a sixth
+of SmolLM2's step on an AMX Xeon and a third on an EPYC without AMX, where four drafts a step cost
+more than they save. So the engine times its decode passes (:class:`StepCost`: the products once a
+pass, each row's keys), keeps each request's recent :class:`HoldRate`, and checks the drafts that
+raise the step's expected tokens per second (:func:`plan_drafts`).
 """
 
 from __future__ import annotations
