@@ -17,9 +17,9 @@ than one when the guesses hold.
 :class:`PromptLookup` keeps, per sequence, where each n-gram (``1..max_ngram`` tokens) last
 ended, so a draft costs a few dictionary lookups, not a scan of the prompt.
 
-How many drafts pay is the machine's: a draft row's attention over a 3.7K-token context is a sixth
-of SmolLM2's step on an AMX Xeon and a third on an EPYC without AMX, where four drafts a step cost
-more than they save. So the engine times its decode passes (:class:`StepCost`: the products once a
+How many drafts pay is the machine's: a draft row over a 3.7K-token context costs about a sixth of
+SmolLM2's step on an AMX Xeon and about half on an EPYC without AMX (fitted there: 18.6 ms a pass +
+4.6 ms per 1K keys read), where four drafts a step cost more than they save. So the engine times its decode passes (:class:`StepCost`: the products once a
 pass, each row's keys), keeps each request's recent :class:`HoldRate`, and checks the drafts that
 raise the step's expected tokens per second (:func:`plan_drafts`).
 """
@@ -112,10 +112,10 @@ class StepCost:
     """What a decode pass costs, fitted online: ``seconds ~ fixed + per_key * keys``.
 
     ``keys`` sums the context every row of the pass attends over. The products read the weights once
-    for all the rows of a pass (``fixed``), each row's attention reads its own context (``per_key``
-    a key), so a draft row costs ``per_key`` times its context and nothing else. How the two compare
-    is the machine's: a sixth of a step for a draft row at 3.7K keys with AMX, a third without
-    (float32 rows: :func:`~kvrag.engine.model.dtypes.decode_rows_upcast`). Least squares over sums
+    for all the rows of a pass (``fixed``; padding rows are computed anyway), each row's attention
+    reads its own context (``per_key`` a key; a row's other work, done once per row, is read into it
+    too, as rows and keys grow together at one context), so a draft row costs ``per_key`` times its
+    context. How the two compare is the machine's (the module's note). Least squares over sums
     that decay by ``decay`` a pass, so the fit follows the machine's load; no fit until ``min_passes``
     passes were seen and their keys differed (a constant row count says nothing of ``per_key``).
     """
