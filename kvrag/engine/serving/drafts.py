@@ -19,9 +19,10 @@ ended, so a draft costs a few dictionary lookups, not a scan of the prompt.
 
 How many drafts pay is the machine's: a draft row over a 3.7K-token context costs about a sixth of
 SmolLM2's step on an AMX Xeon and about half on an EPYC without AMX (fitted there: 18.6 ms a pass +
-4.6 ms per 1K keys read), where four drafts a step cost more than they save. So the engine times its decode passes (:class:`StepCost`: the products once a
-pass, each row's keys), keeps each request's recent :class:`HoldRate`, and checks the drafts that
-raise the step's expected tokens per second (:func:`plan_drafts`).
+4.6 ms per 1K keys read), where four drafts a step cost more than they save. So the engine times its
+decode passes (:class:`StepCost`: the products once a pass, each row's keys), keeps each request's
+recent :class:`HoldRate`, and checks the drafts that raise the step's expected tokens per second
+(:func:`plan_drafts`).
 """
 
 from __future__ import annotations
