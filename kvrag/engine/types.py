@@ -112,7 +112,9 @@ class GenerationStats:
         decode_steps: decode passes the request took after its first token.
         draft_tokens / draft_accepted: prompt-lookup drafts checked in its decode steps, and those
             that matched the model's own greedy pick (each one a token emitted without a step of
-            its own; :mod:`kvrag.engine.serving.drafts`).
+            its own; :mod:`kvrag.engine.serving.drafts`). How many are checked follows the decode
+            passes the engine has timed, so these (and ``decode_steps``) vary from run to run; the
+            tokens do not.
         prefill_s: seconds from the request to the first token (same as ``Generation.ttft_s``).
         decode_s: seconds spent after the first token.
     """

@@ -100,6 +100,9 @@ def test_the_hold_rate_follows_the_recent_steps():
     assert hold.p == before
 
 
+FREE = (1.0, 0.0)  # a planted step cost under which draft rows cost nothing: the most drafts a step allows
+
+
 class PlantedCost:
     """A step cost the test decides (the engine's own fit depends on this machine's timings)."""
 
@@ -126,7 +129,7 @@ def test_the_engine_checks_the_drafts_the_cost_pays_for(tiny_model, tiny_tokeniz
     ) as engine:
         engine.step_cost = PlantedCost((0.0, 1.0))  # a draft row costs as much as the step: never worth it
         dear = greedy(engine, chunks)
-        engine.step_cost = PlantedCost((1.0, 0.0))  # draft rows are free: as many as allowed
+        engine.step_cost = PlantedCost(FREE)  # draft rows are free: as many as allowed
         free = greedy(engine, chunks)
     assert dear.token_ids == free.token_ids == expected.token_ids
     steps = dear.stats.decode_steps
@@ -187,6 +190,7 @@ def test_drafts_kept_or_refused_never_change_the_tokens(tiny_tokenizer, monkeypa
     Oracle.reference, Oracle.calls = expected.token_ids, 0
     monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
     engine = Engine.from_model(model, tiny_tokenizer, draft_tokens=4, sampling=SamplingParams(max_new_tokens=24))
+    engine.step_cost = PlantedCost(FREE)  # how many are checked would follow this machine's timing
     try:
         got = greedy(engine, chunks)
         again = greedy(engine, chunks)  # the KV a refused draft left behind is not read
@@ -280,12 +284,14 @@ def test_drafts_on_the_bundled_model_save_steps_and_change_no_token(smol_engine)
     prompt = smol_engine.apply_chat_template([{"role": "user", "content": f"{passage}\n\n{question}"}])
     base = smol_engine.config
     out = {}
+    fitted = smol_engine.step_cost
+    smol_engine.step_cost = PlantedCost(FREE)  # the steps saved would follow this machine's timing
     try:
         for k in (0, 4):
             smol_engine.config = base.replace(draft_tokens=k)
             out[k] = smol_engine.generate(prompt=prompt, mode="full", max_new_tokens=40)
     finally:
-        smol_engine.config = base
+        smol_engine.config, smol_engine.step_cost = base, fitted
     assert out[4].token_ids == out[0].token_ids
     assert out[4].stats.draft_accepted > 0
     assert out[4].stats.decode_steps < out[0].stats.decode_steps
