@@ -1310,13 +1310,14 @@ class Engine:
         """
         most = self.config.draft_tokens
         free = min((-len(seqs)) % self.decoder.group, most)  # a step checks at most `most` drafts in all
-        caps = []
+        caps = []  # per sequence, the most drafts it may check (0: none, e.g. a sampled request)
         for seq in seqs:
             k = min(most, free, seq.budget - len(seq.generated) - 1)
-            if k > 0 and seq.req.sampling.temperature == 0 and seq.drafter is None:  # made at the first step
+            k = k if k > 0 and seq.req.sampling.temperature == 0 else 0
+            if k and seq.drafter is None:  # made at the first step, not before the first token
                 seq.drafter = PromptLookup([*seq.req.ids.tolist(), *seq.generated])
                 seq.draft_width = most
-            caps.append(k if k > 0 and seq.drafter is not None and seq.req.sampling.temperature == 0 else 0)
+            caps.append(k)
         cost = self.step_cost.fit()
         if cost is None:
             widths = [min(cap, seq.draft_width or most) for seq, cap in zip(seqs, caps)]

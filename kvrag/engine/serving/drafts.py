@@ -197,18 +197,16 @@ def plan_drafts(
     tokens, seconds = float(rows), fixed + per_key * keys
     widths = [0] * len(candidates)
     for _ in range(room):
-        best, best_rate = -1, 0.0
+        best, best_rate, gain, dt = -1, 0.0, 0.0, 0.0
         for i, c in enumerate(candidates):
             if widths[i] >= c.most:
                 continue
-            gain, dt = c.hold ** (widths[i] + 1), per_key * c.context
-            rate = gain / dt if dt > 0 else float("inf")
+            g, d = c.hold ** (widths[i] + 1), per_key * c.context
+            rate = g / d if d > 0 else float("inf")
             if rate > best_rate:
-                best, best_rate = i, rate
+                best, best_rate, gain, dt = i, rate, g, d
         if best < 0:
             break
-        c = candidates[best]
-        gain, dt = c.hold ** (widths[best] + 1), per_key * c.context
         if seconds > 0 and (tokens + gain) / (seconds + dt) <= tokens / seconds:
             break  # the likeliest draft left would slow the step's tokens per second
         widths[best] += 1
