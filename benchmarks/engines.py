@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from benchmarks.methods import Method
 from benchmarks.specs import STORE_FIELDS
+from kvrag.engine.model.host import on_own_thread
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["MethodEngines"]
@@ -85,10 +86,13 @@ class MethodEngines:
                 return self.load(config, store)
             import torch
 
-            model = copy.deepcopy(base.hf_model).to(getattr(torch, config.dtype))
-            return Engine(
-                model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
-            )
+            def build() -> Engine:  # on a thread that ends, as Engine.from_pretrained builds (kvrag.engine.model.host)
+                model = copy.deepcopy(base.hf_model).to(getattr(torch, config.dtype))
+                return Engine(
+                    model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
+                )
+
+            return on_own_thread(build)
         # same weights, same fingerprint: the same chunk keys as the run's engine
         return Engine(
             base.hf_model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store

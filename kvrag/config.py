@@ -185,7 +185,9 @@ class EngineConfig:
             or ``float32``, ``bfloat16``, ``float16``, never overridden.
         device: torch device (``cpu``, the default); CUDA tensors use the Triton kernels.
             ``Engine.from_model`` computes where the given model's weights are (another device is refused).
-        num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        num_threads: torch intra-op threads, set for the process when the engine is built and on the
+            engine thread each time it starts (so a later ``torch.set_num_threads`` of the caller's does
+            not change the engine's); ``None``: torch's count when the engine is built.
         tune_malloc: on Linux with glibc, an engine computing on the CPU fixes malloc's mmap and
             trim thresholds for the process (64 MiB, 256 MiB), so a prefill's large temporaries reuse
             freed memory instead of faulting in fresh pages (on; a threshold set in the environment

@@ -19,7 +19,7 @@ from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder, DecodeRow
 from kvrag.engine.model.bundled import BUNDLED, find_bundled
 from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
-from kvrag.engine.model.host import tune_malloc
+from kvrag.engine.model.host import on_own_thread, tune_malloc
 from kvrag.engine.model.sampling import SamplingParams, TextStream, sample, seeded_generator
 from kvrag.engine.reuse import calibration
 from kvrag.engine.reuse.access import AccessStats, AccessTable, check_chunk_order
@@ -198,6 +198,8 @@ class Engine:
             max_queued_tokens=config.max_queued_tokens,
             starvation_window=config.starvation_window,
         )
+        #: torch intra-op threads of the engine thread: ``num_threads``, else torch's count when the engine was built
+        self.threads = config.num_threads or torch.get_num_threads()
         self._worker = Worker(
             scheduler=self.scheduler,
             start=self._start,
@@ -205,6 +207,7 @@ class Engine:
             finish=self._finish,
             eos_ids=self.eos_ids,
             slice_s=config.prefill_slice_s,
+            setup=lambda: torch.set_num_threads(self.threads),  # whatever the caller's threads set since
         )
         #: CRAFT's chunk-access table: recent retrievals per namespace (frequency order, promotion)
         self.access = AccessTable(config.chunk_access_window, config.promotion_threshold)
@@ -245,16 +248,20 @@ class Engine:
         if model is not None:
             config = config.replace(model=str(model))
         _check_config(config)  # before the model loads: a bad name fails at once
-        loaded = loading.load_model(config.model, config.dtype, config.device, config.resolved_cache_dir())
-        return cls(
-            loaded.hf_model,
-            loaded.tokenizer,
-            config,
-            weights_digest=loaded.weights_digest,
-            name=loaded.name,
-            store=store,
-            compute_dtype=loaded.dtype,
-        )
+
+        def build() -> Engine:
+            loaded = loading.load_model(config.model, config.dtype, config.device, config.resolved_cache_dir())
+            return cls(
+                loaded.hf_model,
+                loaded.tokenizer,
+                config,
+                weights_digest=loaded.weights_digest,
+                name=loaded.name,
+                store=store,
+                compute_dtype=loaded.dtype,
+            )
+
+        return _built(build, config)
 
     @classmethod
     def from_model(
@@ -269,7 +276,10 @@ class Engine:
         _check_config(config)
         loading.check_architecture(hf_model.config)
         hf_model.eval()
-        return cls(hf_model, tokenizer, config, weights_digest=loading.state_dict_digest(hf_model), store=store)
+        return _built(
+            lambda: cls(hf_model, tokenizer, config, weights_digest=loading.state_dict_digest(hf_model), store=store),
+            config,
+        )
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -909,7 +919,7 @@ class Engine:
             dtype=self.compute_dtype.name,
             dtype_reason=self.compute_dtype.why,
             device=str(self.adapter.device),
-            threads=torch.get_num_threads(),
+            threads=self.threads,
             context_window=self.context_window,
             gate_ok=self.gate.ok,
             gate=self.gate.summary(),
@@ -1379,6 +1389,16 @@ def _signature(req: Request) -> tuple:
 
 _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.Lock()
+
+
+def _built(build: Callable[[], Engine], config: EngineConfig) -> Engine:
+    """``build()`` on a thread of its own, so the caller's thread keeps no OpenMP pool of kvrag's making
+    (decode steps on the engine thread stay fast: :mod:`kvrag.engine.model.host`); ``num_threads``
+    applies to the caller's thread too, as when the engine was built there."""
+    engine = on_own_thread(build)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return engine
 
 
 def _check_config(config: EngineConfig) -> None:

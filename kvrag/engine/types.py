@@ -27,7 +27,7 @@ class EngineInfo:
         dtype_reason: why that dtype: set explicitly, or what ``dtype="auto"`` detected (e.g.
             ``"auto: the CPU has amx_bf16/avx512_bf16"``), or a given model's own dtype.
         device: the torch device.
-        threads: torch's intra-op threads now.
+        threads: torch intra-op threads the engine thread computes with.
         context_window: prompt + generated tokens a request may hold.
         gate_ok: the correctness gate passed: ``blend`` and ``reuse`` may run.
         gate: the gate's verdict in one line, with each check's error against the reference,

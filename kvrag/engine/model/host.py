@@ -1,6 +1,6 @@
-"""Where the prefill's large temporaries come from on a CPU: glibc malloc's two thresholds.
+"""How the engine meets the CPU host: glibc malloc's two thresholds, and OpenMP's thread pools.
 
-A prefill allocates and frees tens of megabytes per layer (the MLP's gate/up product alone is
+**malloc.** A prefill allocates and frees tens of megabytes per layer (the MLP's gate/up product alone is
 ``tokens x 2 x intermediate`` values, 23 MB for a 3.7K-token prompt of SmolLM2 in bf16). By default
 glibc serves a block above its mmap threshold (which starts at 128 KiB and grows to at most 32 MiB)
 with fresh pages from the kernel, and hands the top of its heap back once more than twice the
@@ -16,6 +16,18 @@ and already did, once glibc's own threshold had grown). Only on Linux with glibc
 computing on the CPU; a threshold the user set (``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``, or the ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``) is left as set.
 ``EngineConfig.tune_malloc=False`` turns it off.
+
+**OpenMP.** PyTorch's CPU ops run on GNU OpenMP (libgomp), which gives every thread that runs a
+parallel op its own pool of worker threads, kept until that thread ends. While the pooled threads of
+the whole process outnumber its CPUs, libgomp stops its workers spinning between parallel regions
+(100 spins instead of ~300,000): each region then waits for a sleeping worker to wake. A decode step
+of the bundled model is ~300 short regions, so a step on the engine thread while another thread
+holds a pool ran 33-39 ms instead of 21 ms (2-core EPYC VM, 3.7K keys, bf16), 26 instead of 14 ms at
+200 keys; a prefill's few long regions hardly notice. The engine computes on its own thread
+(:mod:`kvrag.engine.serving.worker`), so :func:`on_own_thread` loads the model and builds the engine on
+a thread that ends when it is done: the caller's thread keeps no pool of kvrag's making, and the
+engine thread's pool is the only one while the caller runs no torch ops of its own (an embedder on the
+same thread brings its pool back: see the README's note on threads).
 """
 
 from __future__ import annotations
@@ -24,8 +36,12 @@ import ctypes
 import os
 import platform
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "glibc", "tune_malloc"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "glibc", "on_own_thread", "tune_malloc"]
+
+T = TypeVar("T")
 
 #: Blocks above this come from mmap (glibc's own threshold grows to 32 MiB at most).
 MMAP_THRESHOLD = 64 << 20
@@ -85,3 +101,26 @@ def _tune() -> str:
         f"glibc malloc: mmap above {MMAP_THRESHOLD >> 20} MiB, trim past {TRIM_THRESHOLD >> 20} MiB free"
         " (a prefill's temporaries reuse memory instead of faulting in fresh pages)"
     )
+
+
+def on_own_thread(fn: Callable[[], T], name: str = "kvrag-load") -> T:
+    """``fn()`` run on a new thread that ends when it returns: its result, or its error raised here.
+
+    The thread's OpenMP pool ends with it, so the caller's thread is left without one (see the module
+    note). A caller interrupted while it waits (Ctrl-C) gets the interruption at once; the thread, a
+    daemon, finishes ``fn`` on its own and its result is dropped.
+    """
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller, raised there
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

@@ -79,6 +79,7 @@ class Worker:
         finish: ``(sequence) -> Generation``: the result of a sequence that is done.
         eos_ids: end-of-sequence token ids.
         slice_s: seconds of prefill between two decode steps while requests are running.
+        setup: run first on each engine thread (the engine sets its torch thread count there).
     """
 
     def __init__(
@@ -90,11 +91,13 @@ class Worker:
         finish: Callable[[Any], Any],
         eos_ids: set[int],
         slice_s: float,
+        setup: Callable[[], None] = lambda: None,
     ) -> None:
         self.scheduler = scheduler
         self._start_fn, self._step_fn, self._finish_fn = start, step, finish
         self.eos_ids = eos_ids
         self.slice_s = slice_s
+        self._setup = setup
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running: list[Ticket] = []  # tickets whose sequence decodes (engine thread only)
@@ -195,6 +198,7 @@ class Worker:
 
     def _loop(self) -> None:
         try:
+            self._setup()
             while True:
                 with self._cond:
                     self._drop_cancelled()

@@ -254,3 +254,15 @@ def test_busy_time_counts_the_engine_threads_work_not_its_idle_gaps(tiny_engine)
     idle = tiny_engine.queue_stats()["busy_s"]
     threading.Event().wait(0.05)
     assert tiny_engine.queue_stats()["busy_s"] == idle  # idle time is not busy time
+
+
+def test_the_engine_thread_computes_with_the_engines_threads_whatever_the_caller_set_since(tiny_engine):
+    n = torch.get_num_threads()
+    assert tiny_engine.info().threads == tiny_engine.threads == n  # torch's count when it was built
+    try:
+        torch.set_num_threads(n + 1)  # the caller's own work, after the engine was built
+        on_engine = tiny_engine._run_internal(lambda pause: torch.get_num_threads(), 1)
+        assert on_engine == n
+        assert tiny_engine.generate(chunks=make_docs(2), suffix=SUFFIX).token_ids  # and it still serves
+    finally:
+        torch.set_num_threads(n)
