@@ -966,7 +966,7 @@ class Engine:
         self.writeback.cancel_refreshes()  # background work not started yet is not worth waiting for
         self._worker.wait_idle()
         self.writeback.close()  # its chunk computations still run on the engine thread
-        self._worker.wait_idle()
+        self._worker.stop()  # the thread, idle now, ends instead of lingering
         self.store.close()
 
     def __enter__(self) -> Engine:
@@ -983,6 +983,7 @@ class Engine:
         self.writeback.cancel_refreshes()
         if self._worker.wait_idle(timeout=timeout):
             self.writeback.flush()
+            self._worker.stop(timeout=timeout)  # no engine thread lingers into the interpreter's teardown
 
     def _check_open(self) -> None:
         if self._closed:

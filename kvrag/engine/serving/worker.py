@@ -15,9 +15,12 @@ The thread alternates two kinds of work:
   prefill's arithmetic: its output does not depend on what else runs. The hook also ends the
   prefill of a request whose consumer has gone.
 
-The thread starts with the first ticket and exits as soon as nothing waits or runs (a new one
-starts with the next ticket): an engine that is idle, or dropped without ``close()``, keeps no
-thread.
+The thread starts with the first ticket and, once nothing waits or runs, waits :data:`LINGER_S` for
+more before it exits (a new one starts with the next ticket): an engine that is idle, or dropped
+without ``close()``, keeps no thread for long, and ``close()`` ends it at once (:meth:`Worker.stop`).
+It lingers because a new thread's first parallel torch op starts its OpenMP pool, which took
+0.2-15 ms (median ~1-8 ms) on a 2-core VM against 0.06 ms on a thread that kept its pool: the cost
+every request of an app paid, its condense and answer calls apiece (``kvrag.engine.model.host``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +37,15 @@ from typing import Any
 from kvrag.engine.serving.scheduler import Scheduler, Ticket
 
 log = logging.getLogger(__name__)
+
+#: Seconds an idle engine thread waits for more work before it exits (calls of one app request,
+#: a chat engine's condense and answer, come within milliseconds of each other).
+LINGER_S = 1.0
+
+#: Every worker of the process: when one starts work, the others' idle threads stop lingering, so a
+#: process that alternates engines (a benchmark's float32 engine beside its bf16 one) does not keep
+#: two OpenMP pools on the cores.
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
 
 __all__ = ["Pause", "Preempted", "Worker", "StreamJob"]
 
@@ -105,7 +118,11 @@ class Worker:
         self._last_step = 0.0
         self.steps = 0  # decode steps run (for tests and metrics)
         self._busy_s = 0.0  # seconds the engine thread has run, its running stretch excluded (see stats)
-        self._busy_since: float | None = None  # when the running stretch began (the thread started)
+        self._busy_since: float | None = None  # when the running stretch began (None: idle, or no thread)
+        self._submitted = 0  # tickets submitted so far (a lingering thread wakes when it changes)
+        self._linger = LINGER_S  # 0 once stopped: the thread exits as soon as it is idle
+        self._cut = False  # another worker started work: an idle thread stops lingering now
+        _WORKERS.add(self)
 
     # -- callers' side ------------------------------------------------------------------------
 
@@ -113,11 +130,18 @@ class Worker:
         """Queue a ticket (raises :class:`~kvrag.errors.OverloadedError` when full); the thread wakes."""
         with self._cond:
             self.scheduler.submit(ticket)
+            self._submitted += 1
+            starts = self._busy_since is None  # a running stretch begins (on a new or a lingering thread)
+            if starts:
+                self._busy_since = time.perf_counter()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvrag-engine", daemon=True)
-                self._busy_since = time.perf_counter()
                 self._thread.start()
             self._cond.notify_all()
+        if starts:  # outside this worker's lock: each worker takes only its own
+            for other in list(_WORKERS):
+                if other is not self:
+                    other._cut_linger()
 
     def call(self, ticket: Ticket, fn: Callable[[Pause], Any]) -> Any:
         """Run ``fn(pause)`` on the engine thread and return its result (its error is raised here)."""
@@ -188,8 +212,18 @@ class Worker:
             }
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until nothing waits or runs (the thread has exited); False if ``timeout`` passed first."""
+        """Block until nothing waits or runs (the thread may linger); False if ``timeout`` passed first."""
         with self._cond:
+            return self._cond.wait_for(
+                lambda: self._busy_since is None or self._thread is threading.current_thread(), timeout
+            )
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """From now on the thread exits as soon as nothing waits or runs; wait until it has (False if
+        ``timeout`` passed first). Work submitted later still runs, on a thread that does not linger."""
+        with self._cond:
+            self._linger = 0.0
+            self._cond.notify_all()
             return self._cond.wait_for(
                 lambda: self._thread is None or self._thread is threading.current_thread(), timeout
             )
@@ -204,10 +238,13 @@ class Worker:
                     self._drop_cancelled()
                     ticket = self.scheduler.next()
                     if ticket is None and not self._running:
-                        self._thread = None
                         self._idle()
                         self._cond.notify_all()
-                        return
+                        if not self._linger_for_more():  # nothing came: the thread ends
+                            self._thread = None
+                            self._cond.notify_all()
+                            return
+                        continue
                 if ticket is None:
                     self._step()
                     continue
@@ -221,8 +258,22 @@ class Worker:
             self._fail_all(exc)
             raise
 
+    def _cut_linger(self) -> None:
+        """Another worker started work: if this one's thread is idle, it exits now."""
+        with self._cond:
+            if self._thread is not None and self._busy_since is None:
+                self._cut = True
+                self._cond.notify_all()
+
+    def _linger_for_more(self) -> bool:
+        """Idle (the condition held): wait up to the linger for another ticket; whether one came."""
+        seen = self._submitted
+        self._cond.wait_for(lambda: self._submitted != seen or not self._linger or self._cut, self._linger)
+        self._cut = False
+        return self._submitted != seen
+
     def _idle(self) -> None:
-        """The thread stops (the condition held): its running stretch counts as busy time."""
+        """The thread runs out of work (the condition held): its running stretch counts as busy time."""
         if self._busy_since is not None:
             self._busy_s += time.perf_counter() - self._busy_since
             self._busy_since = None

@@ -266,3 +266,49 @@ def test_the_engine_thread_computes_with_the_engines_threads_whatever_the_caller
         assert tiny_engine.generate(chunks=make_docs(2), suffix=SUFFIX).token_ids  # and it still serves
     finally:
         torch.set_num_threads(n)
+
+
+def test_an_idle_engine_thread_lingers_for_the_next_request_then_ends(tiny_engine):
+    ran_on = []
+    tiny_engine._run_internal(lambda pause: ran_on.append(threading.current_thread()), 1)
+    assert tiny_engine._worker.wait_idle(10)
+    first = ran_on[0]
+    assert first.is_alive() and first.name == "kvrag-engine"  # idle, waiting for more
+    tiny_engine.generate(chunks=make_docs(2), suffix=SUFFIX)
+    tiny_engine._run_internal(lambda pause: ran_on.append(threading.current_thread()), 1)
+    assert ran_on[1] is first  # the next work ran on the same thread (its OpenMP pool kept)
+    assert tiny_engine.queue_stats()["running"] == 0 and tiny_engine._worker.wait_idle(10)
+    with tiny_engine._worker._cond:
+        tiny_engine._worker._linger = 0.05  # a short linger: the thread ends on its own
+        tiny_engine._worker._cond.notify_all()
+    first.join(10)
+    assert not first.is_alive() and tiny_engine._worker._thread is None
+    tiny_engine._run_internal(lambda pause: ran_on.append(threading.current_thread()), 1)
+    assert ran_on[2] is not first  # a new thread for new work
+
+
+def test_close_ends_a_lingering_engine_thread(tiny_model, tiny_tokenizer):
+    engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
+    engine.generate(chunks=make_docs(2), suffix=SUFFIX)
+    thread = engine._worker._thread
+    assert thread is not None and thread.is_alive()
+    engine.close()
+    assert engine._worker._thread is None and not thread.is_alive()
+
+
+def test_work_on_another_engine_ends_an_idle_engines_linger(tiny_model, tiny_tokenizer):
+    a = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
+    b = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
+    try:
+        a.generate(chunks=make_docs(2), suffix=SUFFIX)
+        a.flush()  # its write-back done: a's thread is idle, lingering
+        assert a._worker.wait_idle(10)
+        lingering = a._worker._thread
+        assert lingering is not None and lingering.is_alive()
+        b.generate(chunks=make_docs(2), suffix=SUFFIX)  # b's thread starts: a's does not keep its pool beside it
+        lingering.join(0.5)  # well before a's own linger would have run out
+        assert not lingering.is_alive() and a._worker._thread is None
+        assert a.generate(chunks=make_docs(2), suffix=SUFFIX).token_ids  # a still serves, on a new thread
+    finally:
+        a.close()
+        b.close()
