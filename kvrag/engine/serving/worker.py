@@ -46,6 +46,7 @@ LINGER_S = 1.0
 #: process that alternates engines (a benchmark's float32 engine beside its bf16 one) does not keep
 #: two OpenMP pools on the cores.
 _WORKERS: weakref.WeakSet = weakref.WeakSet()
+_WORKERS_LOCK = threading.Lock()  # engines may be built while another submits
 
 __all__ = ["Pause", "Preempted", "Worker", "StreamJob"]
 
@@ -122,7 +123,8 @@ class Worker:
         self._submitted = 0  # tickets submitted so far (a lingering thread wakes when it changes)
         self._linger = LINGER_S  # 0 once stopped: the thread exits as soon as it is idle
         self._cut = False  # another worker started work: an idle thread stops lingering now
-        _WORKERS.add(self)
+        with _WORKERS_LOCK:
+            _WORKERS.add(self)
 
     # -- callers' side ------------------------------------------------------------------------
 
@@ -139,9 +141,10 @@ class Worker:
                 self._thread.start()
             self._cond.notify_all()
         if starts:  # outside this worker's lock: each worker takes only its own
-            for other in list(_WORKERS):
-                if other is not self:
-                    other._cut_linger()
+            with _WORKERS_LOCK:
+                others = [w for w in _WORKERS if w is not self]
+            for other in others:
+                other._cut_linger()
 
     def call(self, ticket: Ticket, fn: Callable[[Pause], Any]) -> Any:
         """Run ``fn(pause)`` on the engine thread and return its result (its error is raised here)."""
