@@ -81,22 +81,22 @@ class MethodEngines:
         from kvrag import Engine
 
         base = self.base
-        if config.dtype != base.config.dtype:  # other weights, another fingerprint: keys of its own
-            if self.load is not None:
-                return self.load(config, store)
-            import torch
+        if config.dtype != base.config.dtype and self.load is not None:
+            return self.load(config, store)
 
-            def build() -> Engine:  # on a thread that ends, as Engine.from_pretrained builds (kvrag.engine.model.host)
-                model = copy.deepcopy(base.hf_model).to(getattr(torch, config.dtype))
-                return Engine(
-                    model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
-                )
+        def build() -> Engine:
+            model = base.hf_model  # same weights, same fingerprint: the same chunk keys as the run's engine
+            if config.dtype != base.config.dtype:  # other weights, another fingerprint: keys of its own
+                import torch
 
-            return on_own_thread(build)
-        # same weights, same fingerprint: the same chunk keys as the run's engine
-        return Engine(
-            base.hf_model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
-        )
+                model = copy.deepcopy(model).to(getattr(torch, config.dtype))
+            return Engine(
+                model, base.tokenizer, config, weights_digest=base.weights_digest, name=base.model_name, store=store
+            )
+
+        # on a thread that ends, as Engine.from_pretrained builds: the harness's thread keeps no OpenMP
+        # pool beside the engine thread's (kvrag.engine.model.host)
+        return on_own_thread(build)
 
     def reference(self, method: Method):
         """The engine of a method that reads no store but sets its own dtype (``full+dtype=float32``):
