@@ -233,7 +233,8 @@ class HFForward(Method):
     """Transformers' own forward over the same token ids (``logits_to_keep=1``): the peer baseline.
 
     Its TTFT is the forward plus the greedy pick of the first token; it produces no answer text.
-    The forward runs on a thread of its own, as the engine's prefill does.
+    The forward runs on a thread of its own, as the engine's prefill does, once the engine's idle thread
+    has ended (two OpenMP pools on the cores would slow it: ``kvrag.engine.model.host``).
     """
 
     answers = False
@@ -250,7 +251,9 @@ class HFForward(Method):
                 token = int(out.logits[0, -1].argmax())
             return token, time.perf_counter() - t0
 
-        # on a thread that ends: the harness's thread keeps no OpenMP pool beside the engine's (kvrag.engine.model.host)
+        # on a thread that ends: the harness's thread keeps no OpenMP pool beside the engine's
+        # (kvrag.engine.model.host), and the engine's idle thread ends first: its pool does not share the cores
+        engine._worker.release(timeout=30)
         token, ttft = on_own_thread(forward, name="hf-forward")
         n = int(ids.shape[1])
         return Outcome(

@@ -268,6 +268,14 @@ class Worker:
                 self._cut = True
                 self._cond.notify_all()
 
+    def release(self, timeout: float | None = None) -> bool:
+        """If the thread is idle, end it now instead of at the end of its linger, and wait until it has
+        (False if ``timeout`` passed first; the next work starts a new thread). For torch work of the
+        caller's that should not share the cores with the engine thread's pool (a benchmark's baseline)."""
+        self._cut_linger()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._thread is None or self._busy_since is not None, timeout)
+
     def _linger_for_more(self) -> bool:
         """Idle (the condition held): wait up to the linger for another ticket; whether one came."""
         seen = self._submitted

@@ -312,3 +312,15 @@ def test_work_on_another_engine_ends_an_idle_engines_linger(tiny_model, tiny_tok
     finally:
         a.close()
         b.close()
+
+
+def test_release_ends_an_idle_engine_thread_now(tiny_engine):
+    tiny_engine.generate(chunks=make_docs(2), suffix=SUFFIX)
+    tiny_engine.flush()
+    assert tiny_engine._worker.wait_idle(10)
+    thread = tiny_engine._worker._thread
+    assert thread is not None and thread.is_alive()
+    assert tiny_engine._worker.release(timeout=10)
+    thread.join(10)
+    assert not thread.is_alive() and tiny_engine._worker._thread is None
+    assert tiny_engine.generate(chunks=make_docs(2), suffix=SUFFIX).token_ids  # the next work, on a new thread
