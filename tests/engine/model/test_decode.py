@@ -159,3 +159,25 @@ def test_a_decode_step_reads_no_position_from_the_device(tiny_tokenizer, family,
     monkeypatch.setattr(reference, "positions_span", refuse)
     monkeypatch.setattr(K, "positions_span", refuse)
     assert torch.equal(decode_step(adapter, told, 8), expected)
+
+
+@pytest.mark.parametrize("upcast", [False, True], ids=["bf16-rows", "fp32-rows"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_sequences_draft_rows_give_the_bits_of_its_steps_one_by_one(tiny_tokenizer, family, upcast):
+    """A step of two sequences, each with its token's row and two draft rows after it (the rows of one
+    buffer share its converted keys and values): every row's logits equal those of the same tokens
+    decoded one step at a time."""
+    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer), family), "bfloat16"))
+    decoder = packed_decoder(adapter, upcast)
+    torch.manual_seed(2)
+    prompts = [torch.randint(5, 500, (n,)) for n in (90, 37)]
+    tokens = [[7, 11, 13], [17, 19, 23]]
+    together = rows_for(adapter, prompts, 3)
+    rows = [DecodeRow(r.buf, t[0], r.pos) for r, t in zip(together, tokens)]
+    rows += [DecodeRow(r.buf, t[j], r.pos + j) for r, t in zip(together, tokens) for j in (1, 2)]
+    got = decoder.step(rows)
+    for s, (row, t) in enumerate(zip(rows_for(adapter, prompts, 3), tokens)):
+        for j in range(3):
+            alone = decoder.step([DecodeRow(row.buf, t[j], row.pos + j)])[0]
+            at = s if j == 0 else 2 + 2 * s + (j - 1)
+            assert torch.equal(got[at], alone)
