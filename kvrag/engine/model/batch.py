@@ -108,15 +108,26 @@ def _attend(
     adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor, upcast: bool
 ) -> None:
     """Write each row's k/v [Hkv, G, D] at its position of its buffer and its attention over
-    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are); ``upcast``: in float32."""
+    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are); ``upcast``: in float32.
+
+    Every row's k/v is written first (a row reads only its own prefix, so later rows' writes do not
+    reach it). Rows attending in float32 on a global layer read their sequence's keys and values
+    converted once for all its rows (its token's and its drafts': a draft row converting them again
+    cost ~a quarter of its attention): the same values in the same products, so the same bits.
+    """
     window = adapter.windows[layer]  # a sliding-window layer's size, or None
-    if upcast and window is None and q.dtype != torch.float32:
-        _attend_upcast(layer, rows, pos, q, k, v, out, adapter.scale)
-        return
+    for i, r in enumerate(rows):
+        r.buf.k[layer][:, r.pos] = k[:, i]
+        r.buf.v[layer][:, r.pos] = v[:, i]
+    share = upcast and window is None and q.dtype != torch.float32
+    converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per buffer, when shared
     for i, r in enumerate(rows):
         bk, bv = r.buf.k[layer], r.buf.v[layer]  # [Hkv, capacity, D]
-        bk[:, r.pos] = k[:, i]
-        bv[:, r.pos] = v[:, i]
+        if share:
+            if id(r.buf) not in converted:
+                keys = max(x.pos for x in rows if x.buf is r.buf) + 1
+                converted[id(r.buf)] = (bk[:, :keys].float(), bv[:, :keys].float())
+            bk, bv = converted[id(r.buf)]
         end = r.pos + 1
         out[:, i : i + 1] = attention(  # the row's position from the host: no wait for the device
             q[:, i : i + 1],
@@ -127,29 +138,6 @@ def _attend(
             window=window,
             span=(r.pos, r.pos),
             upcast=upcast,
-        )
-
-
-def _attend_upcast(layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor, scale: float) -> None:
-    """:func:`_attend` on a global layer with rows attending in float32: every row's k/v written first,
-    then each sequence's keys and values converted once for all its rows (its token's and its drafts':
-    a draft row re-converting them cost ~a quarter of its attention), each row over its own prefix of
-    them. The same values in the same products as converting per row, so the same bits."""
-    for i, r in enumerate(rows):
-        r.buf.k[layer][:, r.pos] = k[:, i]
-        r.buf.v[layer][:, r.pos] = v[:, i]
-    ends: dict[int, int] = {}  # per buffer, the keys its rows read
-    for r in rows:
-        ends[id(r.buf)] = max(ends.get(id(r.buf), 0), r.pos + 1)
-    converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for i, r in enumerate(rows):
-        kv = converted.get(id(r.buf))
-        if kv is None:
-            end = ends[id(r.buf)]
-            kv = converted[id(r.buf)] = (r.buf.k[layer][:, :end].float(), r.buf.v[layer][:, :end].float())
-        end = r.pos + 1
-        out[:, i : i + 1] = attention(
-            q[:, i : i + 1], pos[i : i + 1], kv[0][:, :end], kv[1][:, :end], scale, span=(r.pos, r.pos), upcast=True
         )
 
 
