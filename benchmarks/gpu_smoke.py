@@ -3,6 +3,7 @@
     python -m benchmarks.gpu_smoke --device cuda                        # a tiny random Llama, built offline
     python -m benchmarks.gpu_smoke --device cuda --model smollm2 --dtype bfloat16
     python -m benchmarks.gpu_smoke --device cpu                         # the same checks here (< 1 min)
+    python -m benchmarks.gpu_smoke --device cuda --shape smollm2 --words 600 --only timing
 
 Checks, each one line ``PASS``/``FAIL`` (a failure prints its exception and traceback, and the
 next check runs):
@@ -19,8 +20,13 @@ next check runs):
 
 Exit status 1 if any check failed. The model is the engine's ``--model`` (a bundled name, a local
 Hugging Face directory or a ``.gguf``) or, by default, a tiny random Llama with a tokenizer trained
-on the spot (nothing downloaded). Stores, gate verdicts and the disk tier live in a temporary
-directory, so the self-test runs on this device.
+on the spot (nothing downloaded); ``--shape smollm2`` gives that random Llama SmolLM2-135M's
+dimensions (30 layers, width 576, 9/3 heads, the tiny tokenizer's vocabulary), for timings of the
+bundled model's shapes where its weights cannot travel (its answers mean nothing). Stores, gate
+verdicts and the disk tier live in a temporary directory, so the self-test runs on this device.
+
+``--only syncs``: where the host waits for the device during a decode request (with and without
+drafts) and a default blend, counted by the line of Python that waited (CUDA's sync debug mode).
 """
 
 from __future__ import annotations
@@ -42,6 +48,17 @@ from benchmarks.tiny import make_docs, make_tiny_model, make_tokenizer
 __all__ = ["main"]
 
 PREFIX = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+#: SmolLM2-135M's dimensions (its config), for a random model of its shapes (``--shape smollm2``)
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+)
 SUFFIX = "Question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -76,6 +93,9 @@ def _load(args) -> tuple[object, object, str]:
     if args.model is None:
         tok = make_tokenizer()
         dtype = resolve_dtype(args.dtype, args.device).torch
+        if args.shape == "smollm2":
+            model = make_tiny_model(len(tok), layers=30, **SMOLLM2_SHAPE)
+            return model.to(args.device, dtype), tok, "random llama of SmolLM2-135M's shapes"
         return make_tiny_model(len(tok)).to(args.device, dtype), tok, "tiny random llama"
     # the loader converts a bundled GGUF once (cached) and puts the weights on the device
     with Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype) as loaded:
@@ -104,8 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--new-tokens", type=int, default=12, help="greedy tokens per request in the checks")
     p.add_argument("--reps", type=int, default=3, help="timed requests per measurement")
+    p.add_argument("--shape", choices=("tiny", "smollm2"), default="tiny", help="the random model's shapes")
+    p.add_argument("--words", type=int, default=60, help="words per passage in the timing check (6 passages)")
+    p.add_argument(
+        "--decode-rows",
+        choices=("auto", "float32", "native"),
+        default="auto",
+        help="a decode row's attention: the engine's choice, float32 products, or PyTorch's fused attention",
+    )
+    p.add_argument("--only", nargs="+", default=None, help="run only these checks (setup always runs)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.decode_rows != "auto":  # what the engine's decoders are built with (a research lever)
+        import kvrag.engine.model.batch as batch
+
+        batch.decode_rows_upcast = lambda device, dtype, upcast=args.decode_rows == "float32": upcast
     if device.type == "cuda" and not torch.cuda.is_available():
         print("FAIL setup: --device cuda but torch.cuda.is_available() is False")
         return 1
@@ -224,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def timing() -> str:
         eng = state["engine"]
-        docs = make_docs(6, seed=5)
+        docs = make_docs(6, words=args.words, seed=5)
         eng.warm(docs)
         rng = random.Random(0)
         orders = [rng.sample(docs, len(docs)) for _ in range(args.reps + 1)]
@@ -264,15 +297,64 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         return "see the TIMING line"
 
+    def syncs() -> str:
+        """Where the host waits for the device: every synchronising call (``torch.cuda.set_sync_debug_mode``)
+        during one decode request and one default blend, counted by the line of Python that made it."""
+        import collections
+        import warnings
+
+        debug = (lambda mode: torch.cuda.set_sync_debug_mode(mode)) if device.type == "cuda" else (lambda mode: None)
+        eng = state["engine"]
+        docs = make_docs(6, words=args.words, seed=6)
+        eng.warm(docs)
+        out = []
+        for what, kwargs in (
+            ("decode 32 tokens", dict(mode="full", max_new_tokens=32)),
+            ("decode 32 tokens, no drafts", dict(mode="full", max_new_tokens=32, draft_tokens=0)),
+            ("default blend, 1 token", dict(max_new_tokens=1)),
+        ):
+            draft = kwargs.pop("draft_tokens", None)
+            if draft is not None:
+                previous, eng.config.draft_tokens = eng.config.draft_tokens, draft
+            _sync(device)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                debug("warn")
+                try:
+                    t0 = time.perf_counter()
+                    g = eng.generate(docs[::-1], PREFIX, SUFFIX, **kwargs)
+                    wall = time.perf_counter() - t0
+                finally:
+                    debug(0)
+            if draft is not None:
+                eng.config.draft_tokens = previous
+            sites = collections.Counter(
+                f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)
+            )
+            tokens = max(len(g.token_ids), 1)
+            out.append(
+                f"{what}: {sum(sites.values())} syncs in {wall * 1e3:.0f} ms ({sum(sites.values()) / tokens:.1f} a "
+                f"token, {len(g.token_ids)} tokens, path {g.stats.path}); top: "
+                + "; ".join(f"{site} x{n}" for site, n in sites.most_common(6))
+            )
+        for line in out:
+            print("SYNCS " + line, flush=True)
+        return "see the SYNCS lines"
+
     try:
         checks.run("setup", setup)
-        if "engine" in state:
-            checks.run("gate", gate)
-            checks.run("ratio 1.0", ratio_one)
-            checks.run("default blend", default_blend)
-            checks.run("store round trip", store_round_trip)
-            checks.run("batched decode", batched_decode)
-            checks.run("timing", timing)
+        wanted = {
+            "gate": gate,
+            "ratio 1.0": ratio_one,
+            "default blend": default_blend,
+            "store round trip": store_round_trip,
+            "batched decode": batched_decode,
+            "timing": timing,
+            "syncs": syncs,
+        }
+        for name, fn in wanted.items():
+            if "engine" in state and (args.only is None or name.split()[0] in args.only):
+                checks.run(name, fn)
     finally:
         for eng in engines:
             try:

@@ -389,8 +389,12 @@ class EngineConfig:
         decode_group: rows of one batched decode pass (8): running requests advance together,
             padded to this many rows (more take several passes), so that a request's tokens do not
             depend on how many others run (:mod:`kvrag.engine.model.batch`).
-        draft_tokens: most prompt-lookup drafts a decode step checks (4; 0: none), shared by the
-            greedy requests running.
+        draft_tokens: most prompt-lookup drafts a decode step checks, shared by the greedy requests
+            running; 0: none; None (default): 4 on a CPU, none on a GPU, where each draft row
+            launches its own attention kernels per layer and a step's time is its launches (an
+            H200: 32 tokens of SmolLM2's shapes took 1.8-3.0 s with drafts that never held, 0.5-1.1 s
+            without; the real model's drafts, 44% kept, 0.97x; docs/benchmarks.md). The engine's config holds the
+            number it resolved.
             They go in the rows a decode pass pads anyway (``decode_group`` less the running
             requests), each costing that row's attention; drafts that match the model's greedy
             pick are emitted without a step of their own. How many a step checks follows the decode
@@ -452,7 +456,7 @@ class EngineConfig:
     max_queued_tokens: int = 131072
     starvation_window: int = 32
     decode_group: int = 8
-    draft_tokens: int = 4
+    draft_tokens: int | None = None
     prefill_slice_s: float = 0.1
 
     def __post_init__(self) -> None:
@@ -546,6 +550,8 @@ class EngineConfig:
             ("warm_window_tokens", 256),
         ):
             value = getattr(self, name)
+            if name == "draft_tokens" and value is None:  # the engine resolves it for its device
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidRequestError(f"{name} must be an integer >= {least}, got {value!r}")
         s = self.prefill_slice_s

@@ -133,7 +133,10 @@ class Engine:
         weights = weights_dtype(self.adapter.dtype, config.dtype if compute_dtype is None else compute_dtype.name)
         #: the compute dtype and why (``dtype="auto"``: what the hardware computes natively)
         self.compute_dtype = weights if compute_dtype is None else compute_dtype
-        self.config = config = config.replace(dtype=self.compute_dtype.name)
+        self._drafts_given = config.draft_tokens is not None
+        self.config = config = config.replace(
+            dtype=self.compute_dtype.name, draft_tokens=_draft_tokens(config.draft_tokens, self.adapter.device)
+        )
         log.info("kvrag: %s computes in %s (%s)", self.model_name, self.compute_dtype.name, self.compute_dtype.why)
         #: what the process's allocator does with a prefill's temporaries (:mod:`kvrag.engine.model.host`)
         self.malloc = (
@@ -1302,7 +1305,10 @@ class Engine:
     def _drafts_description(self) -> str:
         n = self.config.draft_tokens
         if n == 0:
-            return "no prompt-lookup drafts (draft_tokens=0)"
+            why = (
+                "draft_tokens=0" if self._drafts_given else "none by default on a GPU: a draft row's launches cost more"
+            )
+            return f"no prompt-lookup drafts ({why})"
         return (
             f"prompt-lookup drafts: up to {n} a step for greedy requests, in the pass's padding rows, "
             "as many as the measured step cost says pay"
@@ -1409,6 +1415,19 @@ def _check_config(config: EngineConfig) -> None:
     if config.foreign_selection is not None:
         check_selection_name(config.foreign_selection)
     check_policy(config.eviction_policy)
+
+
+#: drafts a decode step checks at most on a CPU, where ``draft_tokens`` is left to the device
+CPU_DRAFT_TOKENS = 4
+
+
+def _draft_tokens(draft_tokens: int | None, device: torch.device) -> int:
+    """``draft_tokens`` as given, or the device's default when None: :data:`CPU_DRAFT_TOKENS` on a
+    CPU (a draft row there costs its attention alone, the weights read once for the pass), none on
+    a GPU (each draft row launches its own kernels per layer, and the step is launch-bound)."""
+    if draft_tokens is not None:
+        return draft_tokens
+    return CPU_DRAFT_TOKENS if torch.device(device).type == "cpu" else 0
 
 
 def _check_device(config: EngineConfig, device: torch.device) -> EngineConfig:

@@ -133,7 +133,7 @@ def attention(
         if not (_backend == "auto" and _contiguous_tail(q_pos, q.shape[1], k.shape[1], window, span)):
             from kvrag.kernels.triton_attention import attention_triton
 
-            return attention_triton(q, q_pos, k, v, scale, window=window)
+            return attention_triton(q, q_pos, k, v, scale, window=window, span=span)
     return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span, upcast=upcast)
 
 

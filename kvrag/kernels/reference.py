@@ -130,7 +130,7 @@ def attention_ref(
     if window is not None and tq == 1:  # decoding on a sliding-window layer: the last keys only
         lo = max(0, first - window + 1)
         return one_row(q, k[:, lo : first + 1], v[:, lo : first + 1], scale, upcast)
-    if window is None and _one_causal_pass(q_pos, last, block):
+    if window is None and _one_causal_pass(q_pos, first, last, block):
         n = last + 1
         padded = q.new_zeros(q.shape[0], n, q.shape[2])
         padded[:, q_pos] = q
@@ -139,12 +139,17 @@ def attention_ref(
         )[0, :, q_pos]
     masks = {} if masks is None else masks
     out = torch.empty_like(q)
+    consecutive = last - first + 1 == tq
     for start in range(0, tq, block):
         cached = masks.get(start)
         if cached is None or cached[1].dtype != q.dtype:  # additive: SDPA would convert a bool mask on every call
             pos = q_pos[start : start + block]
-            lo = 0 if window is None else max(0, int(pos[0]) - window + 1)
-            keys = torch.arange(lo, int(pos[-1]) + 1, device=q.device)
+            if consecutive:  # the block's first and last position without a read from the device
+                low, high = first + start, first + start + pos.numel() - 1
+            else:
+                low, high = int(pos[0]), int(pos[-1])
+            lo = 0 if window is None else max(0, low - window + 1)
+            keys = torch.arange(lo, high + 1, device=q.device)
             hidden = keys[None, :] > pos[:, None]
             if window is not None:
                 hidden |= keys[None, :] <= pos[:, None] - window
@@ -178,15 +183,26 @@ def one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, upc
         weights = torch.softmax(scores.mul_(scale), dim=-1)
         return torch.matmul(weights, v.float()).view(heads, 1, d).to(q.dtype)
     gqa = q.shape[0] != k.shape[0]
+    # a row sliced from a step's rows (a draft's) is a strided view: made contiguous, as a lone row is
+    q = q.contiguous()
     return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa)[0]
 
 
-def _one_causal_pass(q_pos: torch.Tensor, last: int, block: int) -> bool:
-    """Whether one causal pass over positions [0, last] reads fewer query-key pairs, weighed by
-    :data:`CAUSAL_PAIRS_FACTOR`, than the blocks of ``block`` rows each against its key prefix."""
-    ends = q_pos[block - 1 :: block].tolist()
+def block_ends(q_pos: torch.Tensor, first: int, last: int, block: int) -> list[int]:
+    """The last position of each block of ``block`` rows; consecutive rows' without a read."""
+    if last - first + 1 == q_pos.numel():
+        ends = list(range(first + block - 1, last, block))
+    else:
+        ends = q_pos[block - 1 :: block].tolist()
     if len(ends) * block < q_pos.numel():
         ends.append(last)
+    return ends
+
+
+def _one_causal_pass(q_pos: torch.Tensor, first: int, last: int, block: int) -> bool:
+    """Whether one causal pass over positions [0, last] reads fewer query-key pairs, weighed by
+    :data:`CAUSAL_PAIRS_FACTOR`, than the blocks of ``block`` rows each against its key prefix."""
+    ends = block_ends(q_pos, first, last, block)
     blocks = sum(min(block, q_pos.numel() - i * block) * (end + 1) for i, end in enumerate(ends))
     return (last + 1) * (last + 2) / 2 <= CAUSAL_PAIRS_FACTOR * blocks
 

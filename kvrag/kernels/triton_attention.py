@@ -171,6 +171,7 @@ def attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     window: int | None = None,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`~kvrag.kernels.reference.attention_ref` (any strides).
 
@@ -183,6 +184,8 @@ def attention_triton(
         block_m, block_n, num_warps, num_stages: launch tuning (powers of two >= 16 for blocks);
             defaults suit head dims 64-128.
         window: sliding-window size (row i sees keys (q_pos[i] - window, q_pos[i]]); None: global.
+        span: the rows' first and last position as Python ints, when the caller knows them (else
+            read from ``q_pos``: one wait for the device).
 
     Returns:
         [H, Tq, D] contiguous, dtype of ``q``; row i attends to keys 0..q_pos[i] (the last
@@ -198,8 +201,11 @@ def attention_triton(
     out = torch.empty((h, tq, d), dtype=q.dtype, device=device)
     if tq == 0 or h == 0 or d == 0:
         return out
-    lo, hi = torch.aminmax(q_pos)
-    lo, hi = int(lo), int(hi)  # one host sync; a position outside [0, S) is a caller bug
+    if span is None:
+        lo, hi = (int(x) for x in torch.aminmax(q_pos))  # one host sync
+    else:
+        lo, hi = span  # rows increase: the first is the least
+    # a position outside [0, S) is a caller bug
     if lo < 0 or hi >= s:
         raise ValueError(f"query positions must lie in [0, {s}) (the KV length), got [{lo}, {hi}]")
     cfg = launch_config(tq, d, q.dtype)

@@ -9,5 +9,5 @@ def test_gpu_smoke_passes_on_cpu(capsys, one_thread):
     rc = main(["--device", "cpu", "--new-tokens", "6", "--reps", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "FAIL" not in out and out.count("\nPASS ") == 7, out
+    assert "FAIL" not in out and out.count("\nPASS ") == 8, out
     assert "TIMING cpu" in out and "gpu_smoke: all checks passed" in out

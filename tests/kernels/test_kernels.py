@@ -338,8 +338,18 @@ def test_rows_covering_most_positions_take_one_causal_pass():
     n = 3900
     few = torch.tensor([b * 16 + i for b in range(0, n // 16, 6) for i in range(16)])  # 1 block in 6
     most = torch.cat((torch.arange(0, 600), torch.arange(1200, n)))  # a 600-token chunk cached
-    assert not R._one_causal_pass(few, int(few[-1]), R.QUERY_BLOCK)
-    assert R._one_causal_pass(most, int(most[-1]), R.QUERY_BLOCK)
+    assert not R._one_causal_pass(few, 0, int(few[-1]), R.QUERY_BLOCK)
+    assert R._one_causal_pass(most, 0, int(most[-1]), R.QUERY_BLOCK)
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 64, 100])
+def test_consecutive_rows_block_ends_come_from_their_span(rows):
+    """Consecutive rows: each block's last position from the span, as reading the positions gives."""
+    for first in (0, 5, 700):
+        pos = torch.arange(first, first + rows)
+        for block in (16, 32):
+            expected = pos[block - 1 :: block].tolist() + ([] if rows % block == 0 else [first + rows - 1])
+            assert R.block_ends(pos, first, first + rows - 1, block) == expected
 
 
 @pytest.mark.parametrize("first", [0, 1, 7, 30, 31, 50])

@@ -90,24 +90,47 @@ class KVCapture:
         self.start, self.end = start, end
         self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self._rows: torch.Tensor | None = None  # the scattered rows last looked at, and which of them are kept
+        self._sel: torch.Tensor | None = None
 
-    def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous: bool = False) -> None:
-        if contiguous:  # rows are positions [p0, p0 + R): slice, no masks
-            p0 = int(pos[0])
-            a, b = max(self.start, p0), min(self.end, p0 + pos.numel())
+    def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
+        """Keep the captured positions' K/V of one layer; ``rows``: the host's facts about ``pos``."""
+        if rows.contiguous:  # rows are positions [first, last]: slice, no masks
+            a, b = max(self.start, rows.first), min(self.end, rows.last + 1)
             if a < b:
-                self.k[layer, :, a - self.start : b - self.start] = k[:, a - p0 : b - p0]
-                self.v[layer, :, a - self.start : b - self.start] = v[:, a - p0 : b - p0]
+                self.k[layer, :, a - self.start : b - self.start] = k[:, a - rows.first : b - rows.first]
+                self.v[layer, :, a - self.start : b - self.start] = v[:, a - rows.first : b - rows.first]
             return
-        sel = (pos >= self.start) & (pos < self.end)
-        if bool(sel.all()) and _is_contiguous(pos):
-            a, b = int(pos[0]) - self.start, int(pos[-1]) + 1 - self.start
-            self.k[layer, :, a:b] = k
-            self.v[layer, :, a:b] = v
-        elif bool(sel.any()):
-            idx = pos[sel] - self.start
-            self.k[layer][:, idx] = k[:, sel]
-            self.v[layer][:, idx] = v[:, sel]
+        if self._rows is not pos:  # the same rows in every layer until a selector drops some: look once
+            sel = (pos >= self.start) & (pos < self.end)
+            self._rows, self._sel = pos, (None if not bool(sel.any()) else sel)
+        if self._sel is not None:
+            idx = pos[self._sel] - self.start
+            self.k[layer][:, idx] = k[:, self._sel]
+            self.v[layer][:, idx] = v[:, self._sel]
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """What the host knows of a pass's row positions (strictly increasing), read from the device
+    once per set of rows: on a GPU each read waits for every queued kernel, and the layers of a pass
+    share their rows until a selector drops some."""
+
+    first: int
+    last: int
+    contiguous: bool
+
+    @classmethod
+    def of(cls, pos: torch.Tensor) -> Rows:
+        if pos.numel() == 0:
+            return cls(0, -1, False)
+        first, last = pos[[0, -1]].tolist()  # one read
+        return cls(first, last, last - first + 1 == pos.numel())
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """(first, last) for :func:`kvrag.kernels.attention`, None without rows."""
+        return (self.first, self.last) if self.last >= self.first else None
 
 
 @dataclass(slots=True)
@@ -121,14 +144,10 @@ class Trace:
         return sum(self.rows_per_layer)
 
 
-def _is_contiguous(pos: torch.Tensor) -> bool:
-    return pos.numel() > 0 and int(pos[-1]) - int(pos[0]) + 1 == pos.numel()
-
-
-def _write(dst: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, contiguous: bool) -> None:
+def _write(dst: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, rows: Rows) -> None:
     """dst [Hkv, S, D][:, pos] = src [Hkv, R, D]."""
-    if contiguous:
-        dst[:, int(pos[0]) : int(pos[-1]) + 1] = src
+    if rows.contiguous:
+        dst[:, rows.first : rows.last + 1] = src
     else:
         dst[:, pos] = src
 
@@ -175,37 +194,37 @@ def forward(
     first, stop = layers if layers is not None else (0, adapter.n_layers)
     h = adapter.embed(ids) if hidden is None else hidden
     rope = adapter.rope(pos)
-    contiguous = _is_contiguous(pos)
+    rows = Rows.of(pos)
     masks: dict = {}  # window -> attention masks of the current rows, shared by the layers of that window
     for layer in range(first, stop):
         if source is not None:
             source.fill(layer, buf)
         q, k, v = adapter.qkv(layer, h)
         for cap in capture:
-            cap.take(layer, pos, k, v, contiguous)
+            cap.take(layer, pos, k, v, rows)
         cos, sin = rope.layer(layer)
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         for tap in taps:
             tap.observe(layer, pos, q)
         keep = selector.select(layer, pos, q, k, v, buf) if selector is not None and selector.wants(layer) else None
-        _write(buf.k[layer], pos, k, contiguous)
-        _write(buf.v[layer], pos, v, contiguous)
+        _write(buf.k[layer], pos, k, rows)
+        _write(buf.v[layer], pos, v, rows)
         if source is not None:
             source.overwritten(layer, pos)
         if keep is not None and keep.numel() == 0:  # no row goes on: the pass ends at this layer's KV
             return h[:0], pos[:0]
         if keep is not None and keep.numel() != pos.numel():
             q, h, pos, rope = q[:, keep], h[keep], pos[keep], rope[keep]
-            contiguous, masks = _is_contiguous(pos), {}
+            rows, masks = Rows.of(pos), {}
         if trace is not None:
             trace.rows_per_layer.append(int(pos.numel()))
-        q_pos = pos
+        q_pos, span = pos, rows.span
         if last_row_only and layer == adapter.n_layers - 1:
-            q, h, q_pos, masks = q[:, -1:], h[-1:], pos[-1:], {}
+            q, h, q_pos, masks, span = q[:, -1:], h[-1:], pos[-1:], {}, (rows.last, rows.last)
         window = adapter.windows[layer]
         kv = buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len]
-        out = attention(q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window)
+        out = attention(q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window, span=span)
         if pause is not None:
             pause()
         h = adapter.finish_layer(layer, h, out)

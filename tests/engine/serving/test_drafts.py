@@ -144,6 +144,20 @@ def test_draft_tokens_is_validated():
         EngineConfig(draft_tokens=-1)
 
 
+def test_draft_tokens_default_to_the_device():
+    """Left unset, a CPU engine checks up to 4 drafts a step and a GPU none (a draft row's kernel
+    launches cost more there than its guesses save); a number given is kept on any device."""
+    resolve = engine_module._draft_tokens
+    assert resolve(None, "cpu") == engine_module.CPU_DRAFT_TOKENS == 4
+    assert resolve(None, "cuda") == resolve(None, "cuda:1") == 0
+    assert resolve(2, "cuda") == 2 and resolve(0, "cpu") == 0
+
+
+def test_an_engine_holds_the_draft_tokens_it_resolved(tiny_model, tiny_tokenizer):
+    with Engine.from_model(tiny_model, tiny_tokenizer) as engine:
+        assert engine.config.draft_tokens == 4 and "drafts: up to 4 a step" in engine.info().decode
+
+
 # ---- drafts through the engine --------------------------------------------------------------------
 
 
