@@ -51,20 +51,26 @@ class Tap:
         # (buffer id, scale, windows) -> (key ranges, per layer [S, U] attention masses): measured once
         # per pass by chunk_statistics, shared by the pass's chunks
         self.masses: dict = {}
+        # the rows of the pass last observed (its positions tensor) and where the observed positions are among them
+        self._rows: torch.Tensor | None = None
+        self._match: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def observe(self, layer: int, pos: torch.Tensor, q: torch.Tensor) -> None:
         # a few small tensor ops per layer, no Python loop over the rows: it runs inside every prefill
         # that writes a chunk back, including the full prefill of a request with nothing cached
         if not self.positions.numel() or not pos.numel():
             return
-        positions = self.positions_on(pos.device)
-        rows = torch.searchsorted(pos, positions).clamp_(max=pos.numel() - 1)  # [S]: pos is increasing
-        seen = pos[rows] == positions  # [S]
-        if not bool(seen.any()):
+        if self._rows is not pos:  # a pass's layers share its rows until a selector drops some: match once
+            positions = self.positions_on(pos.device)
+            rows = torch.searchsorted(pos, positions).clamp_(max=pos.numel() - 1)  # [S]: pos is increasing
+            where = (pos[rows] == positions).nonzero().squeeze(1)  # the observed positions among the rows
+            self._rows, self._match = pos, ((where, rows[where]) if where.numel() else None)  # one read: the count
+        if self._match is None:
             return
+        where, rows = self._match
         if self.q[layer] is None:
-            self.q[layer] = q.new_zeros((q.shape[0], positions.numel(), q.shape[2]))
-        self.q[layer][:, seen] = q[:, rows[seen]]
+            self.q[layer] = q.new_zeros((q.shape[0], self.positions.numel(), q.shape[2]))
+        self.q[layer][:, where] = q[:, rows]
 
     def positions_on(self, device: torch.device) -> torch.Tensor:
         """:attr:`positions` on ``device`` (copied there once)."""

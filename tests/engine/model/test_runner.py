@@ -7,6 +7,7 @@ import torch
 
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.runner import KVBuffer, KVCapture, Rows, forward
+from kvrag.engine.reuse.attention_stats import Tap
 from tests.helpers import make_tiny_model
 
 READS = ("__int__", "__index__", "__bool__", "__float__", "item", "tolist")
@@ -83,3 +84,22 @@ def test_scattered_rows_are_looked_up_once_per_capture(tiny_tokenizer, family, r
     with_two = pass_reads([KVCapture(adapter, 0, 40), KVCapture(adapter, 40, n)])
     assert with_two - without == 2  # one look per capture, not one per capture and layer
     assert made == [Rows(3, 129, False), Rows(3, 129, False)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_tap_finds_its_positions_among_a_pass_rows_once(tiny_tokenizer, family, reads):
+    """Cache-Craft's statistics tap the queries of sampled positions in every layer: it matches them
+    with the pass's rows once (no read of the device per layer), and keeps the queries a full pass keeps."""
+    adapter, ids = _model(tiny_tokenizer, family)
+    n = ids.numel()
+    sampled = [5, 21, 37, 64, 100, 128]
+    whole = Tap(sampled, adapter.n_layers)
+    forward(adapter, KVBuffer(adapter, n), ids, torch.arange(n), n, taps=[whole])
+    buf, tap = KVBuffer(adapter, n), Tap(sampled, adapter.n_layers)
+    forward(adapter, buf, ids[:50], torch.arange(50), 50, taps=[tap])  # two passes: the positions split
+    reads.clear()
+    forward(adapter, buf, ids[50:], torch.arange(50, n), n, taps=[tap])
+    assert reads == ["tolist"]
+    assert tap.complete()
+    for got, expected in zip(tap.q, whole.q):
+        torch.testing.assert_close(got, expected)
