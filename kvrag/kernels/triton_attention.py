@@ -25,7 +25,9 @@ __all__ = ["attention_triton", "launch_config"]
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# lengths change with every request: one compiled kernel for all of them (Triton specialises an
+# int argument on its divisibility by 16 and on being 1, so each new pattern was a new compile)
+@triton.jit(do_not_specialize=["n_rows", "seq_len", "window"])
 def _attention_kernel(
     Q,
     K,

@@ -26,7 +26,9 @@ def _sq_dist(new_ptrs, old_ptrs, mask):
     return tl.sum(diff * diff, axis=1)
 
 
-@triton.jit
+# lengths change with every request: one compiled kernel for all of them (Triton specialises an
+# int argument on its divisibility by 16 and on being 1, so each new pattern was a new compile)
+@triton.jit(do_not_specialize=["T"])
 def _deviation_kernel(
     KN,
     KO,

@@ -16,7 +16,9 @@ from kvrag.kernels._checks import KERNEL_FLOATS, check_launchable, check_same_de
 __all__ = ["rope_rotate_triton", "launch_config"]
 
 
-@triton.jit
+# lengths change with every request: one compiled kernel for all of them (Triton specialises an
+# int argument on its divisibility by 16 and on being 1, so each new pattern was a new compile)
+@triton.jit(do_not_specialize=["T"])
 def _rope_table_kernel(
     X,
     COS,
