@@ -48,6 +48,7 @@ from benchmarks.tiny import make_docs, make_tiny_model, make_tokenizer
 __all__ = ["main"]
 
 PREFIX = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+SUFFIX = "Question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 #: SmolLM2-135M's dimensions (its config), for a random model of its shapes (``--shape smollm2``)
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -59,7 +60,6 @@ SMOLLM2_SHAPE = dict(
     tie_word_embeddings=True,
     initializer_range=0.02,
 )
-SUFFIX = "Question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"
 
 
 class Checks:
