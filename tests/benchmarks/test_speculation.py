@@ -156,7 +156,7 @@ def test_paired_differences_are_per_request():
     assert "paired_median_s" not in alone[0]
 
 
-def test_a_dry_run_needs_no_model(tmp_path, capsys):
+def test_a_dry_run_needs_no_model(tmp_path, one_thread, capsys):  # one_thread: restores the threads faiss sets
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(make_synthetic_dataset(4, passages=3, words=12)))
     out = tmp_path / "dry.json"
