@@ -78,6 +78,8 @@ def _packable(adapter: ModelAdapter) -> str | None:
         return "torch was built without oneDNN"
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return "this torch has no oneDNN linear packing"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no oneDNN bfloat16 kernels (they need AVX512 or AVX-NE-CONVERT)"
     return None
 
 
