@@ -174,7 +174,7 @@ class Engine:
             self.adapter, self.prompt_tokenizer.tokenize, self.sink_ids, config.chunk_context, self.context_window
         )
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
-        #: the decode step (packed bf16 weights on a CPU where they give the same bits: Engine.info().decode)
+        #: the decode step (packed weights on a CPU where they check out: Engine.info().decode)
         self.decoder = Decoder(self.adapter, config.decode_group)
         self.step_cost = StepCost()  # a decode pass's seconds, fitted as the engine decodes (drafts plan with it)
         log.info("kvrag: decode %s", self.decoder.description)
