@@ -99,37 +99,6 @@ def test_probe_recomputes_the_blocks_it_measured_most_changed(tiny_engine, monke
     )
 
 
-def test_probe_tail_spends_its_share_on_the_tokens_nearest_the_question_first(tiny_model, tiny_tokenizer, monkeypatch):
-    from kvrag import Engine
-
-    engine = Engine.from_model(tiny_model, tiny_tokenizer, config=EngineConfig(selection_params={"tail": 0.5}))
-    chunks = make_docs(4, seed=3)
-    engine.warm(chunks)
-    seen = []
-    original = probe_module.probe_blocks
-
-    def spy(spans, n, stride, positions, deviation, budget, threshold=0.0, chosen=None):
-        seen.append((spans, None if chosen is None else chosen.clone(), budget))
-        return original(spans, n, stride, positions, deviation, budget, threshold, chosen)
-
-    monkeypatch.setattr(probe_module, "probe_blocks", spy)
-    order = [chunks[i] for i in (2, 0, 3, 1)]
-    try:
-        g = engine.generate(order, PREFIX, SUFFIX, selection="probe", recompute_ratio=0.3, max_new_tokens=1)
-    finally:
-        engine.close()
-    ((spans, tail, budget),) = seen
-    total = math.ceil(0.3 * sum(b - a for a, b in spans))
-    last_end = max(b for _, b in spans)
-    taken = tail.nonzero().squeeze(1)
-    assert taken.numel() == math.ceil(0.5 * total) and budget == total - taken.numel()
-    assert int(taken.max()) == last_end - 1 and int(taken.max() - taken.min()) + 1 == taken.numel()  # a window
-    assert g.stats.recomputed_tokens == total
-    for bad in (-0.1, 1.5, True, "half"):
-        with pytest.raises(InvalidRequestError, match="tail"):
-            ProbeParams(tail=bad)
-
-
 def test_focused_chunks_cut_where_cache_crafts_entropy_grows_fastest():
     from kvrag.engine.reuse.selection.focus import focused_chunks
 

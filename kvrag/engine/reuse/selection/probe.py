@@ -33,7 +33,6 @@ import torch
 
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.reuse.selection.base import BlendPass, SelectionParams, check_deviation, register_selection
-from kvrag.engine.reuse.selection.recency import recency_window
 from kvrag.errors import InvalidRequestError
 from kvrag.kernels import kv_deviation
 
@@ -54,14 +53,11 @@ class ProbeParams(SelectionParams):
             the last layer but one.
         probe_stride: the block size: one token is probed per block, blocks are recomputed whole.
         deviation: what the KV deviation compares: ``k``, ``v`` or ``kv`` (the sum of both).
-        tail: the share of the budget spent first on the cached tokens nearest the question (as
-            ``recency`` chooses them), the rest by deviation; 0 (default): all by deviation.
     """
 
     probe_layer: int | None = None
     probe_stride: int = 16
     deviation: str = "kv"
-    tail: float = 0.0
 
     def __post_init__(self) -> None:
         layer = self.probe_layer
@@ -73,9 +69,6 @@ class ProbeParams(SelectionParams):
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
             raise InvalidRequestError(f"probe_stride must be an integer >= 1, got {stride!r}")
         check_deviation(self.deviation)
-        tail = self.tail
-        if isinstance(tail, bool) or not isinstance(tail, (int, float)) or not 0.0 <= tail <= 1.0:
-            raise InvalidRequestError(f"tail must be a number in [0, 1] (a share of the budget), got {tail!r}")
 
     def resolved(self, n_layers: int) -> ProbeParams:
         """``probe_layer`` settled for a model of ``n_layers`` layers (see :attr:`probe_layer`)."""
@@ -241,13 +234,8 @@ def three_passes(p: BlendPass, choose: Choose, *, focus: bool = False) -> tuple[
 
 
 def _by_deviation(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
-    n, stride, budget = p.plan.num_tokens, p.params.probe_stride, budget_tokens(p)
-    chosen = None
-    if p.params.tail > 0:  # the tokens nearest the question first (``recency``), then by deviation
-        last_end = max(b for _, b in p.spans)
-        chosen = recency_window(p.candidates.cpu(), p.params.tail * budget / max(1, int(p.candidates.sum())), last_end)
-        budget -= int(chosen.sum())
-    return probe_blocks(p.spans, n, stride, meter.positions, meter.deviation, budget, threshold_of(p), chosen)
+    n, stride = p.plan.num_tokens, p.params.probe_stride
+    return probe_blocks(p.spans, n, stride, meter.positions, meter.deviation, budget_tokens(p), threshold_of(p))
 
 
 def probe(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
