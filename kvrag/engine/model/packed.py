@@ -128,7 +128,10 @@ class DecodeWeights:
         if bad is not None:
             return None, f"a packed product differs from F.linear ({bad})"
         if adapter.dtype == torch.float32:
-            return weights, "fused Q/K/V and gate/up, prepacked for oneDNN (float32: within 1e-4 of MKL's sums)"
+            return weights, (
+                "fused Q/K/V and gate/up, prepacked for oneDNN "
+                f"(float32: within {FLOAT32_TOLERANCE:.0e} of MKL's sums)".replace("e-0", "e-")
+            )
         return weights, "fused Q/K/V and gate/up, prepacked for oneDNN"
 
     @classmethod
@@ -146,7 +149,8 @@ class DecodeWeights:
         return cls(layers, PackedLinear(adapter.lm_head_weight, None, rows), rows)
 
     def _differs_from_plain(self, adapter: ModelAdapter) -> str | None:
-        """The first product that is not bit-identical to its plain ``F.linear`` counterpart."""
+        """The first product that is not bit-identical to its plain ``F.linear`` counterpart (float32:
+        not within :data:`FLOAT32_TOLERANCE` of it, or not independent of the product's other rows)."""
         gen = torch.Generator().manual_seed(0)
         exact = adapter.dtype != torch.float32
 
