@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--out", help="write every call's row here (JSON)")
     add_arguments(ap)
     args = ap.parse_args()
+    if args.out and Path(args.out).is_dir():  # found before the run, not when writing after it
+        ap.error(f"--out names a file (JSON); {args.out} is a directory")
     path = dataset_path(args.data)
     if path is None:
         raise SystemExit("the dev set is not there: pass --data path/to/musique_dev.json")

@@ -265,6 +265,8 @@ def main() -> None:
     chat_engine.add_arguments(ap, "chat-")
     ap.add_argument("--out", help="write every request's row and the figures here (JSON)")
     args = ap.parse_args()
+    if args.out and Path(args.out).is_dir():  # found before the run, not when writing after it
+        ap.error(f"--out names a file (JSON); {args.out} is a directory")
     flows = [f.strip() for f in args.flows.split(",") if f.strip()]
     if not flows or set(flows) - set(FLOWS):
         raise SystemExit(f"--flows takes {', '.join(FLOWS)}, got {args.flows!r}")

@@ -110,3 +110,17 @@ def test_zero_hit_pairs_a_default_call_that_found_nothing_with_a_full_one(tmp_pa
     assert [r["question"] for r in rows] == [0, 1]
     assert all(r["found"] == 0 and r["path"] == "full" and r["default"] > 0 and r["full"] > 0 for r in rows)
     assert "2 requests with nothing found" in capsys.readouterr().out
+
+
+# -- the acceptance commands ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["rag", "chat_engine"])
+def test_an_acceptance_command_refuses_a_directory_for_out_before_it_runs(command, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.acceptance.{command}")
+    monkeypatch.setattr("sys.argv", [command, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 2 and "is a directory" in capsys.readouterr().err
