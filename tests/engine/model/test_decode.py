@@ -180,8 +180,9 @@ def test_packing_that_fails_keeps_the_plain_path(tiny_tokenizer, monkeypatch):
 @pytest.mark.model
 def test_the_bundled_model_decodes_packed_as_the_plain_step(smol_engine):
     """bf16: the plain step's bits; float32 (a CPU without bf16 units): within rounding, same tokens."""
-    if packed_module._packable(smol_engine.adapter) is not None:
-        pytest.skip(f"no packed decode here: {packed_module._packable(smol_engine.adapter)}")
+    why = packed_module._packable(smol_engine.adapter)
+    if why is not None:
+        pytest.skip(f"no packed decode here: {why}")
     assert smol_engine.info().decode.startswith("packed")
     if smol_engine.adapter.dtype == torch.float32:
         decode_close(smol_engine.adapter, smol_engine.decoder, steps=3)
