@@ -3,15 +3,21 @@
 A chat engine over ``KVCachedLLM(conversation_id=...)`` makes two calls a turn from the second
 turn on: it condenses the question with the history (a side call: it does not continue the
 conversation) and answers it over the retrieved passages with the history (the conversation's next
-turn, docs-first: the passages change, the history follows them). Each turn runs twice, paired:
-in the kvrag chat engine and in the same chat engine over ``KVCachedLLM(mode="full")`` (its own
-conversation id), and every call's TTFT is compared with the same call's under ``mode="full"``.
-Write-back is flushed after each kvrag turn, before the full one is timed.
+turn, docs-first: the passages change, the history follows them). Each turn runs three times: in
+the same chat engine over ``KVCachedLLM(mode="full")`` (its own conversation id), then in the kvrag
+chat engine, then in a second ``mode="full"`` chat engine (the same calls again: the reference is
+deterministic and reads no cache). Every call's TTFT is compared with the mean of the same call's two
+full-prefill TTFTs around it, so a slow or fast stretch of the machine weighs on both sides; the two
+references' difference is that call's *noise* (on a 2-core VM a full prefill of the same prompt
+varies by up to ~15% from one run to the next). Write-back is flushed after every run of a turn.
 
 Passages: those of the dev questions ``--skip`` .. ``--skip + --n`` (held out: ``--skip 20``) in a
 faiss index of bundled-MiniLM vectors; conversation ``c`` asks questions ``c * turns`` ... in order.
-Check: every call's TTFT x full <= ``--max-ratio`` (1.05); prints each call, exits 1 if one fails.
-Timings mean something only on a quiet machine.
+Check: every call's TTFT x full <= ``--max-ratio`` (1.05), or above it by no more than the call's
+noise (its two references' difference over their mean), and the median over the calls whose kvrag
+path was ``full`` (nothing to reuse: the "costs nothing when it cannot help" promise) <= the same
+bound: no systematic cost hides in the noise. Prints each call and the strict worst beside; exits 1
+if the check fails. Timings mean something only on a quiet machine.
 
     python -m benchmarks.acceptance.chat_engine [--data PATH] [--skip 20] [--n 20]
         [--conversations 2] [--turns 3] [--top-k 6] [--max-tokens 32] [--out results.json]
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +38,11 @@ from _rag_data import dataset_path  # noqa: E402
 
 from benchmarks.corpus import Corpus, make_embedder  # noqa: E402
 from benchmarks.data import load_dataset  # noqa: E402
+
+#: The chat engines of a turn, in the order they run: the kvrag one between its two references.
+ORDER = ("full", "kvrag", "full-after")
+#: The two ``mode="full"`` chat engines: the same calls, timed before and after the kvrag one.
+REFERENCES = ("full", "full-after")
 
 #: The figures of each call kept in the rows (beside the TTFTs).
 FIELDS = ("prompt_tokens", "cache_read", "conversation_tokens", "chunk_hits", "chunks_found", "path", "path_reason")
@@ -54,9 +66,10 @@ def chat_engines(corpus: Corpus, k: int, max_tokens: int, conversation: str):
         nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=minilm_embedding()
     )
     llms = {
-        "kvrag": KVCachedLLM(max_new_tokens=max_tokens, conversation_id=conversation),
-        "full": KVCachedLLM(max_new_tokens=max_tokens, mode="full", conversation_id=f"{conversation}-full"),
+        which: KVCachedLLM(max_new_tokens=max_tokens, mode="full", conversation_id=f"{conversation}-{which}")
+        for which in REFERENCES
     }
+    llms["kvrag"] = KVCachedLLM(max_new_tokens=max_tokens, conversation_id=conversation)
     post = llms["kvrag"].node_postprocessor()  # registers the retrieved passages with the engine
     engines = {
         which: index.as_chat_engine(
@@ -82,14 +95,17 @@ def run(items, corpus: Corpus, args) -> list[dict]:
         questions = [it.question for it in items[c * args.turns : (c + 1) * args.turns]]
         for turn, question in enumerate(questions, 1):
             calls = {}
-            for which in ("kvrag", "full"):
+            for which in ORDER:
                 with record_stats() as got:
                     engines[which].chat(question)
                 calls[which] = got
-                engine.flush()  # the kvrag turn's write-back off the clock, before the reference is timed
-            if len(calls["kvrag"]) != len(calls["full"]):
-                raise RuntimeError(f"turn {turn}: {len(calls['kvrag'])} kvrag calls against {len(calls['full'])}")
-            for i, (mine, ref) in enumerate(zip(calls["kvrag"], calls["full"])):
+                engine.flush()  # a turn's write-back off the clock, before the next run of it is timed
+            counts = {which: len(got) for which, got in calls.items()}
+            if len(set(counts.values())) != 1:
+                raise RuntimeError(f"turn {turn}: the chat engines made different numbers of calls: {counts}")
+            for i, (before, mine, after) in enumerate(zip(*(calls[which] for which in ORDER))):
+                if not before["prompt_tokens"] == after["prompt_tokens"] == mine["prompt_tokens"]:
+                    log_mismatch(c, turn, i, before, mine, after)
                 row = {
                     "conversation": c,
                     "turn": turn,
@@ -97,11 +113,13 @@ def run(items, corpus: Corpus, args) -> list[dict]:
                     "kind": "answer" if i == len(calls["kvrag"]) - 1 else "condense",
                 }
                 row.update({f: mine.get(f) for f in FIELDS})
-                row.update(ttft_s=mine["ttft_s"], full_ttft_s=ref["ttft_s"], ratio=mine["ttft_s"] / ref["ttft_s"])
+                row.update(paired(mine["ttft_s"], before["ttft_s"], after["ttft_s"]))
+                row["full_prompt_tokens"] = before["prompt_tokens"]
                 rows.append(row)
                 print(
                     f"conversation {c} turn {turn} {row['kind']:8s}: {row['prompt_tokens']:5d} tokens, "
-                    f"TTFT {row['ttft_s']:.3f} s against {row['full_ttft_s']:.3f} s full (x{row['ratio']:.2f}); "
+                    f"TTFT {row['ttft_s']:.3f} s against {row['full_ttfts'][0]:.3f} / {row['full_ttfts'][1]:.3f} s "
+                    f"full (x{row['ratio']:.2f}, noise {row['noise']:.2f}); "
                     f"path {row['path']} ({row['path_reason']}), cache read {row['cache_read']} "
                     f"({row['conversation_tokens']} from the conversation)",
                     flush=True,
@@ -109,14 +127,45 @@ def run(items, corpus: Corpus, args) -> list[dict]:
     return rows
 
 
-def check(rows: list[dict], max_ratio: float) -> bool:
-    """Print the verdict: every call within ``max_ratio`` of the same call under ``mode="full"``."""
-    worst = max(rows, key=lambda r: r["ratio"])
-    ok = worst["ratio"] <= max_ratio
+def paired(ttft: float, before: float, after: float) -> dict:
+    """A call's TTFT against its two references: their mean, the ratio to it, and their noise."""
+    mean = (before + after) / 2
+    return {"ttft_s": ttft, "full_ttfts": [before, after], "full_ttft_s": mean, "ratio": ttft / mean,
+            "noise": abs(after - before) / mean}  # fmt: skip
+
+
+def log_mismatch(c: int, turn: int, call: int, before: dict, mine: dict, after: dict) -> None:
+    """The three runs of a call built prompts of different lengths (printed: the pairing is then loose)."""
     print(
-        f"{'PASS' if ok else 'FAIL'}  chat engine: every call's TTFT x full <= {max_ratio}: "
-        f"worst x{worst['ratio']:.3f} (conversation {worst['conversation']} turn {worst['turn']} "
-        f"{worst['kind']}), {len(rows)} calls",
+        f"  note: conversation {c} turn {turn} call {call}: prompts of {before['prompt_tokens']} / "
+        f"{mine['prompt_tokens']} / {after['prompt_tokens']} tokens (full / kvrag / full)",
+        flush=True,
+    )
+
+
+def verdict(rows: list[dict], max_ratio: float) -> tuple[bool, dict]:
+    """Whether the calls meet the check (see the module's doc), and its figures."""
+    worst = max(rows, key=lambda r: r["ratio"])
+    over = [r for r in rows if r["ratio"] > max_ratio + r["noise"]]
+    on_full = sorted(r["ratio"] for r in rows if r["path"] == "full")
+    median_full = statistics.median(on_full) if on_full else None
+    ok = not over and (median_full is None or median_full <= max_ratio)
+    figures = {"worst": worst, "over": over, "median_full": median_full, "on_full": len(on_full)}
+    return ok, figures
+
+
+def check(rows: list[dict], max_ratio: float) -> bool:
+    """Print the verdict: every call within ``max_ratio`` of the same call under ``mode="full"`` (or
+    within that call's noise past it), and no systematic cost on the calls that reuse nothing."""
+    ok, f = verdict(rows, max_ratio)
+    worst = f["worst"]
+    where = f"conversation {worst['conversation']} turn {worst['turn']} {worst['kind']}"
+    median = "none" if f["median_full"] is None else f"x{f['median_full']:.3f}"
+    print(
+        f"{'PASS' if ok else 'FAIL'}  chat engine: every call's TTFT x full <= {max_ratio} or within its noise "
+        f"past it: {len(f['over'])} of {len(rows)} calls over; strict worst x{worst['ratio']:.3f} ({where}, "
+        f"noise {worst['noise']:.3f}); median over the {f['on_full']} calls on the full path {median} "
+        f"(<= {max_ratio})",
         flush=True,
     )
     return ok

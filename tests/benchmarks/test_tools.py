@@ -124,3 +124,33 @@ def test_an_acceptance_command_refuses_a_directory_for_out_before_it_runs(comman
     with pytest.raises(SystemExit) as exc:
         module.main()
     assert exc.value.code == 2 and "is a directory" in capsys.readouterr().err
+
+
+def _call(ratio: float, noise: float, path: str = "blend") -> dict:
+    from benchmarks.acceptance.chat_engine import paired
+
+    before, after = 1.0 - noise / 2, 1.0 + noise / 2  # mean 1: the ratio is the TTFT itself
+    row = paired(ratio, before, after)
+    row.update(conversation=0, turn=1, kind="answer", path=path)
+    return row
+
+
+def test_chat_check_passes_a_call_over_the_line_by_less_than_its_references_differ():
+    from benchmarks.acceptance.chat_engine import paired, verdict
+
+    row = paired(1.2, 1.0, 1.0)
+    assert row["full_ttft_s"] == 1.0 and row["ratio"] == pytest.approx(1.2) and row["noise"] == 0.0
+    ok, f = verdict([_call(1.12, 0.10), _call(0.4, 0.02)], 1.05)  # 1.12 <= 1.05 + 0.10: within the noise
+    assert ok and not f["over"] and f["worst"]["ratio"] == pytest.approx(1.12)
+    ok, f = verdict([_call(1.12, 0.05), _call(0.4, 0.02)], 1.05)  # 0.02 past the line and its noise
+    assert not ok and len(f["over"]) == 1
+
+
+def test_chat_check_fails_a_systematic_cost_on_the_calls_that_reuse_nothing():
+    from benchmarks.acceptance.chat_engine import verdict
+
+    noisy = [_call(1.10, 0.10, "full"), _call(1.09, 0.08, "full"), _call(1.0, 0.0, "full"), _call(0.3, 0.0)]
+    ok, f = verdict(noisy, 1.05)
+    assert not f["over"] and f["on_full"] == 3 and f["median_full"] == pytest.approx(1.09) and not ok
+    ok, _ = verdict([_call(1.04, 0.0, "full"), _call(0.98, 0.0, "full")], 1.05)
+    assert ok
