@@ -18,9 +18,9 @@ are computed in full; that part is not the engine's to save). Over every request
 chunks whose KV the store held (issue 34: never slower than a full prefill when the cache cannot
 help): median TTFT x full <= 1.03 with none found, <= 1.0 with 1-3 found (the path each request took
 is in its row). ``--chat`` also runs a LlamaIndex ``condense_plus_context`` chat engine, every call
-against the same call under ``mode="full"`` (:mod:`benchmarks.acceptance.chat_engine`). Prints the
-figures and a PASS/FAIL line per check; exits 1 if one fails. Timings mean something only on a quiet
-machine.
+against the same call under ``mode="full"`` run before and after it
+(:mod:`benchmarks.acceptance.chat_engine`). Prints the figures and a PASS/FAIL line per check; exits 1
+if one fails. Timings mean something only on a quiet machine.
 
     python -m benchmarks.acceptance.rag [--data PATH] [--n 20] [--skip 0] [--requests 40]
         [--flows lcel,classic,llamaindex] [--top-k 6] [--max-tokens 32] [--zipf 1.0] [--seed 0]
