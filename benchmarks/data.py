@@ -9,12 +9,12 @@ order), and the question plus the chat template's tail in the suffix.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrag.calibrate import read_dataset_list
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
@@ -81,14 +81,7 @@ def load_dataset(path: str | Path, n: int | None = None) -> list[QAItem]:
         InvalidRequestError: the file is missing, not JSON, or not in the expected shape.
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidRequestError(f"dataset not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"dataset {path} is not readable JSON: {exc}") from None
-    if not isinstance(data, list) or not data:
-        raise InvalidRequestError(f"dataset {path} must be a non-empty JSON list of questions")
+    data = read_dataset_list(path)
     items = []
     for i, row in enumerate(data[: n if n else None]):
         where = f"dataset {path}, item {i}"

@@ -28,7 +28,15 @@ from pathlib import Path
 
 from kvrag.errors import InvalidRequestError, KvragError
 
-__all__ = ["main", "parser", "DevQuestion", "read_questions", "prompt_parts", "calibration_questions"]
+__all__ = [
+    "main",
+    "parser",
+    "DevQuestion",
+    "read_questions",
+    "read_dataset_list",
+    "prompt_parts",
+    "calibration_questions",
+]
 
 #: The benchmark's prompt (``benchmarks.data``): a calibration measures the prompts it is judged on.
 SYSTEM = "You are a careful assistant that answers questions from the given passages."
@@ -54,14 +62,12 @@ def _passage(ctx: dict) -> str:
     return f"{title}\n{text}\n\n" if title else f"{text}\n\n"
 
 
-def read_questions(path: str | Path, n: int) -> list[DevQuestion]:
-    """The first ``n`` questions of a QA file (answers are not needed, nor read).
+def read_dataset_list(path: Path) -> list:
+    """A QA file's rows: a non-empty JSON list (each row is checked by its reader).
 
     Raises:
-        InvalidRequestError: the file is missing, not JSON, not a list of questions with passages,
-            or holds fewer than ``n``.
+        InvalidRequestError: the file is missing, not JSON, or not a non-empty list.
     """
-    path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -70,6 +76,18 @@ def read_questions(path: str | Path, n: int) -> list[DevQuestion]:
         raise InvalidRequestError(f"dataset {path} is not readable JSON: {exc}") from None
     if not isinstance(data, list) or not data:
         raise InvalidRequestError(f"dataset {path} must be a non-empty JSON list of questions")
+    return data
+
+
+def read_questions(path: str | Path, n: int) -> list[DevQuestion]:
+    """The first ``n`` questions of a QA file (answers are not needed, nor read).
+
+    Raises:
+        InvalidRequestError: the file is missing, not JSON, not a list of questions with passages,
+            or holds fewer than ``n``.
+    """
+    path = Path(path)
+    data = read_dataset_list(path)
     if len(data) < n:
         raise InvalidRequestError(f"dataset {path} has {len(data)} questions, {n} were asked for")
     out = []

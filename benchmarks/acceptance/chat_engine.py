@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from _rag_data import dataset_path  # noqa: E402
 
+from benchmarks.acceptance import parse_checked  # noqa: E402
 from benchmarks.corpus import Corpus, make_embedder  # noqa: E402
 from benchmarks.data import load_dataset  # noqa: E402
 
@@ -187,12 +188,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", help="write every call's row here (JSON)")
     add_arguments(ap)
-    args = ap.parse_args()
-    if args.out and Path(args.out).is_dir():  # found before the run, not when writing after it
-        ap.error(f"--out names a file (JSON); {args.out} is a directory")
-    path = dataset_path(args.data)
-    if path is None:
-        raise SystemExit("the dev set is not there: pass --data path/to/musique_dev.json")
+    args, path = parse_checked(ap, dataset_path)
     items = load_dataset(path, args.skip + args.n)[args.skip :]
     if args.conversations * args.turns > len(items):
         raise SystemExit(f"{args.conversations} x {args.turns} turns need that many questions; --n is {len(items)}")

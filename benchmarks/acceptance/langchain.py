@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from _rag_data import build_index, dataset_path, load_passages  # noqa: E402
 from multi_turn_chat import DEV_TURNS, run_turn  # noqa: E402
 
+from benchmarks.acceptance import parse_checked  # noqa: E402
 from kvrag import ContextLengthError  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever, register_documents  # noqa: E402
 from kvrag.integrations.langchain.chat_models import to_chat_messages  # noqa: E402
@@ -130,10 +131,7 @@ def main() -> None:
     ap.add_argument("--data")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--only", choices=("multi", "errors"))
-    args = ap.parse_args()
-    path = dataset_path(args.data)
-    if path is None:
-        raise SystemExit("the dev set is not there: pass --data path/to/musique_dev.json")
+    args, path = parse_checked(ap, dataset_path)
     docs, questions = load_passages(path)
     print(f"{len(docs)} unique passages, {len(questions)} questions; building the faiss index...", flush=True)
     store = build_index(docs)

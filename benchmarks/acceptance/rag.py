@@ -46,7 +46,7 @@ from _rag_data import MiniLMEmbeddings, dataset_path, format_docs  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 
-from benchmarks.acceptance import chat_engine  # noqa: E402
+from benchmarks.acceptance import chat_engine, parse_checked  # noqa: E402
 from benchmarks.corpus import Corpus, make_embedder, question_stream  # noqa: E402
 from benchmarks.data import load_dataset  # noqa: E402
 from benchmarks.metrics import rouge_l, summarize  # noqa: E402
@@ -264,15 +264,10 @@ def main() -> None:
     ap.add_argument("--chat", action="store_true", help="also run the condense_plus_context chat engine check")
     chat_engine.add_arguments(ap, "chat-")
     ap.add_argument("--out", help="write every request's row and the figures here (JSON)")
-    args = ap.parse_args()
-    if args.out and Path(args.out).is_dir():  # found before the run, not when writing after it
-        ap.error(f"--out names a file (JSON); {args.out} is a directory")
+    args, path = parse_checked(ap, dataset_path)
     flows = [f.strip() for f in args.flows.split(",") if f.strip()]
     if not flows or set(flows) - set(FLOWS):
         raise SystemExit(f"--flows takes {', '.join(FLOWS)}, got {args.flows!r}")
-    path = dataset_path(args.data)
-    if path is None:
-        raise SystemExit("the dev set is not there: pass --data path/to/musique_dev.json")
     if args.skip < 0:
         raise SystemExit("--skip must be >= 0")
     items = load_dataset(path, args.skip + args.n)[args.skip :]
