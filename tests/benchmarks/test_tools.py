@@ -126,6 +126,22 @@ def test_an_acceptance_command_refuses_a_directory_for_out_before_it_runs(comman
     assert exc.value.code == 2 and "is a directory" in capsys.readouterr().err
 
 
+def test_an_acceptance_command_names_a_missing_dev_set_and_returns_a_found_one(tmp_path, monkeypatch):
+    import argparse
+
+    from benchmarks.acceptance import parse_checked
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data")
+    monkeypatch.setattr("sys.argv", ["rag"])
+    with pytest.raises(SystemExit, match="the dev set is not there: pass --data"):
+        parse_checked(ap, lambda data: None)
+    found = tmp_path / "qa.json"
+    monkeypatch.setattr("sys.argv", ["rag", "--data", str(found)])
+    args, path = parse_checked(ap, lambda data: found if data == str(found) else None)
+    assert path == found and args.data == str(found)
+
+
 def _call(ratio: float, noise: float, path: str = "blend") -> dict:
     from benchmarks.acceptance.chat_engine import paired
 
