@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kvrag.calibrate import read_dataset_list
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import KVRecord, chunk_key
 from kvrag.engine.store.disk import DiskStore
@@ -43,7 +44,7 @@ BYTES_PER_TOKEN_DIM = 32  # K/V head dim of the scaled records: 2 x 32 x 2 bytes
 
 def pooled_passages(dataset: str, tokenizer) -> tuple[list[str], list[list[int]], int]:
     """Unique passages of a QA file (``title\\ntext``), their token ids, and mean question tokens."""
-    data = json.loads(Path(dataset).read_text())
+    data = read_dataset_list(Path(dataset))
     texts = list(dict.fromkeys(f"{c['title']}\n{c['text']}\n" for q in data for c in q["ctxs"]))
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     q = sum(len(tokenizer(d["question"])["input_ids"]) for d in data) // len(data)

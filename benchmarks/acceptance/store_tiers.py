@@ -22,8 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from kvrag import Engine, SamplingParams
+from kvrag.calibrate import read_dataset_list
 from kvrag.engine.store import DiskStore, MemoryStore, TieredStore
 
 PREFIX = "<|im_start|>system\nAnswer the question from the documents.<|im_end|>\n<|im_start|>user\n"
@@ -35,7 +37,7 @@ def tiered(directory: str) -> TieredStore:
 
 
 def questions(path: str, n: int, k: int) -> list[tuple[list[str], str]]:
-    data = json.load(open(path))[:n]
+    data = read_dataset_list(Path(path))[:n]
     return [
         (
             [f"{c['title']}\n{c['text']}\n" for c in q["ctxs"][:k]],
