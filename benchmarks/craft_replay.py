@@ -50,6 +50,8 @@ __all__ = ["ORDERS", "replay", "main"]
 #: Orders compared (module docstring): the retriever's, CRAFT's sort, two tree-aware variants of
 #: it, and the engine's ``order="frequency"`` told of every stored sequence or only promoted ones.
 ORDERS = ("retrieval", "counts", "hysteresis", "path-first", "frequency", "frequency-promoted")
+#: Kinds of ask the tree hits are split by (an ask's occurrence 0, 1, 2 or more).
+ASK_KINDS = ("first asks", "first returns", "later returns")
 
 
 class _Tree:
@@ -107,15 +109,23 @@ def _lcp(a: list, b: list) -> int:
     return n
 
 
-def replay(stream: list[list[int]], *, window: int | None, order: str, tau: int = 2) -> dict:
-    """Replay retrievals (chunk ids, in retrieval order) through an access table; CRAFT's metrics."""
+def replay(
+    stream: list[list[int]], *, window: int | None, order: str, tau: int = 2, occurrences: list[int] | None = None
+) -> dict:
+    """Replay retrievals (chunk ids, in retrieval order) through an access table; CRAFT's metrics.
+
+    ``occurrences`` (the asks' :attr:`~benchmarks.corpus.Ask.occurrence`, one per retrieval) adds
+    the tree hits per kind of ask (:data:`ASK_KINDS`: first asks, a question's first return, its
+    later returns), each averaged over that kind's requests and normalised by k.
+    """
     table = AccessTable(window, tau)
     trees = {tau: _Tree(), 1: _Tree()}
     seen: list[list] = []
     prefix = total = 0.0
     tree_hits = {t: 0.0 for t in trees}
+    by_kind = {t: {kind: [] for kind in ASK_KINDS} for t in trees}
     k = max(len(r) for r in stream)
-    for ids in stream:
+    for n_req, ids in enumerate(stream):
         docs = [str(i) for i in ids]
         counts = table.counts("r", docs)
         if order == "retrieval":
@@ -135,8 +145,11 @@ def replay(stream: list[list[int]], *, window: int | None, order: str, tau: int 
             here = set(seq)
             total += max(len(here.intersection(prev)) for prev in seen) / k
         for t, tree in trees.items():
+            hit = tree.match(seq) / k
             if seen:
-                tree_hits[t] += tree.match(seq) / k
+                tree_hits[t] += hit
+            if occurrences is not None:
+                by_kind[t][ASK_KINDS[min(occurrences[n_req], 2)]].append(hit)
             table_t = table if t == tau else None
             lead = table_t.promoted("r", [str(c) for c in seq]) if table_t is not None else len(seq)
             tree.insert(seq[:lead])
@@ -145,6 +158,11 @@ def replay(stream: list[list[int]], *, window: int | None, order: str, tau: int 
                 table.stored("r", [str(c) for c in seq[:lead]])  # what the engine is told it holds
         seen.append(seq)
     n = max(1, len(stream) - 1)
+    kinds = {}
+    if occurrences is not None:
+        for t in trees:
+            kinds[f"tree_tau{t}_by_ask"] = {kind: _mean(v) for kind, v in by_kind[t].items()}
+        kinds["asks"] = {kind: len(v) for kind, v in by_kind[tau].items()}
     return {
         "prefix": prefix / n,
         "total": total / n,
@@ -153,18 +171,42 @@ def replay(stream: list[list[int]], *, window: int | None, order: str, tau: int 
         "tree_tau1": tree_hits[1] / n,
         "tree_nodes_tau1": trees[1].nodes,
         "table_chunks": table.stats("r").chunks,
+        **kinds,
     }
 
 
-def _stream(dataset: str, n: int, requests: int, k: int, zipf: float, seed: int, embedder: str) -> list[list[int]]:
-    """Workload (r)'s retrievals: the top-k passage ids of each ask, in retrieval order."""
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _stream(
+    dataset: str, n: int, requests: int, k: int, zipf: float, seed: int, embedder: str, skip: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    """Workload (r)'s retrievals (the top-k passage ids of each ask, in retrieval order) and each
+    ask's occurrence; the questions are the dataset's ``n`` after the first ``skip``, as the bench's."""
     from benchmarks.corpus import Corpus, make_embedder, question_stream
     from benchmarks.data import load_dataset
 
-    items = load_dataset(dataset, n)
+    items = load_dataset(dataset, skip + n)[skip:]
     asks = question_stream(items, requests, zipf, seed)
     corpus = Corpus(items, make_embedder(embedder))
-    return corpus.search([a.text for a in asks], k)
+    return corpus.search([a.text for a in asks], k), [a.occurrence for a in asks]
+
+
+def _print_by_ask(rows: list[dict], tau: int) -> None:
+    """Tree hits per kind of ask: what the promoted tree (tau) and the keep-everything tree (1) give
+    a first ask, a question's first return and its later returns, in the orders that follow them."""
+    counts = rows[0]["asks"]
+    print(f"\nTree hits by kind of ask (share of k; asks: {', '.join(f'{n} {kind}' for kind, n in counts.items())})\n")
+    print("| W | order | tree | " + " | ".join(ASK_KINDS) + " |")
+    print("|---|---|---|" + "---|" * len(ASK_KINDS))
+    for r in rows:
+        if r["order"] not in ("retrieval", "frequency-promoted", "frequency"):
+            continue
+        for t in (tau, 1):
+            cells = [r[f"tree_tau{t}_by_ask"][kind] for kind in ASK_KINDS]
+            shown = " | ".join("" if c is None else f"{c:.3f}" for c in cells)
+            print(f"| {r['window'] or 'unbounded'} | {r['order']} | tau={t} | {shown} |")
 
 
 def _window(text: str) -> int | None:
@@ -175,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks craft-replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True)
     p.add_argument("--n", type=int, default=50, help="questions pooled (workload r's --n)")
+    p.add_argument("--skip", type=int, default=0, help="questions skipped first (held-out halves: --skip 20 --n 20)")
     p.add_argument("--requests", type=int, default=500, help="stream length (first asks + reworded returns)")
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--zipf", type=float, default=1.0)
@@ -185,19 +228,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    stream = _stream(a.dataset, a.n, a.requests, a.top_k, a.zipf, a.seed, a.embedder)
+    if a.skip < 0:
+        p.error("--skip must be >= 0")
+    stream, occurrences = _stream(a.dataset, a.n, a.requests, a.top_k, a.zipf, a.seed, a.embedder, a.skip)
     rows = []
     for w in [_window(x.strip()) for x in a.windows.split(",")]:
         base = None
         for order in ORDERS:
-            row = {"window": w, "order": order, **replay(stream, window=w, order=order, tau=a.tau)}
+            row = {
+                "window": w,
+                "order": order,
+                **replay(stream, window=w, order=order, tau=a.tau, occurrences=occurrences),
+            }
             base = row if order == "retrieval" else base
             gap = row["total"] - base["prefix"]
             row["gap_closed"] = (row["prefix"] - base["prefix"]) / gap if gap > 0 else None
             rows.append(row)
     tau = a.tau
     print(
-        f"workload (r) replay: {len(stream)} requests, top-{a.top_k}, {a.n} questions, Zipf {a.zipf}, "
+        f"workload (r) replay: {len(stream)} requests, top-{a.top_k}, {a.n} questions after {a.skip}, Zipf {a.zipf}, "
         f"seed {a.seed}, {a.embedder} embeddings, tau {tau} ({time.perf_counter() - t0:.1f} s)\n"
     )
     print(
@@ -212,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r[f'tree_tau{tau}']:.3f} | {r[f'tree_nodes_tau{tau}']} "
             f"| {r['tree_tau1']:.3f} | {r['tree_nodes_tau1']} |"
         )
+    _print_by_ask(rows, tau)
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
     return 0

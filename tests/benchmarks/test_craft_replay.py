@@ -40,3 +40,16 @@ def test_method_specs_take_a_chunk_order():
     assert ordered.overrides == {} and ordered.mode == "full"
     with pytest.raises(InvalidRequestError, match="unknown chunk order 'hot'"):
         parse_methods("blend+order=hot")
+
+
+def test_replay_splits_tree_hits_by_kind_of_ask():
+    # question A asked, a filler, A back (first return), A back again (a later return)
+    stream = [[1, 2, 3], [7, 8, 9], [1, 2, 3], [1, 2, 3]]
+    occurrences = [0, 0, 1, 2]
+    promoted = replay(stream, window=None, order="retrieval", tau=2, occurrences=occurrences)
+    assert promoted["asks"] == {"first asks": 2, "first returns": 1, "later returns": 1}
+    # tau = 2: the first return promotes the sequence, so only the later return finds it whole
+    assert promoted["tree_tau2_by_ask"] == {"first asks": 0.0, "first returns": 0.0, "later returns": 1.0}
+    # every sequence kept (tau = 1): the first return finds it already
+    assert promoted["tree_tau1_by_ask"] == {"first asks": 0.0, "first returns": 1.0, "later returns": 1.0}
+    assert "asks" not in replay(stream, window=None, order="retrieval", tau=2)
