@@ -379,8 +379,8 @@ class EngineConfig:
             the store keeps exact sequences of what recurs, not of every request. 1 refreshes every
             retrieved sequence: over a warmed corpus, where a first ask blends and is not refreshed at
             2, a question's first return then finds its first ask exact (docs/benchmarks.md, "Promotion
-            holds the default back over a warmed corpus": 1.4x with ``order="frequency"``, ~3x the
-            idle refresh work). A namespace where no retrieval was ever counted (prompts only, no
+            holds the default back over a warmed corpus": 1.4-1.5x with ``order="frequency"``, ~3x
+            the idle refresh work; at 2 the order gains from a question's second return on). A namespace where no retrieval was ever counted (prompts only, no
             retriever wrapper) has nothing to gate on: its blended sequences are all refreshed.
         max_conversations: live conversations whose KV is kept between turns (8; least recently
             used dropped first; 0 keeps none). Each keeps ~``tokens x 23 KB`` (SmolLM2, bf16).
