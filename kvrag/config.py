@@ -380,8 +380,9 @@ class EngineConfig:
             retrieved sequence: over a warmed corpus, where a first ask blends and is not refreshed at
             2, a question's first return then finds its first ask exact (docs/benchmarks.md, "Promotion
             holds the default back over a warmed corpus": 1.4-1.5x with ``order="frequency"``, ~3x
-            the idle refresh work; at 2 the order gains from a question's second return on). A namespace where no retrieval was ever counted (prompts only, no
-            retriever wrapper) has nothing to gate on: its blended sequences are all refreshed.
+            the idle refresh work; at 2 the order gains from a question's second return on). A
+            namespace where no retrieval was ever counted (prompts only, no retriever wrapper) has
+            nothing to gate on: its blended sequences are all refreshed.
         max_conversations: live conversations whose KV is kept between turns (8; least recently
             used dropped first; 0 keeps none). Each keeps ~``tokens x 23 KB`` (SmolLM2, bf16).
         conversation_dedup: in a conversation, drop chunks that an earlier turn already placed in
