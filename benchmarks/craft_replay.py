@@ -43,6 +43,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.metrics import summarize
 from kvrag.engine.reuse.access import AccessTable, frequency_order
 
 __all__ = ["ORDERS", "replay", "main"]
@@ -161,7 +162,7 @@ def replay(
     kinds = {}
     if occurrences is not None:
         for t in trees:
-            kinds[f"tree_tau{t}_by_ask"] = {kind: _mean(v) for kind, v in by_kind[t].items()}
+            kinds[f"tree_tau{t}_by_ask"] = {kind: summarize(v)["mean"] for kind, v in by_kind[t].items()}
         kinds["asks"] = {kind: len(v) for kind, v in by_kind[tau].items()}
     return {
         "prefix": prefix / n,
@@ -173,10 +174,6 @@ def replay(
         "table_chunks": table.stats("r").chunks,
         **kinds,
     }
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def _stream(
