@@ -170,6 +170,9 @@ class EngineMethod(Method):
                 "exact_chunks": sum(c.source in ("prefix", "tree") for c in s.chunks),
                 "blended_chunks": sum(c.source == "store" for c in s.chunks),
                 "blended_tokens": candidates,
+                # how foreign the blended KV was: Cache-Craft's beta, token-weighted (0: all other company)
+                "blended_overlap": _weighted(s.chunks, "overlap"),
+                "blended_fix": _weighted(s.chunks, "fix"),
             },
         )
 
@@ -204,6 +207,13 @@ class ConversationMethod(EngineMethod):
 
     def end(self, engine, conversation: str) -> None:
         engine.end_conversation(f"{self.name}/{conversation}")
+
+
+def _weighted(chunks, field: str) -> float | None:
+    """The blended chunks' ``field``, weighted by their tokens (``None``: nothing blended)."""
+    blended = [c for c in chunks if c.source == "store" and getattr(c, field) is not None]
+    total = sum(c.tokens for c in blended)
+    return sum(c.tokens * getattr(c, field) for c in blended) / total if total else None
 
 
 def engine_token_ids(engine, req) -> list[int]:

@@ -69,6 +69,7 @@ class ChunkInfo:
     source: str  # "store" (cached KV, blended), "tree" (an exact variant), "prefix" (an exact prefix), "computed"
     tier: str = ""  # for "store"/"tree": where the KV came from ("memory", "disk", ...)
     fix: float | None = None  # the reused variant's cache fix overhead (0: exact; ~CCI: foreign company)
+    overlap: float | None = None  # for "store": its variant's company still before it here (beta; 0: foreign)
 
 
 @dataclass(slots=True)

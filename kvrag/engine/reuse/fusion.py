@@ -290,6 +290,6 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
         chunk_hits=sum(c.hit for c in plan.chunks),
         chunk_misses=sum(not c.hit for c in plan.chunks),
         chunks_found=sum(c.found for c in plan.chunks),
-        chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier, c.fix) for c in plan.chunks],
+        chunks=[ChunkInfo(c.start, c.length, c.hit, c.source, c.tier, c.fix, c.overlap) for c in plan.chunks],
         prefill_s=prefill_s,
     )

@@ -107,6 +107,8 @@ def test_warmed_chunks_remember_their_context(tiny_engine):
     g = tiny_engine.generate(docs, PREFIX, SUFFIX, max_new_tokens=1)  # the warm order: the context fits
     h = tiny_engine.generate(docs[::-1], PREFIX, SUFFIX, max_new_tokens=1)
     assert g.stats.chunks[2].fix < h.stats.chunks[0].fix
+    # Cache-Craft's beta in the stats: first in the prompt, nothing of its warm company precedes it
+    assert h.stats.chunks[0].overlap == 0.0 < g.stats.chunks[2].overlap <= 1.0
 
 
 def test_similarity_order_puts_each_passage_next_to_the_ones_most_like_it():
