@@ -1,8 +1,9 @@
 """What a per-request quality dial could reach: settings mixed request by request, from a bench run.
 
 Model-free: reads a workload (r) run's records (``results.json`` of ``python -m benchmarks ...
---workloads r``), keeps one kind of ask (first asks by default) and, per request, each listed
-method's TTFT × full and answer drift. Then:
+--workloads r``; or several runs of the same stream, each method from one of them, its TTFT × full
+paired within its own run), keeps one kind of ask (first asks by default) and, per request, each
+listed method's TTFT × full and answer drift. Then:
 
 - each method alone: median (and mean) TTFT × full, mean drift;
 - ``oracle``: per request the method a perfect dial would choose, to get the least mean drift while
@@ -107,7 +108,7 @@ def _line(name: str, s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quality_mix", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="a bench run's output folder (its results.json)")
+    p.add_argument("out", type=Path, nargs="+", help="bench runs' output folders (their results.json)")
     p.add_argument("--methods", required=True, help="comma-separated methods of the run, cheapest first")
     p.add_argument("--kind", default="first", choices=sorted(KINDS), help="which asks (default: first asks)")
     p.add_argument("--cap", type=float, default=0.25, help="the oracle's median TTFT × full (default 0.25)")
@@ -119,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in a.methods.split(",") if m]
     if len(methods) < 2:
         p.error("--methods needs two methods at least")
-    records = json.loads((a.out / "results.json").read_text())["records"]
+    records, source = [], {}
+    for out in a.out:
+        for r in json.loads((out / "results.json").read_text())["records"]:
+            if r.get("method") in methods and source.setdefault(r["method"], out) != out:
+                p.error(f"method {r['method']} is in {source[r['method']]} and {out}: give each method from one run")
+            records.append(r)
     table = requests_of(records, methods, a.kind)
     cheap, dear = a.cheap or methods[min(1, len(methods) - 2)], a.dear or methods[-1]
-    print(f"{len(table)} requests ({a.kind} asks) of {a.out}\n")
+    print(f"{len(table)} requests ({a.kind} asks) of {', '.join(map(str, a.out))}\n")
     print("| choice | TTFT × full, median | mean | drift, mean | requests per method |\n|---|---|---|---|---|")
     for m in methods:
         print(_line(m, summary(table, {q: m for q in table})))

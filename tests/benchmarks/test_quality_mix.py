@@ -76,3 +76,12 @@ def test_the_rule_spends_where_the_signal_is_low_and_the_command_prints_every_ch
     out = capsys.readouterr().out
     assert "5 requests (first asks)" in out and "| oracle, median ≤ 0.25 | 0.200 |" in out
     assert "| dear where blended_overlap < 0.25, else cheap |" in out
+    # two runs of the same stream: each method from one of them
+    one, two = tmp_path / "run1", tmp_path / "run2"  # run1 ran dear (and full), run2 cheap
+    for d, m in ((one, "cheap"), (two, "dear")):
+        d.mkdir()
+        d.joinpath("results.json").write_text(json.dumps({"records": [r for r in records() if r["method"] != m]}))
+    assert main([str(one), str(two), "--methods", "cheap,dear", "--thresholds", "0.25"]) == 0
+    assert "| oracle, median ≤ 0.25 | 0.200 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), str(two), "--methods", "cheap,dear"])
