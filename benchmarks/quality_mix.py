@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+from collections import Counter
 from pathlib import Path
 
+from benchmarks.metrics import summarize
+from benchmarks.specs import split_specs
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["requests_of", "oracle", "rule", "summary", "main"]
@@ -89,15 +91,13 @@ def rule(table: Table, cheap: str, dear: str, signal: str, threshold: float) -> 
 def summary(table: Table, choice: dict[int, str]) -> dict:
     """Median and mean TTFT × full, mean drift, and how many requests took each method."""
     recs = [table[q][m] for q, m in choice.items()]
-    counts: dict[str, int] = {}
-    for m in choice.values():
-        counts[m] = counts.get(m, 0) + 1
+    ttft = summarize(_t(r) for r in recs)
     return {
         "requests": len(recs),
-        "ttft_ratio_median": statistics.median(_t(r) for r in recs),
-        "ttft_ratio_mean": statistics.fmean(_t(r) for r in recs),
-        "drift_mean": statistics.fmean(_d(r) for r in recs),
-        "methods": counts,
+        "ttft_ratio_median": ttft["median"],
+        "ttft_ratio_mean": ttft["mean"],
+        "drift_mean": summarize(_d(r) for r in recs)["mean"],
+        "methods": dict(Counter(choice.values())),
     }
 
 
@@ -114,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=float, default=0.25, help="the oracle's median TTFT × full (default 0.25)")
     p.add_argument("--signal", default="blended_overlap", help="the rule's record field (default: blended_overlap)")
     p.add_argument("--thresholds", default="0.1,0.2,0.25,0.3,0.4,0.5", help="the rule's thresholds")
-    p.add_argument("--cheap", help="the rule's method above the threshold (default: the second of --methods)")
+    p.add_argument(
+        "--cheap", help="the rule's method above the threshold (default: the second of --methods; of two, the first)"
+    )
     p.add_argument("--dear", help="the rule's method below it (default: the last of --methods)")
     a = p.parse_args(argv)
-    methods = [m for m in a.methods.split(",") if m]
+    methods = split_specs(a.methods)
     if len(methods) < 2:
         p.error("--methods needs two methods at least")
     records, source = [], {}
