@@ -11,7 +11,7 @@ python -m benchmarks store-sim --dataset QA.json --out DIR  # the store's steady
 python -m benchmarks craft-replay --dataset QA.json   # CRAFT: prefix vs total hits per chunk order (no model)
 python -m benchmarks registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
 python -m benchmarks kernels                        # Triton kernels against their references (needs a CUDA GPU)
-python -m benchmarks calibrate --dataset QA.json    # = kvrag calibrate: the constants of recompute_ratio="auto"
+python -m benchmarks calibrate --dataset QA.json    # the constants of recompute_ratio="auto" (research)
 python -m benchmarks shared-stream --dataset QA.json --workers 4 --requests 100   # N processes, one server
 python -m benchmarks shared-warm --dataset QA.json --questions 4 --top-k 5        # A warms, B reads remotely
 python -m benchmarks serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
@@ -328,8 +328,8 @@ def _kernels(argv: list[str]) -> int:
 
 
 def _calibrate(argv: list[str]) -> int:
-    """The product's ``kvrag calibrate`` (kept here: the benchmark's docs and runs name it so)."""
-    from kvrag.calibrate import main as calibrate_main
+    """The calibration experiments of ``recompute_ratio="auto"`` (:mod:`benchmarks.calibrate`)."""
+    from benchmarks.calibrate import main as calibrate_main
 
     return calibrate_main(argv, prog="python -m benchmarks calibrate")
 

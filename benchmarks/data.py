@@ -9,12 +9,12 @@ order), and the question plus the chat template's tail in the suffix.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrag.calibrate import read_dataset_list
 from kvrag.errors import InvalidRequestError
 
 __all__ = [
@@ -72,6 +72,23 @@ def passage_text(ctx: dict) -> str:
     title = str(ctx.get("title") or "").strip()
     text = str(ctx.get("text") or "").strip()
     return f"{title}\n{text}\n\n" if title else f"{text}\n\n"
+
+
+def read_dataset_list(path: Path) -> list:
+    """A QA file's rows: a non-empty JSON list (each row is checked by its reader).
+
+    Raises:
+        InvalidRequestError: the file is missing, not JSON, or not a non-empty list.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidRequestError(f"dataset not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"dataset {path} is not readable JSON: {exc}") from None
+    if not isinstance(data, list) or not data:
+        raise InvalidRequestError(f"dataset {path} must be a non-empty JSON list of questions")
+    return data
 
 
 def load_dataset(path: str | Path, n: int | None = None) -> list[QAItem]:

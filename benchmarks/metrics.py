@@ -86,6 +86,18 @@ def best_rouge_l(prediction: str, golds: Iterable[str]) -> float:
     return max((rouge_l(prediction, g) for g in golds), default=0.0)
 
 
+def drift(got: Sequence[float], ref: Sequence[float]) -> float:
+    """Answer drift: mean |Δ log p| per token of the full prefill's answer, teacher-forced, against
+    the full prefill's own log-probabilities (the benchmarks' fidelity measure too).
+
+    More sensitive than ROUGE-L: two methods whose greedy answers read the same can still differ
+    in how sure they are of every token, and one flipped token no longer hides the rest.
+    """
+    if len(got) != len(ref) or not ref:
+        raise ValueError("log-probabilities of different continuations")
+    return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
+
+
 def first_word(text: str) -> str:
     """The first normalised word of a text ('' if it has none)."""
     words = normalize_answer(text).split()

@@ -160,7 +160,7 @@ def _gaps(engine, prompt_tokens: int, slice_s: float, seed: int) -> dict:
 
 
 def _ttft_async(engine, request: dict) -> tuple[float, float]:
-    from kvrag.integrations._shared.threads import open_in_thread
+    from kvrag.calls import open_in_thread
 
     async def run() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -255,7 +255,7 @@ def measure_answers(engine, items: list[QAItem], drafts: list[int], max_new_toke
             )
     finally:
         engine.config = base
-    fit = engine.step_cost.fit()  # what the drafts were planned with at the end (None: no fit yet)
+    fit = engine.decoding.step_cost.fit()  # what the drafts were planned with at the end (None: no fit yet)
     cost = None if fit is None else {"fixed_ms": fit[0] * 1e3, "per_1k_keys_ms": fit[1] * 1e6}
     return {"rows": rows, "summary": _answers_summary(rows, drafts), "step_cost": cost}
 

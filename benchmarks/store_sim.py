@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvrag.calibrate import read_dataset_list
+from benchmarks.data import read_dataset_list
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import KVRecord, chunk_key
 from kvrag.engine.store.disk import DiskStore

@@ -1,6 +1,7 @@
-"""The ``kvrag`` command line: ``kvrag serve ...`` and ``kvrag calibrate ...``.
+"""The ``kvrag`` command line: ``kvrag serve ...``.
 
-The benchmarks live beside the package, not in it: ``python -m benchmarks`` from a clone.
+The benchmarks (and the research experiments, e.g. the calibration of ``recompute_ratio="auto"``)
+live beside the package, not in it: ``python -m benchmarks`` from a clone.
 """
 
 from __future__ import annotations
@@ -8,12 +9,10 @@ from __future__ import annotations
 import sys
 
 USAGE = """usage: kvrag serve [--host H] [--port P] [--model M] [--config FIELD=VALUE ...]
-       kvrag calibrate --dataset QA.json [--n 20] [--top-k 6] [--model M] [--config FIELD=VALUE ...]
 
   serve      an OpenAI-compatible server over kvrag's engine
-  calibrate  measure the model's constants of recompute_ratio="auto" on dev questions
 
-`kvrag serve --help`, `kvrag calibrate --help`: all options."""
+`kvrag serve --help`: all options."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,10 +24,6 @@ def main(argv: list[str] | None = None) -> int:
         from kvrag.server.cli import main as serve_main
 
         return serve_main(argv[1:])
-    if argv[0] == "calibrate":
-        from kvrag.calibrate import main as calibrate_main
-
-        return calibrate_main(argv[1:])
     print(f"kvrag: unknown command {argv[0]!r}; try `kvrag --help`", file=sys.stderr)
     return 2
 

@@ -39,19 +39,12 @@ def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX, *, bos: tuple[int, 
 
 def last_logits(engine, chunks, mode, ratio=None, selection=None):
     """The prompt's last-token logits [V] after a prefill in ``mode`` (the engine's own request path)."""
-    from kvrag.engine.model.sampling import SamplingParams
+    from kvrag import RequestOptions
 
-    req = engine._request(
-        chunks=chunks,
-        prefix=PREFIX,
-        suffix=SUFFIX,
-        sampling=SamplingParams(max_new_tokens=0),
-        mode=mode,
-        recompute_ratio=ratio,
-        selection=selection,
-    )
+    options = RequestOptions(max_new_tokens=0, mode=mode, recompute_ratio=ratio, selection=selection)
+    req = engine.requests.build(chunks=chunks, prefix=PREFIX, suffix=SUFFIX, options=options)
     assert torch.equal(req.ids, prompt_ids(engine, chunks)), "kvrag's prompt differs from the tokenizer's"
-    _, res = engine._prefill(req, capacity=int(req.ids.shape[0]))
+    _, _, res = engine.prefiller.run(req, capacity=req.num_tokens)
     return engine.adapter.logits(res.last_hidden)[0]
 
 

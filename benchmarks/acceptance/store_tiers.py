@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.data import read_dataset_list
 from kvrag import Engine, SamplingParams
-from kvrag.calibrate import read_dataset_list
 from kvrag.engine.store import DiskStore, MemoryStore, TieredStore
 
 PREFIX = "<|im_start|>system\nAnswer the question from the documents.<|im_end|>\n<|im_start|>user\n"

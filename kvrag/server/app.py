@@ -24,7 +24,7 @@ Endpoints:
   (with the engine thread's queue: :meth:`~kvrag.Engine.queue_stats`),
   ``GET /metrics`` (Prometheus text, :mod:`kvrag.server.metrics`).
 
-Engine calls run in worker threads (:func:`~kvrag.integrations._shared.open_in_thread`): the event
+Engine calls run in worker threads (:func:`~kvrag.calls.open_in_thread`): the event
 loop only moves bytes. A client that disconnects stops its request: the worker closes the
 engine stream after the token it is computing, which frees the request's KV.
 """
@@ -47,9 +47,9 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
 import kvrag
-from kvrag.engine import Engine
+from kvrag.calls import EngineCall, open_in_thread
+from kvrag.engine import Engine, RequestOptions
 from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError, OverloadedError
-from kvrag.integrations._shared import EngineCall, open_in_thread
 from kvrag.server.metrics import CONTENT_TYPE_LATEST, Metrics, RequestTrack
 from kvrag.server.protocol import (
     ChatRequest,
@@ -206,7 +206,7 @@ class _Server:
         kind: Literal["chat", "text"],
     ) -> Response:
         """Start the engine call in a worker thread (it validates the rest); answer whole or as a stream."""
-        options = body.engine_options()
+        options = body.engine_options(namespace)
         documents = body.documents
         engine = self.engine
         if body.speculate is not None:
@@ -215,8 +215,8 @@ class _Server:
         def start() -> EngineCall:
             if documents:
                 engine.register(documents)
-            stream = engine.stream(prompt=render(engine), namespace=namespace, **options)
-            return EngineCall(stream, model_name=self.model_name, conversation_id=options.get("conversation_id"))
+            stream = engine.stream(prompt=render(engine), options=options)
+            return EngineCall(stream, model_name=self.model_name, conversation_id=options.conversation_id)
 
         track = self.metrics.track(request.url.path)
         try:
@@ -226,8 +226,8 @@ class _Server:
             raise
         shape = StreamShape(kind, model=self.model_name, include_usage=body.include_usage)
         if body.stream:
-            return EventSourceResponse(self._events(items, shape, track, options.get("conversation_id")))
-        return await self._whole(request, items, kind, track, options.get("conversation_id"))
+            return EventSourceResponse(self._events(items, shape, track, options.conversation_id))
+        return await self._whole(request, items, kind, track, options.conversation_id)
 
     async def speculate(
         self,
@@ -235,7 +235,7 @@ class _Server:
         namespace: str | None,
         documents: list[str] | None,
         render: Callable[[Engine], str],
-        options: dict[str, Any],
+        options: RequestOptions,
     ) -> JSONResponse:
         """Prefill the request ahead (a speculation of ``key``) and answer at once (202)."""
         engine = self.engine
@@ -244,7 +244,7 @@ class _Server:
             if documents:
                 engine.register(documents)
             return engine.speculate_request(
-                prompt=render(engine), namespace=namespace, key=_speculation_key(namespace, key), **options
+                prompt=render(engine), key=_speculation_key(namespace, key), options=options
             )
 
         handle = await asyncio.to_thread(start)

@@ -11,7 +11,7 @@ answering it; :mod:`kvrag.server.app`). Other OpenAI fields are ignored when the
 does not do (tools, log-probabilities, ``n > 1``), so a client never silently gets less than it asked.
 
 Responses carry OpenAI's fields (``usage.prompt_tokens_details.cached_tokens`` included) and one
-extension field, ``kvrag``: the figures of :func:`kvrag.integrations._shared.call_metadata` (the
+extension field, ``kvrag``: the figures of :func:`kvrag.calls.call_metadata` (the
 keys LangChain's ``response_metadata`` and LlamaIndex's ``additional_kwargs`` hold) plus ``stats``,
 the engine's whole :class:`~kvrag.engine.GenerationStats`.
 """
@@ -24,10 +24,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvrag.calls import call_metadata, template_role
+from kvrag.calls import usage as token_counts
 from kvrag.engine import Generation
+from kvrag.engine.options import OPTION_DOCS, REUSE_OPTIONS, RequestOptions
 from kvrag.errors import InvalidRequestError
-from kvrag.integrations._shared import call_metadata, template_role
-from kvrag.integrations._shared import usage as token_counts
 
 __all__ = [
     "EXTENSION_FIELDS",
@@ -42,17 +43,9 @@ __all__ = [
     "error_body",
 ]
 
-#: kvrag's fields on an OpenAI request (all optional; ``None`` = the server engine's default).
-EXTENSION_FIELDS = (
-    "documents",
-    "mode",
-    "recompute_ratio",
-    "selection",
-    "quality",
-    "conversation_id",
-    "dedup",
-    "speculate",
-)
+#: kvrag's fields on an OpenAI request (all optional; ``None`` = the server engine's default): the
+#: documents, the engine's reuse options (:data:`kvrag.engine.options.REUSE_OPTIONS`), a speculation key.
+EXTENSION_FIELDS = ("documents", *REUSE_OPTIONS, "speculate")
 
 
 class _StreamOptions(BaseModel):
@@ -79,14 +72,14 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # kvrag's extensions
+    # kvrag's extensions: the engine's reuse options (RequestOptions), documents, a speculation key
     documents: list[str] | None = None
-    mode: str | None = None
-    recompute_ratio: float | Literal["auto"] | None = None
-    selection: str | None = None
-    quality: str | None = None
-    conversation_id: str | None = None
-    dedup: bool | None = None
+    mode: str | None = Field(default=None, description=OPTION_DOCS["mode"])
+    recompute_ratio: float | Literal["auto"] | None = Field(default=None, description=OPTION_DOCS["recompute_ratio"])
+    selection: str | None = Field(default=None, description=OPTION_DOCS["selection"])
+    quality: str | None = Field(default=None, description=OPTION_DOCS["quality"])
+    conversation_id: str | None = Field(default=None, description=OPTION_DOCS["conversation_id"])
+    dedup: bool | None = Field(default=None, description=OPTION_DOCS["dedup"])
     speculate: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_supported(self) -> None:
@@ -99,24 +92,19 @@ class _GenerationRequest(BaseModel):
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported by kvrag serve")
 
-    def engine_options(self) -> dict[str, Any]:
-        """The request's :meth:`Engine.stream` keywords (``prompt`` and ``namespace`` aside); unset = default."""
+    def engine_options(self, namespace: str | None = None) -> RequestOptions:
+        """The request's :class:`~kvrag.RequestOptions` for tenant ``namespace``; unset = the engine's default."""
         if self.max_tokens is not None and self.max_completion_tokens not in (None, self.max_tokens):
             raise InvalidRequestError("max_tokens and max_completion_tokens are one setting; give one of them")
-        options = {
-            "max_new_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stop": self.stop or None,
-            "seed": self.seed,
-            "mode": self.mode,
-            "recompute_ratio": self.recompute_ratio,
-            "selection": self.selection,
-            "quality": self.quality,
-            "conversation_id": self.conversation_id,
-            "dedup": self.dedup,
-        }
-        return {k: v for k, v in options.items() if v is not None}
+        return RequestOptions(
+            max_new_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop or None,
+            seed=self.seed,
+            namespace=namespace,
+            **{name: getattr(self, name) for name in REUSE_OPTIONS},
+        )
 
     @property
     def include_usage(self) -> bool:

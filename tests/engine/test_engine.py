@@ -114,7 +114,7 @@ def test_cached_keys_moved_to_new_positions_equal_keys_computed_there(family_mod
         n = int(ids.shape[0])
         parts = [("text", PREFIX)] + [("chunk", c) for c in docs] + [("text", SUFFIX)]
         segments, _ = engine.prompt_tokenizer.segment(parts)
-        plan = engine.planner.plan(segments, mode="reuse", ratio=0.0, use_prefix=False)
+        plan = engine.planner.plan(segments, mode="reuse", use_prefix=False)
         res = prefill(engine.adapter, plan, n, options=PrefillOptions())
         assert len(plan.chunk_records) == len(docs)
         for start, rec in plan.chunk_records:

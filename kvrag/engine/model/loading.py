@@ -23,7 +23,7 @@ import torch
 from kvrag.engine.model.bundled import BUNDLED, DEFAULT, find_bundled
 from kvrag.engine.model.dtypes import FLOAT_DTYPES, DtypeChoice, resolve_dtype
 from kvrag.engine.model.families import SUPPORTED_MODEL_TYPES, check_architecture
-from kvrag.errors import ModelNotFoundError, UnsupportedModelError
+from kvrag.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ __all__ = [
     "bundled_gguf_path",
     "load_model",
     "check_architecture",
+    "check_device",
     "SUPPORTED_MODEL_TYPES",
     "fingerprint_model",
     "eos_ids",
@@ -199,6 +200,21 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return LoadedModel(hf_model, tokenizer, name, str(path), digest, choice)
+
+
+def check_device(config, device: torch.device):
+    """The config (an :class:`~kvrag.EngineConfig`) with the device the weights are on. The engine computes
+    where the weights are and never moves a model it is handed: a ``device`` other than the CPU (the
+    default) must be theirs."""
+    asked = torch.device(config.device)
+    if asked.type == "cpu":
+        return config if device.type == "cpu" else config.replace(device=str(device))
+    if asked.type != device.type or asked.index not in (None, device.index):
+        raise InvalidRequestError(
+            f"device={config.device!r} but the model's weights are on {device}: move the model first "
+            f"(model.to({config.device!r})) or leave device at its default"
+        )
+    return config
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -16,7 +16,7 @@ CRAFT (§4.1-4.2) counts each chunk's accesses over a sliding window of the last
   chunks never computed keep their retrieval order. Where no stored path leads, all ties keep
   retrieval order (CRAFT's stable sort): on a question's first ask the best ranked chunk, the
   likeliest to be retrieved again, leads what gets computed and stored, and a warmed corpus (every
-  chunk computed, none in this company) does not reorder a prompt for nothing (ties in the warm's
+  chunk computed, none in this context) does not reorder a prompt for nothing (ties in the warm's
   order did: an order-only drift of 0.17-0.29 on first asks with no exact chunk gained, docs/benchmarks.md;
   ties by content key closed less of the replay's gap, 66% against 81%). With nothing stored it
   is CRAFT's sort;
@@ -314,7 +314,7 @@ class AccessTable:
         """Tell the table that ``namespace`` computed the KV of the chunks ``texts``, in that order
         (a warm's stream, a request's missed chunks in prompt order). A chunk keeps the number of
         its first computation: the frequency order puts tied chunks in that order, so a chunk follows
-        the documents it was computed behind (its company), whoever retrieves it later."""
+        the documents it was computed behind (its context), whoever retrieves it later."""
         if self.max_computed == 0:
             return
         keys = [chunk_key(t) for t in texts]

@@ -255,7 +255,7 @@ def similarity_order(docs: Sequence[list[int]], embeddings=None) -> list[int]:
     A greedy chain: from the first document, always on to the most similar one not placed yet
     (cosine similarity of ``embeddings`` [n, d] when given, e.g. the retriever's own vectors, else
     of lexical tf-idf vectors). Computed in a stream, each chunk's KV is then computed behind the
-    passages most like it: the company it will keep in prompts.
+    passages most like it: the context it will keep in prompts.
     """
     n = len(docs)
     if n <= 2:

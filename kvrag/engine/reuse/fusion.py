@@ -13,135 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrag.engine.model.adapter import ModelAdapter, RopeTable
+from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.runner import KVBuffer, KVCapture, Trace, forward
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Tap, block_middles
+from kvrag.engine.reuse.budget import NO_RECOMPUTE, Budget
+from kvrag.engine.reuse.placement import SpanSource, span_mask
 from kvrag.engine.reuse.planner import Plan
-from kvrag.engine.reuse.selection import BlendPass, SelectionParams, configured_params, get_selection, selection_params
-from kvrag.engine.store.base import KVRecord
+from kvrag.engine.reuse.selection import BlendPass, PrefillOptions, get_selection, selection_params
 from kvrag.engine.types import ChunkInfo, GenerationStats
-from kvrag.kernels import rope_rotate, rope_rotate_into, signed_sin
 
 __all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
-
-
-class SpanSource:
-    """Cached KV of a plan (prefix blocks and chunk hits), placed layer by layer at its positions.
-
-    Stored keys carry no RoPE, so one record serves any position; each layer's keys are rotated
-    with that layer's own RoPE (Gemma 3's local and global layers differ). Placed one layer at a
-    time, just before that layer runs, so a record streaming in from a slower tier is waited for
-    layer by layer (:func:`~kvrag.engine.model.runner.forward` calls :meth:`fill`).
-
-    A blend runs some layers in more than one pass (the probe's passes compute sampled rows, then
-    the chosen ones, over the same first layers). A layer is placed whole once; a later pass over it
-    puts back only the cached positions an earlier pass computed over (:meth:`overwritten`), which
-    leaves the buffer as a whole placement would, bit for bit.
-    """
-
-    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], rope: RopeTable, n: int):
-        self.adapter = adapter
-        self.spans = spans
-        self.rope = rope  # cos/sin [N, D] of every position of the prompt, per layer
-        self._cached = span_mask(n, [(s, s + r.num_tokens) for s, r in spans], adapter.device)  # [N]
-        self._placed: set[int] = set()
-        self._signed: dict[int, torch.Tensor] = {}  # RoPE kind -> its signed sin [N, D], made once
-        self._dirty: dict[int, list[torch.Tensor]] = {}  # layer -> cached positions computed over since
-
-    def fill(self, layer: int, buf: KVBuffer) -> None:
-        """Write layer ``layer``'s cached K (rotated to the prompt's positions) and V into ``buf``."""
-        if layer in self._placed:
-            self._restore(layer, buf)
-            return
-        dtype = self.adapter.dtype
-        cos, sin = self.rope.layer(layer)
-        kind = self.rope.kinds[layer]
-        if kind not in self._signed:
-            self._signed[kind] = signed_sin(sin)
-        signed = self._signed[kind]
-        for start, rec in self.spans:
-            end = start + rec.num_tokens
-            k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
-            out = buf.k[layer, :, start:end]
-            # records from the disk or remote tier (and the 8-bit codec's) rest on the CPU: moved to the model's device
-            rope_rotate_into(out, k.to(out.device, dtype), cos[start:end], sin[start:end], signed[start:end])
-            buf.v[layer, :, start:end] = v.to(out.device, dtype)
-        self._placed.add(layer)
-
-    def overwritten(self, layer: int, pos: torch.Tensor) -> None:
-        """Rows at ``pos`` [R] were computed on ``layer``: the buffer holds their fresh KV there now."""
-        if layer in self._placed:
-            hit = pos[self._cached[pos]]
-            if hit.numel():
-                self._dirty.setdefault(layer, []).append(hit)
-
-    def _restore(self, layer: int, buf: KVBuffer) -> None:
-        """Put back the cached KV of the positions computed over on ``layer`` since it was placed."""
-        dirty = self._dirty.pop(layer, None)
-        if dirty is None:
-            return
-        pos = torch.cat(dirty).unique()
-        dtype = self.adapter.dtype
-        cos, sin = self.rope.layer(layer)
-        for start, rec in self.spans:
-            end = start + rec.num_tokens
-            at = pos[(pos >= start) & (pos < end)]
-            if at.numel() == 0:
-                continue
-            k, v = rec.layer(layer)
-            idx = (at - start).to(k.device)  # the record may rest on the CPU, the positions on the model's device
-            buf.k[layer][:, at] = rope_rotate(k[:, idx].to(buf.k.device, dtype), cos[at], sin[at])
-            buf.v[layer][:, at] = v[:, idx].to(buf.v.device, dtype)
-
-
-def span_mask(n: int, spans: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
-    """[n] bool: True inside any of the [start, end) ``spans`` (a plan's spans as a row mask)."""
-    mask = torch.zeros(n, dtype=torch.bool)
-    for start, end in spans:
-        mask[start:end] = True
-    return mask.to(device)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillOptions:
-    """How one prefill runs, besides its plan: the selection strategy, its parameters, what to capture.
-
-    Attributes:
-        selection: the ``blend`` strategy's name (see :mod:`kvrag.engine.reuse.selection`).
-        params: the strategy's parameters (its registered :class:`SelectionParams` subclass);
-            ``None``: its defaults. :func:`prefill` resolves them for the model before the strategy
-            sees them (``BlendPass.params``).
-        capture_end: > 0 keeps the exact pre-RoPE KV of [aligned prefix_len, capture_end) for the
-            prefix cache.
-        capture_block: the prefix cache's block size (the capture starts on a block boundary).
-        capture_chunks: segment indices of missed chunks whose KV, computed whole in this prompt,
-            is kept (write-back of their real context).
-        auto_threshold: with ``plan.auto``, the deviation from which a measuring strategy recomputes.
-        auto_alpha: with ``plan.auto``, Cache-Craft's alpha (``selection="craft"``).
-        keep_recomputed: keep cached chunks a strategy recomputes whole as new variants.
-    """
-
-    selection: str = "probe"
-    params: SelectionParams | None = None
-    capture_end: int = 0
-    capture_block: int = 16
-    capture_chunks: tuple[int, ...] = ()
-    auto_threshold: float | None = None
-    auto_alpha: float = 1.0
-    keep_recomputed: bool = False
-
-    @classmethod
-    def from_config(cls, config, n_layers: int, **fields) -> PrefillOptions:
-        """Options from an :class:`~kvrag.EngineConfig` for a model of ``n_layers`` layers; ``fields``
-        override (a ``selection`` there runs with its parameters under that config:
-        :func:`~kvrag.engine.reuse.selection.configured_params`)."""
-        selection = fields.pop("selection", None) or config.selection
-        base = dict(
-            selection=selection,
-            params=configured_params(config, selection).resolved(n_layers),
-            capture_block=config.prefix_block_tokens,
-        )
-        return cls(**{**base, **fields})
 
 
 @dataclass(slots=True)
@@ -186,15 +67,16 @@ def prefill(
     plan: Plan,
     capacity: int,
     *,
+    budget: Budget = NO_RECOMPUTE,
     options: PrefillOptions,
     pause: Callable[[], None] | None = None,
 ) -> PrefillResult:
     """Compute the KV of a plan's prompt into a new buffer of ``capacity`` positions.
 
     By the plan's path: ``full`` computes every row; ``prefix`` and ``reuse`` compute the rows
-    without cached KV; ``blend`` hands the prefill to the selection strategy of
-    ``options.selection`` (:mod:`kvrag.engine.reuse.selection`). ``pause`` reaches every layer pass
-    (:func:`~kvrag.engine.model.runner.forward`).
+    without cached KV; ``blend`` hands the prefill to the selection strategy of ``budget.selection``
+    (:mod:`kvrag.engine.reuse.selection`), which recomputes within ``budget``. ``pause`` reaches
+    every layer pass (:func:`~kvrag.engine.model.runner.forward`).
     """
     n = plan.num_tokens
     buf = KVBuffer(adapter, capacity)
@@ -218,15 +100,15 @@ def prefill(
     rows = ~span_mask(n, plan.exact_spans(), adapter.device)  # [N] not reused exactly
     measured: dict = {}
     kept_taps = dict.fromkeys(chunk_caps, tap)
-    if plan.path == "blend" and plan.ratio > 0 and plan.chunk_records:
-        params = options.params if options.params is not None else selection_params(options.selection)
+    if plan.path == "blend" and budget.share > 0 and plan.chunk_records:
+        params = options.params if options.params is not None else selection_params(budget.selection)
         options = dataclasses.replace(options, params=params.resolved(adapter.n_layers))
         blend = BlendPass(
-            adapter=adapter, plan=plan, buf=buf, ids=ids, all_pos=all_pos, rows=rows, candidates=candidates,
-            spans=plan.blended_spans(), source=source, captures=captures,
+            adapter=adapter, plan=plan, budget=budget, buf=buf, ids=ids, all_pos=all_pos, rows=rows,
+            candidates=candidates, spans=plan.blended_spans(), source=source, captures=captures,
             taps=taps, trace=trace, options=options, pause=pause,
         )  # fmt: skip
-        h, pos = get_selection(options.selection)(blend)
+        h, pos = get_selection(budget.selection)(blend)
         measured = blend.measured
         index = {u.start: u.index for u in plan.chunks}
         for start, (cap, whole_tap) in blend.kept.items():  # cached chunks recomputed whole: new variants
@@ -268,8 +150,10 @@ def extend(
     return adapter.logits(h)
 
 
-def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: float) -> GenerationStats:
-    """What a prefill did, for :attr:`Generation.stats`."""
+def generation_stats(
+    plan: Plan, budget: Budget, res: PrefillResult, n_layers: int, prefill_s: float
+) -> GenerationStats:
+    """What a prefill of ``plan`` with ``budget`` did, for :attr:`Generation.stats`."""
     n = plan.num_tokens
     full_work = n * n_layers
     blended = sum(r.num_tokens for _, r in plan.chunk_records)
@@ -277,9 +161,9 @@ def generation_stats(plan: Plan, res: PrefillResult, n_layers: int, prefill_s: f
         mode=plan.mode,
         path=plan.path,
         path_reason=plan.reason,
-        recompute_ratio=(res.recomputed_tokens / blended if blended else 0.0) if plan.auto else plan.ratio,
-        auto=plan.auto,
-        selection=plan.selection if plan.path == "blend" else "",
+        recompute_ratio=(res.recomputed_tokens / blended if blended else 0.0) if budget.auto else budget.share,
+        auto=budget.auto,
+        selection=budget.selection if plan.path == "blend" else "",
         prompt_tokens=n,
         cached_tokens=plan.cached_tokens,
         prefix_tokens=plan.prefix_len,

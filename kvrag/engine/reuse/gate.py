@@ -58,8 +58,9 @@ from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.dtypes import dtype_name
 from kvrag.engine.model.loading import KV_FORMAT_VERSION, atomic_write_text
 from kvrag.engine.model.runner import KVBuffer, KVCapture, forward
+from kvrag.engine.reuse.budget import Budget
 from kvrag.engine.reuse.fusion import PrefillOptions, prefill
-from kvrag.engine.reuse.planner import Plan, reuses_nothing
+from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.segments import Segment
 from kvrag.engine.store.base import KVRecord
 from kvrag.errors import UnsupportedModelError
@@ -102,9 +103,9 @@ class GateResult:
     dtype: str = ""
     measured: dict = field(default_factory=dict)
 
-    def require(self, model: str, mode: str, ratio: float | str) -> None:
-        """Raise if ``mode`` would reuse cached KV on a model that failed the gate."""
-        if self.ok or mode not in ("blend", "reuse") or reuses_nothing(mode, ratio):
+    def require(self, model: str, mode: str, budget: Budget) -> None:
+        """Raise if ``mode`` with ``budget`` would reuse cached KV on a model that failed the gate."""
+        if self.ok or mode not in ("blend", "reuse") or budget.reuses_nothing(mode):
             return
         raise UnsupportedModelError(
             f"mode={mode!r} is refused for model {model!r}: kvrag's self-test at load failed the "
@@ -261,14 +262,14 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
     cap = KVCapture(adapter, len(sink), m)
     forward(adapter, KVBuffer(adapter, m), probe.alone, torch.arange(m, device=device), m, capture=[cap])
     record = KVRecord(torch.tensor(chunk), cap.k, cap.v)
-    plan = Plan(mode="reuse", ratio=0.0, segments=segments, chunk_records=[(start, record)])
+    plan = Plan(mode="reuse", segments=segments, chunk_records=[(start, record)])
     placed = prefill(adapter, plan, n, options=PrefillOptions()).buf
     ours_kv = [
         (placed.k[layer, :, start : probe.end], placed.v[layer, :, start : probe.end])
         for layer in range(adapter.n_layers)
     ]
     # kvrag, ratio 1.0: the fused prefill recomputing everything
-    plan = Plan(mode="blend", ratio=1.0, segments=segments)
+    plan = Plan(mode="blend", segments=segments, full=True)  # ratio 1.0 recomputes every token
     ours_logits = adapter.logits(prefill(adapter, plan, n, options=PrefillOptions()).last_hidden)[0]
 
     # the reference (float32), and transformers in this dtype: its error there is the floor

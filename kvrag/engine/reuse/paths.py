@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from kvrag.engine.store.profile import CostProfile
 
 if TYPE_CHECKING:
+    from kvrag.engine.reuse.budget import Budget
     from kvrag.engine.reuse.planner import Plan
 
 __all__ = ["PathCosts", "Price", "CostLine", "MARGIN", "LEARN_MIN_TOKENS", "LEARN_WINDOW", "CPU_BLEND_LINE"]
@@ -134,16 +135,16 @@ class PathCosts:
             line = self._lines[path] = CostLine(self._priors.get(path, (0.0, 1.0)))
         return line
 
-    def recompute_share(self, plan: Plan) -> float:
-        """The share of its blended tokens a blend plan is expected to recompute: the ratio asked for;
-        with ``auto`` the mean measured so far, within the plan's cap (the cap before any)."""
-        if not plan.auto:
-            return plan.ratio
+    def recompute_share(self, budget: Budget) -> float:
+        """The share of its blended tokens a blend is expected to recompute: the budget's share; with
+        ``auto`` the mean measured so far, within the budget's cap (the cap before any)."""
+        if not budget.auto:
+            return budget.share
         with self._lock:
             mean, count = self._recompute
-        return min(plan.ratio, mean) if count else plan.ratio
+        return min(budget.share, mean) if count else budget.share
 
-    def price(self, plan: Plan, path: str) -> Price:
+    def price(self, plan: Plan, path: str, budget: Budget) -> Price:
         """What running ``plan`` as ``path`` is predicted to cost (``full``, ``prefix``, or the plan's own)."""
         n = plan.num_tokens
         if path == "full" or n == 0:
@@ -155,13 +156,24 @@ class PathCosts:
         elif path == "reuse":
             computed = n - exact - blended
         else:  # blend
-            computed = n - exact - blended * (1.0 - self.recompute_share(plan))
+            computed = n - exact - blended * (1.0 - self.recompute_share(budget))
         work = max(computed, 1) / n
         with self._lock:
             return Price(path, work, self._line(path).cost(work))
 
-    def choose(self, plan: Plan, *, price: bool = True) -> tuple[str, str]:
-        """The path ``plan`` should run and why: ``(path, reason)``.
+    def settle(self, plan: Plan, budget: Budget, *, price: bool = True) -> Plan:
+        """Settle the path ``plan`` runs (:meth:`choose`): a plan whose reuse is not predicted to win
+        falls back to ``prefix`` or ``full``. Call it once what the plan reuses is complete (a
+        conversation's KV attached). Returns the plan."""
+        path, reason = self.choose(plan, budget, price=price)
+        if path != plan.path:
+            plan.fall_back(path, reason)
+        else:
+            plan.reason = reason
+        return plan
+
+    def choose(self, plan: Plan, budget: Budget, *, price: bool = True) -> tuple[str, str]:
+        """The path ``plan`` should run with ``budget`` and why: ``(path, reason)``.
 
         ``full`` when nothing is cached (or the plan reuses nothing); otherwise, for a prompt of at
         least ``min_tokens``, the cheapest of ``full``, ``prefix`` (when exact KV is cached) and the
@@ -176,20 +188,20 @@ class PathCosts:
         if not (self.enabled and price) or plan.num_tokens < self.min_tokens:
             return plan.path, "requested"
         own = plan.path if plan.chunk_records else "prefix"  # without blended KV, only exact KV is reused
-        best = self.price(plan, "full")
+        best = self.price(plan, "full", budget)
         for path in dict.fromkeys(["prefix", own] if plan.exact_tokens else [own]):
-            price = self.price(plan, path)
+            price = self.price(plan, path, budget)
             if price.cost <= best.cost - self.margin:
                 best = price
         if best.path == own:
             return own, f"predicted {best.cost:.2f} of a full prefill"
-        return best.path, f"{own} predicted {self.price(plan, own).cost:.2f} of a full prefill"
+        return best.path, f"{own} predicted {self.price(plan, own, budget).cost:.2f} of a full prefill"
 
     # -- learning --------------------------------------------------------------------------------
 
-    def observe(self, plan: Plan, token_layers: int, seconds: float, recomputed: int = 0) -> None:
-        """A prefill ran ``plan``: ``token_layers`` computed in ``seconds``, ``recomputed`` blended tokens
-        recomputed through the last layer."""
+    def observe(self, plan: Plan, budget: Budget, token_layers: int, seconds: float, recomputed: int = 0) -> None:
+        """A prefill ran ``plan`` with ``budget``: ``token_layers`` computed in ``seconds``, ``recomputed``
+        blended tokens recomputed through the last layer."""
         n = plan.num_tokens
         if n < self.min_tokens or not seconds > 0:
             return
@@ -198,7 +210,7 @@ class PathCosts:
             return
         blended = sum(r.num_tokens for _, r in plan.chunk_records)
         with self._lock:
-            if plan.path == "blend" and plan.auto and blended:
+            if plan.path == "blend" and budget.auto and blended:
                 self._recompute = _mean(self._recompute, recomputed / blended)
         reference = self.full.full_prefill(n, self.n_layers) if self.full.observations else None
         if not reference:  # no full prefill seen yet: nothing to compare with

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrag.engine.reuse.paths import PathCosts
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import Segment, prompt_ids
 from kvrag.engine.reuse.variants import ExactDigest, StoredVariants, context_id, fix_overhead, prefix_overlap
 from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
 
-__all__ = ["ChunkUse", "Plan", "Planner", "reuses_nothing"]
+__all__ = ["ChunkUse", "Plan", "Planner"]
 
 
 @dataclass(slots=True)
@@ -37,14 +36,8 @@ class ChunkUse:
     context: tuple[str, ...] = ()  # content ids of the chunks before it in this prompt
     digest: str | None = None  # digest of every token before it (see kvrag.engine.reuse.variants)
     fix: float | None = None  # the used variant's cache fix overhead (Cache-Craft's CFO without alpha)
-    overlap: float | None = None  # the used variant's context still before it (beta; 0: other company)
+    overlap: float | None = None  # the used variant's context still before it (beta; 0: another context)
     found: bool = False  # the cache held its KV (reused, or computed anyway: see Plan.path)
-
-
-def reuses_nothing(mode: str, ratio: float | str, auto: bool = False) -> bool:
-    """Every token is computed: ``full`` mode, or ``blend`` at a fixed ratio of 1.0 (with ``auto``,
-    or the ratio ``"auto"``, the ratio is a cap and reuse may still happen)."""
-    return mode == "full" or (mode == "blend" and not auto and not isinstance(ratio, str) and ratio >= 1.0)
 
 
 @dataclass(slots=True)
@@ -57,16 +50,16 @@ class Plan:
 
     ``mode`` is what the request asked for (what its write-back keeps follows it); ``path`` is how
     the prefill runs: ``full`` (every token computed), ``prefix`` (only exact KV reused), ``blend``
-    or ``reuse``. It starts as the mode (``full`` where the mode reuses nothing) and
-    :meth:`Planner.choose` may lower it (:meth:`fall_back`); ``reason`` says why.
+    or ``reuse``. It starts as the mode (``full`` where the request reuses nothing: ``full=True``)
+    and the cost model may lower it (:meth:`fall_back`); ``reason`` says why. What a ``blend``
+    recomputes is the request's :class:`~kvrag.engine.reuse.budget.Budget`, not the plan's.
     """
 
     mode: str
-    ratio: float  # the recompute budget's share of blended tokens (with ``auto``: its cap)
     segments: list[Segment]
+    full: bool = False  # every token is computed whatever is cached (the mode or the budget reuses nothing)
     ids: list[int] = field(init=False)  # the prompt's N token ids
     namespace: str = "default"  # the tenant whose cache entries the plan uses
-    auto: bool = False  # recompute what the selection measures is needed, up to ``ratio``
     prefix_len: int = 0  # [0, prefix_len) reused exactly from the prefix cache
     prefix_records: list[tuple[int, KVRecord]] = field(default_factory=list)
     chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of blended hits
@@ -74,11 +67,10 @@ class Plan:
     chunks: list[ChunkUse] = field(default_factory=list)
     path: str = field(init=False)
     reason: str = ""
-    selection: str = ""  # the selection a ``blend`` path runs (set by the engine)
 
     def __post_init__(self) -> None:
         self.ids = prompt_ids(self.segments)
-        self.path = "full" if reuses_nothing(self.mode, self.ratio, self.auto) else self.mode
+        self.path = "full" if self.full or self.mode == "full" else self.mode
 
     @property
     def num_tokens(self) -> int:
@@ -86,8 +78,8 @@ class Plan:
 
     @property
     def is_full(self) -> bool:
-        """Every token is computed, nothing reused: the mode reuses nothing (:func:`reuses_nothing`),
-        or the plan fell back to a full prefill."""
+        """Every token is computed, nothing reused: the request reuses nothing, or the plan fell back
+        to a full prefill."""
         return self.path == "full"
 
     def fall_back(self, path: str, reason: str) -> None:
@@ -135,9 +127,9 @@ class Plan:
         """Positions [0, exact_end) get exact KV (the first blended chunk starts the approximation)."""
         return min((s for s, _ in self.chunk_records), default=self.num_tokens)
 
-    def company_overlap(self) -> float | None:
-        """How much of the company the blended chunks' KV was computed in is before them in this
-        prompt: Cache-Craft's beta, averaged over the blended tokens (1: their own company, 0: all
+    def context_overlap(self) -> float | None:
+        """How much of the context the blended chunks' KV was computed in is before them in this
+        prompt: Cache-Craft's beta, averaged over the blended tokens (1: their own context, 0: all
         computed behind other passages); None when nothing is blended."""
         blended = self._blended_uses()
         total = sum(u.length for u in blended)
@@ -147,15 +139,15 @@ class Plan:
         """The chunks whose stored KV this plan blends (hits from the store, not exact)."""
         return [u for u in self.chunks if u.hit and u.source == "store"]
 
-    def dial_ratio(self, own: float, foreign: float, threshold: float) -> float:
+    def dial_share(self, own: float, other: float, threshold: float) -> float:
         """The recompute share when each blended chunk adds its own: ``own`` of its tokens when its KV
-        was computed in the company that precedes it here (beta >= ``threshold``), else ``foreign``
+        was computed in the context that precedes it here (beta >= ``threshold``), else ``other``
         (the quality dial of ``recompute_ratio="auto"``); ``own`` when nothing is blended."""
         blended = self._blended_uses()
         total = sum(u.length for u in blended)
         if not total:
             return own
-        return sum(u.length * (own if (u.overlap or 0.0) >= threshold else foreign) for u in blended) / total
+        return sum(u.length * (own if (u.overlap or 0.0) >= threshold else other) for u in blended) / total
 
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
@@ -167,7 +159,6 @@ class Planner:
     Args:
         variants: the chunks' stored variants (store lookups, the variant index).
         prefix_cache: exact prompt prefixes in the store.
-        costs: the cost model that picks a plan's path (:meth:`choose`); default a new one.
         fingerprint: the model's fingerprint (weights + tokenizer + dtype), part of every chunk key.
         namespace: the default tenant; a request may name another.
         context_label: how chunk KV was computed (part of every chunk key: records computed behind
@@ -180,7 +171,6 @@ class Planner:
         self,
         variants: StoredVariants,
         prefix_cache: PrefixCache,
-        costs: PathCosts | None = None,
         *,
         fingerprint: str,
         namespace: str,
@@ -193,7 +183,6 @@ class Planner:
         self.namespace = namespace
         self.context_label = context_label
         self.kv_shape = tuple(kv_shape)
-        self.costs = costs if costs is not None else PathCosts(self.kv_shape[0])
 
     def chunk_key(self, ids: list[int], namespace: str | None = None) -> StoreKey:
         """Key of a chunk's KV for a tenant (default: the engine's namespace)."""
@@ -204,20 +193,20 @@ class Planner:
         segments: list[Segment],
         *,
         mode: str,
-        ratio: float,
         use_prefix: bool,
+        full: bool = False,
         namespace: str | None = None,
-        auto: bool = False,
         exact_only: bool = False,
         quiet: bool = False,
     ) -> Plan:
         """What to reuse and what to compute for a tenant's (``namespace``, default the engine's) prompt
         of ``segments`` (:class:`~kvrag.engine.reuse.segments.PromptTokenizer`).
 
-        ``full`` (or ``blend`` at a fixed ratio 1.0) reuses nothing. Otherwise the exact prefix comes
-        from the prefix cache (``use_prefix``); past it, ``blend`` and ``reuse`` take each chunk's
-        best stored variant (an exact one is placed as is, ``source="tree"``; another is blended,
-        ``source="store"``). The prompt's last token is never reused: its logits start decoding.
+        ``full`` mode, or ``full=True`` (a budget that recomputes everything), reuses nothing.
+        Otherwise the exact prefix comes from the prefix cache (``use_prefix``); past it, ``blend``
+        and ``reuse`` take each chunk's best stored variant (an exact one is placed as is,
+        ``source="tree"``; another is blended, ``source="store"``). The prompt's last token is never
+        reused: its logits start decoding.
 
         ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
         its prefill computes exactly what a full prefill does (the knowledge tree's refresh). Its
@@ -227,7 +216,7 @@ class Planner:
         """
         quiet = quiet or exact_only
         namespace = namespace or self.namespace
-        plan = Plan(mode=mode, ratio=ratio, segments=segments, namespace=namespace, auto=auto)
+        plan = Plan(mode=mode, segments=segments, full=full, namespace=namespace)
         if plan.is_full:
             for i, s in enumerate(segments):
                 if s.kind == "chunk":
@@ -278,16 +267,4 @@ class Planner:
                 plan.chunk_records.append((s.start, rec))
             if not quiet:  # a refresh or a speculation is not a use
                 self.variants.used(info, use.fix)
-        return plan
-
-    def choose(self, plan: Plan, *, price: bool = True) -> Plan:
-        """Settle the path ``plan`` runs (the cost model, :mod:`kvrag.engine.reuse.paths`): a plan whose
-        reuse is not predicted to win falls back to ``prefix`` or ``full`` (``price=False``: only a
-        plan with nothing cached does). Call it once what the plan reuses is complete (a
-        conversation's KV attached). Returns the plan."""
-        path, reason = self.costs.choose(plan, price=price)
-        if path != plan.path:
-            plan.fall_back(path, reason)
-        else:
-            plan.reason = reason
         return plan

@@ -4,6 +4,7 @@ that picks each plan's path (:mod:`kvrag.engine.reuse.paths`), and CacheBlend's 
 
 from __future__ import annotations
 
+from kvrag.engine.reuse.budget import Budget
 from kvrag.engine.reuse.paths import CPU_BLEND_LINE, PathCosts
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.store.base import KVStore
@@ -28,23 +29,25 @@ class CostFeedback:
         self.paths = PathCosts(n_layers, enabled=cost_model, prior=prior)
         self.loading = LoadingController(getattr(store, "meter", None) or ThroughputMeter())
 
-    def adjust(self, plan: Plan) -> None:
-        """Before a blend prefill: raise ``plan.ratio`` while recompute hides under loading."""
+    def loading_budget(self, plan: Plan, budget: Budget) -> Budget:
+        """The budget a blend prefill runs with: ``budget``, its share raised while recompute hides
+        under loading the plan's KV from a slower tier."""
         if not self.enabled or plan.path != "blend":
-            return
+            return budget
         streaming = [  # disk or remote hits, still streaming in
             r for _, r in plan.exact_records + plan.chunk_records if hasattr(r, "pending_bytes")
         ]
-        if any(r.pending_bytes() for r in streaming):
-            t_full = self.profile.full_prefill(plan.num_tokens, self.n_layers)
-            plan.ratio = self.loading.ratio_for_records(plan.ratio, streaming, t_full)
+        if not any(r.pending_bytes() for r in streaming):
+            return budget
+        t_full = self.profile.full_prefill(plan.num_tokens, self.n_layers)
+        return budget.raised(self.loading.ratio_for_records(budget.share, streaming, t_full))
 
-    def observe(self, plan: Plan, token_layers: int, seconds: float, recomputed: int = 0) -> None:
+    def observe(self, plan: Plan, budget: Budget, token_layers: int, seconds: float, recomputed: int = 0) -> None:
         """After a prefill: feed the cost profile and the path costs, and tell the store what its
         misses cost (PGDSF)."""
         cached = plan.cached_tokens
         self.profile.record(cached, plan.num_tokens - cached, seconds, token_layers)
-        self.paths.observe(plan, token_layers, seconds, recomputed)
+        self.paths.observe(plan, budget, token_layers, seconds, recomputed)
         if plan.mode in ("blend", "reuse"):
             missed = [c.key for c in plan.chunks if c.source == "computed"]
             per_token = self.profile.seconds_per_token(cached, plan.num_tokens - cached)

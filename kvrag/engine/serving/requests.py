@@ -1,29 +1,40 @@
-"""A request's arguments, validated once: one clear error per bad input."""
+"""A request validated once, on the caller's thread: one clear error per bad input.
+
+:class:`Requests` turns a call's prompt and :class:`~kvrag.engine.options.RequestOptions` into a
+:class:`Request`: the prompt split into text and chunk segments and tokenised, the conversation's
+earlier documents dropped, and the recompute :class:`~kvrag.engine.reuse.budget.Budget` resolved
+(:func:`resolve_budget`) — the one place ``recompute_ratio``, ``quality``, the threshold and the
+other-context rule become a value.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
-from kvrag.config import MODES, EngineConfig, SamplingParams, check_ratio
-from kvrag.engine.reuse.segments import Segment
-from kvrag.engine.reuse.selection import check_selection as registered
-from kvrag.errors import InvalidRequestError
+from kvrag.config import AUTO, EngineConfig, SamplingParams
+from kvrag.engine.options import SAMPLING_OPTIONS, RequestOptions
+from kvrag.engine.reuse.access import AccessTable, check_chunk_order
+from kvrag.engine.reuse.budget import Budget, OtherContextRule
+from kvrag.engine.reuse.conversations import Conversations, check_conversation_id
+from kvrag.engine.reuse.documents import DocumentFinder
+from kvrag.engine.reuse.gate import GateResult
+from kvrag.engine.reuse.segments import PromptTokenizer, Segment
+from kvrag.engine.reuse.selection import auto_kind, check_selection
+from kvrag.errors import ContextLengthError, InvalidRequestError
 
 __all__ = [
     "Request",
-    "RequestArgs",
-    "check_request_args",
+    "Requests",
+    "resolve_budget",
+    "describe_blend",
     "check_text",
     "check_chunks",
-    "check_mode",
-    "check_selection",
-    "check_dedup",
     "check_namespace",
-    "request_parts",
+    "signature",
 ]
 
 
@@ -34,88 +45,189 @@ class Request:
     segments: list[Segment]
     ids: torch.Tensor  # [N]
     mode: str
-    ratio: float | str  # a share, or "auto"
+    budget: Budget  # what a blend recomputes (resolved once: resolve_budget)
     sampling: SamplingParams  # resolved: no None fields
-    selection: str = "probe"
-    foreign_switch: bool = False  # no selection named, ratio "auto": other company runs config.foreign_selection
-    quality: str = "balanced"  # the dial of ratio "auto" (EngineConfig.quality)
     namespace: str = "default"  # the tenant: cache entries and conversations of others are never seen
     conversation: str | None = None  # the conversation's key (its id, scoped to the namespace)
     deduplicated: int = 0
     conversation_spans: list | None = None
     follow: Any = None  # the kept turn of the conversation its prompt continues (reuse.conversations.Continuation)
-    priced: bool = True  # the cost model may lower its path (off for a measurement of its mode: calibration)
+    priced: bool = True  # the cost model may lower its path (off for a measurement of its mode)
     # speculation (serving.speculation): a speculative prefill's request (its lookups are looks, not
     # uses: access counters skip it), and the speculation a final request adopts
     speculative: bool = False
     adopt: Any = None
 
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
 
-class RequestArgs(TypedDict, total=False):
-    """The keyword arguments of :meth:`~kvrag.Engine.generate` and :meth:`~kvrag.Engine.stream`.
 
-    Every one is optional; ``None`` takes the engine config's default.
+def signature(req: Request) -> tuple:
+    """What a request must share with a prompt speculation to adopt it: the same prefill and sampling."""
+    return (tuple(req.ids.tolist()), req.mode, req.budget, req.namespace, repr(req.sampling))
 
-    Attributes:
-        prompt: instead of prefix/chunks/suffix, the whole prompt as one string; registered
-            document texts found in it (see :meth:`~kvrag.Engine.register`) are treated as chunks.
-        sampling: a :class:`~kvrag.SamplingParams`; or give its fields as the keywords below (not both).
-        max_new_tokens: generation length limit.
-        temperature: 0 for greedy decoding; > 0 samples (with ``top_p``).
-        top_p: nucleus sampling threshold.
-        stop: stop string(s); the text is cut before the first one.
-        seed: sampling seed.
-        mode: ``full``, ``prefix``, ``blend`` or ``reuse`` (:data:`kvrag.config.MODES`).
-        recompute_ratio: share of cached chunk tokens recomputed in ``blend`` (0..1), or ``"auto"``.
-        selection: which cached tokens ``blend`` recomputes, a registered selection
-            (:func:`~kvrag.engine.reuse.selection.registered_selections`).
-        quality: the dial of ``recompute_ratio="auto"``: ``fast``, ``balanced`` or ``faithful``
-            (:data:`kvrag.config.QUALITIES`; default ``config.quality``).
-        conversation_id: a turn of this conversation: the KV of its previous turn (prompt +
-            answer) is reused where the new prompt repeats it (exact prefix, and shifted history
-            runs in blend/reuse), and this turn is kept for the next one
-            (:mod:`kvrag.engine.reuse.conversations`). ``mode="full"`` and ratio 1.0 reuse nothing.
-            A call whose prompt does not continue a kept turn (a chat engine's condense or summary
-            call) reuses none of the conversation's KV and is kept beside its main turn, not over it.
-        dedup: drop chunks that an earlier turn of the conversation already placed in the prompt
-            (CRAFT); default ``config.conversation_dedup``. Only with ``conversation_id``.
-        namespace: the tenant whose cache this request uses (default ``config.namespace``):
-            chunk KV, prefix blocks and conversations of one namespace are never seen by another.
-        chunk_order: how ``chunks`` are put into the prompt: ``retrieval`` (default: as given) or
-            ``frequency`` (CRAFT: most retrieved lately first; :mod:`kvrag.engine.reuse.access`).
+
+def resolve_budget(cfg: EngineConfig, mode: str, options: RequestOptions) -> Budget:
+    """The recompute budget of a request: its ``recompute_ratio``, ``selection`` and ``quality`` (each
+    defaulting to the config's), the config's ``auto_threshold`` and the other-context rule.
+
+    A fixed ratio is the share of the blended tokens recomputed (``reuse``: none). ``"auto"``
+    recomputes what the selection measures is needed, up to ``auto_max_ratio``, where the selection
+    measures itself or has a threshold to measure with; else ``quality``'s share. An ``"auto"`` request
+    that names no selection, under the default probe, also carries the other-context rule:
+    chunk KV computed behind other passages runs ``other_context_selection`` at the quality's
+    per-chunk shares (:meth:`~kvrag.engine.reuse.budget.Budget.for_plan`).
+    """
+    selection = check_selection(cfg.selection if options.selection is None else options.selection)
+    ratio = cfg.recompute_ratio if options.recompute_ratio is None else options.recompute_ratio
+    if mode == "reuse":
+        return Budget(selection, 0.0)
+    if ratio != AUTO:
+        return Budget(selection, float(ratio))
+    own, other = cfg.quality_shares(options.quality)
+    rule = None
+    if options.selection is None and cfg.selection == "probe" and cfg.other_context_selection is not None:
+        rule = OtherContextRule(cfg.other_context_selection, own, other, cfg.other_context_overlap)
+    kind, threshold = auto_kind(selection), cfg.auto_threshold
+    if kind == "self" or (kind == "threshold" and threshold is not None):
+        return Budget(selection, cfg.auto_max_ratio, auto=True, threshold=threshold, other_context=rule)
+    return Budget(selection, own, other_context=rule)
+
+
+class Requests:
+    """Validates calls into :class:`Request` values (the caller's thread; no model compute).
+
+    Args:
+        config: the engine's settings (defaults of every option).
+        tokenizer: the prompt tokenizer (segments tokenised on their own).
+        documents: the registered document texts a whole prompt is split at.
+        conversations: kept conversations (deduplication, their keys).
+        access: CRAFT's chunk-access table (``chunk_order="frequency"``).
+        gate: the correctness gate (``blend`` and ``reuse`` refused on a model that failed it).
+        context_window: most tokens a request may hold.
+        model_name: named in the gate's refusal.
     """
 
-    prompt: str | None
-    sampling: SamplingParams | None
-    max_new_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    stop: str | Sequence[str] | None
-    seed: int | None
-    mode: str | None
-    recompute_ratio: float | str | None
-    selection: str | None
-    quality: str | None
-    conversation_id: str | None
-    dedup: bool | None
-    namespace: str | None
-    chunk_order: str | None
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PromptTokenizer,
+        documents: DocumentFinder,
+        conversations: Conversations,
+        access: AccessTable,
+        gate: GateResult,
+        *,
+        context_window: int,
+        model_name: str,
+    ) -> None:
+        self.config, self.tokenizer, self.documents = config, tokenizer, documents
+        self.conversations, self.access, self.gate = conversations, access, gate
+        self.context_window, self.model_name = context_window, model_name
 
-
-_SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
-
-
-def check_request_args(args: dict) -> dict:
-    """Request keywords as ``Engine._request`` takes them: names checked, sampling fields folded into
-    one :class:`SamplingParams`."""
-    unknown = sorted(set(args) - set(RequestArgs.__annotations__))
-    if unknown:
-        raise InvalidRequestError(
-            f"unknown argument(s) {', '.join(unknown)}; requests take {', '.join(RequestArgs.__annotations__)}"
+    def build(
+        self,
+        *,
+        chunks: Sequence[str] | None = None,
+        prefix: str = "",
+        suffix: str = "",
+        prompt: str | None = None,
+        options: RequestOptions,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Validate a request and segment its prompt (``chunks`` in the order given)."""
+        cfg = self.config
+        parts = self.parts(chunks, prefix, suffix, prompt)
+        namespace = check_namespace(cfg, options.namespace)
+        conversation = check_conversation_id(options.conversation_id)
+        if conversation is not None:
+            conversation = self.conversation_key(conversation, namespace)
+        deduplicated = 0
+        if conversation is not None and (cfg.conversation_dedup if options.dedup is None else options.dedup):
+            parts, deduplicated = self.conversations.dedup(conversation, parts)
+        mode = cfg.mode if options.mode is None else options.mode
+        budget = resolve_budget(cfg, mode, options)
+        self.gate.require(self.model_name, mode, budget)
+        segments, ids = self.tokenizer.segment(parts)
+        n = int(ids.shape[0])
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
+        if n >= self.context_window:
+            raise ContextLengthError(n, self.context_window)
+        return Request(
+            segments=segments,
+            ids=ids,
+            mode=mode,
+            budget=budget,
+            sampling=_sampling(options, sampling).resolved(cfg.sampling),
+            namespace=namespace,
+            conversation=conversation,
+            deduplicated=deduplicated,
         )
-    out = {k: v for k, v in args.items() if k not in _SAMPLING_FIELDS}
-    out["sampling"] = SamplingParams.of(args.get("sampling"), **{k: args.get(k) for k in _SAMPLING_FIELDS})
-    return out
+
+    def parts(self, chunks, prefix, suffix, prompt) -> list[tuple[str, str]]:
+        """The request as ("text" | "chunk", text) parts: from prefix/chunks/suffix, or from a whole
+        ``prompt`` split at the registered documents."""
+        chunks = check_chunks(chunks)
+        prefix, suffix = check_text("prefix", prefix), check_text("suffix", suffix)
+        if prompt is not None:
+            if chunks or prefix or suffix:
+                raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
+            return self.documents.split(check_text("prompt", prompt))
+        return [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+
+    def order_chunks(self, chunks, prompt: str | None, options: RequestOptions) -> tuple[list[str] | None, list[str]]:
+        """``chunks`` in the order ``options.chunk_order`` asks for, and the retrieval to count (none
+        without chunks). A later turn of a conversation keeps the given order (its history would
+        be recomputed)."""
+        order = check_chunk_order("retrieval" if options.chunk_order is None else options.chunk_order)
+        if prompt is not None:
+            if order != "retrieval":
+                raise InvalidRequestError(
+                    "chunk_order orders chunks=; a prompt given as one string is used as it is (order the "
+                    "documents before rendering it: a retriever wrapper's order='frequency')"
+                )
+            return chunks, []
+        chunks = check_chunks(chunks)
+        if order == "retrieval" or len(chunks) < 2:
+            return chunks, chunks
+        namespace = check_namespace(self.config, options.namespace)
+        conversation = check_conversation_id(options.conversation_id)
+        if conversation is not None and self.conversation_key(conversation, namespace) in self.conversations:
+            return chunks, chunks
+        return [chunks[i] for i in self.access.order(namespace, chunks, order)], chunks
+
+    def conversation_key(self, conversation_id: str, namespace: str) -> str:
+        """A conversation is scoped to its tenant (the default tenant's keys are the ids themselves)."""
+        return conversation_id if namespace == self.config.namespace else f"{namespace}\0{conversation_id}"
+
+
+def describe_blend(cfg: EngineConfig) -> str:
+    """What ``blend`` recomputes by default, in a line (:attr:`EngineInfo.blend`)."""
+    budget = resolve_budget(cfg, "blend", RequestOptions())
+    if cfg.recompute_ratio != AUTO:
+        return f"{budget.selection} at {budget.share:.0%} of the cached tokens"
+    how = f"measured per request, up to {budget.share:.0%}" if budget.auto else f"{budget.share:.0%} (no threshold set)"
+    text = f"{budget.selection}, auto ({cfg.quality}): {how}"
+    rule = budget.other_context
+    if rule is not None:
+        text += (
+            f"; KV from another context (overlap < {rule.below:g}): {rule.selection},"
+            f" {rule.other:.0%} of each such chunk, {rule.own:.0%} of the others"
+        )
+    return text
+
+
+def _sampling(options: RequestOptions, sampling: SamplingParams | None) -> SamplingParams:
+    """The request's sampling: ``sampling=`` or the options' sampling fields, not both."""
+    if sampling is None:
+        return options.sampling()
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    given = sorted(set(options.given()) & set(SAMPLING_OPTIONS))
+    if given:
+        raise InvalidRequestError(f"give either sampling= or {', '.join(sorted(given))} as keywords, not both")
+    return sampling
 
 
 def check_text(name: str, value) -> str:
@@ -141,39 +253,9 @@ def check_chunks(chunks) -> list[str]:
     return out
 
 
-def check_mode(cfg: EngineConfig, mode: str | None, ratio: float | str | None) -> tuple[str, float | str]:
-    mode = cfg.mode if mode is None else mode
-    if mode not in MODES:
-        raise InvalidRequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    ratio = cfg.recompute_ratio if ratio is None else check_ratio(ratio)
-    return mode, (0.0 if mode == "reuse" else ratio)
-
-
-def check_selection(cfg: EngineConfig, selection: str | None) -> str:
-    """The request's selection (default ``cfg.selection``), registered (the registry is the one list)."""
-    return registered(cfg.selection if selection is None else selection)
-
-
-def request_parts(chunks, prefix, suffix, prompt, split_prompt) -> list[tuple[str, str]]:
-    """The request as ("text" | "chunk", text) parts: from prefix/chunks/suffix, or from a whole
-    ``prompt`` split by ``split_prompt`` (registered documents become chunks)."""
-    chunks = check_chunks(chunks)
-    prefix, suffix = check_text("prefix", prefix), check_text("suffix", suffix)
-    if prompt is not None:
-        if chunks or prefix or suffix:
-            raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
-        return split_prompt(prompt)
-    return [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
-
-
 def check_namespace(cfg: EngineConfig, namespace) -> str:
     if namespace is None:
         return cfg.namespace
     if not isinstance(namespace, str) or not namespace or "\0" in namespace:
         raise InvalidRequestError(f"namespace must be a non-empty string, got {namespace!r}")
     return namespace
-
-
-def check_dedup(dedup) -> None:
-    if dedup is not None and not isinstance(dedup, bool):
-        raise InvalidRequestError(f"dedup must be True, False or None, got {dedup!r}")

@@ -56,6 +56,10 @@ Pause = Callable[[], None]
 _PIECE, _DONE, _ERROR, _CLOSED = range(4)
 
 
+def _not_driven(*_args):
+    raise RuntimeError("kvrag: the engine thread was given a request before Worker.drive()")
+
+
 class _Cancelled(Exception):
     """Raised by the pause hook inside the prefill of a request whose consumer has gone."""
 
@@ -86,11 +90,11 @@ class _Call:
 class Worker:
     """Runs tickets and decode steps on one thread.
 
+    What a request's life runs is handed in by :meth:`drive` before the first request (the prefill
+    and decode modules: :mod:`kvrag.engine.serving.prefill`, :mod:`kvrag.engine.serving.decode`).
+
     Args:
         scheduler: admission and order of waiting tickets.
-        start: ``(request, t0, pause) -> Sequence``: prefill a request and sample its first token.
-        step: ``(sequences) -> None``: advance each sequence by one token (a batched decode step).
-        finish: ``(sequence) -> Generation``: the result of a sequence that is done.
         eos_ids: end-of-sequence token ids.
         slice_s: seconds of prefill between two decode steps while requests are running.
         setup: run first on each engine thread (the engine sets its torch thread count there).
@@ -100,15 +104,12 @@ class Worker:
         self,
         *,
         scheduler: Scheduler,
-        start: Callable[[Any, float, Pause], Any],
-        step: Callable[[list], None],
-        finish: Callable[[Any], Any],
         eos_ids: set[int],
         slice_s: float,
         setup: Callable[[], None] = lambda: None,
     ) -> None:
         self.scheduler = scheduler
-        self._start_fn, self._step_fn, self._finish_fn = start, step, finish
+        self._start_fn = self._step_fn = self._finish_fn = _not_driven
         self.eos_ids = eos_ids
         self.slice_s = slice_s
         self._setup = setup
@@ -125,6 +126,22 @@ class Worker:
         self._cut = False  # another worker started work: an idle thread stops lingering now
         with _WORKERS_LOCK:
             _WORKERS.add(self)
+
+    def drive(
+        self,
+        *,
+        start: Callable[[Any, float, Pause], Any],
+        step: Callable[[list], None],
+        finish: Callable[[Any], Any],
+    ) -> None:
+        """What runs a request's life on this thread.
+
+        Args:
+            start: ``(request, t0, pause) -> sequence``: prefill a request and sample its first token.
+            step: ``(sequences) -> None``: advance each sequence by one token (a batched decode step).
+            finish: ``(sequence) -> Generation``: the result of a sequence that is done.
+        """
+        self._start_fn, self._step_fn, self._finish_fn = start, step, finish
 
     # -- callers' side ------------------------------------------------------------------------
 

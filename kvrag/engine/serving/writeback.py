@@ -8,7 +8,7 @@ request's queries and KV) runs on the engine thread, queued like other work. Job
 daemon thread, in order; a failed job costs only a future hit.
 
 A third kind, the knowledge tree's refresh (``tree_refresh``): a request that blended chunk KV
-computed in other company leaves its chunk sequence to be computed exactly, as background work
+computed in another context leaves its chunk sequence to be computed exactly, as background work
 on the engine thread (it starts only when the engine is idle and gives way to the next request,
 :mod:`kvrag.engine.serving.scheduler`); each of those chunks is kept as an exact variant, so the same lead
 and chunks asked again (reworded, or by another user) are reused exactly. Those variants are kept
@@ -304,7 +304,6 @@ class WriteBack:
             plan = self.planner.plan(
                 segments,
                 mode="prefix",
-                ratio=0.0,
                 use_prefix=self.config.prefix_cache,
                 namespace=namespace,
                 exact_only=True,

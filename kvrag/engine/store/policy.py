@@ -34,7 +34,7 @@ from kvrag.errors import InvalidRequestError
 __all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "make_policy", "check_policy", "POLICIES", "CFO_FLOOR"]
 
 #: A reuse with cache fix overhead ``cfo`` counts ``1 / max(cfo, CFO_FLOOR)`` accesses (an exact
-#: reuse 10, a chunk reused in foreign company ~2): Cache-Craft's frequency-reuse.
+#: reuse 10, a chunk reused in another context ~2): Cache-Craft's frequency-reuse.
 CFO_FLOOR = 0.1
 
 

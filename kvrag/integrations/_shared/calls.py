@@ -15,12 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
 
 import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
+from kvrag.calls import EngineCall
 from kvrag.config import MODES, QUALITIES, EngineConfig, SamplingParams, check_field_names, check_ratio
 from kvrag.engine import Engine
-from kvrag.engine.reuse.selection import registered_selections
+from kvrag.engine.options import OPTION_DOCS, REUSE_OPTIONS, SAMPLING_OPTIONS
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared.remote import Prompt, ServerDocuments
-from kvrag.integrations._shared.results import EngineCall
 
 __all__ = [
     "CALL_ARGUMENTS",
@@ -31,7 +31,6 @@ __all__ = [
     "check_target",
     "engine_of",
     "registrar_of",
-    "template_role",
 ]
 
 # Subscripting Literal with the tuple itself keeps kvrag.config the one list of modes. Selections
@@ -41,39 +40,15 @@ Mode = Literal[MODES]  # type: ignore[valid-type]
 Quality = Literal[QUALITIES]  # type: ignore[valid-type]
 
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.2)``, ``llm.complete(x, mode="full")``)
-#: and the engine name each one becomes: an :meth:`Engine.stream` keyword, or ``model``, which
+#: and the engine name each one becomes: a :class:`~kvrag.RequestOptions` field, or ``model``, which
 #: picks the engine. Aliases map to the same name. LLM fields with these names are the defaults.
 CALL_ARGUMENTS: Mapping[str, str] = MappingProxyType(
     {
-        "max_new_tokens": "max_new_tokens",
+        **{name: name for name in (*SAMPLING_OPTIONS, *REUSE_OPTIONS)},
         "max_tokens": "max_new_tokens",
-        "temperature": "temperature",
-        "top_p": "top_p",
-        "stop": "stop",
-        "seed": "seed",
-        "mode": "mode",
-        "recompute_ratio": "recompute_ratio",
-        "selection": "selection",
-        "quality": "quality",
-        "dedup": "dedup",
-        "conversation_id": "conversation_id",
         "model": "model",
     }
 )
-
-# Message roles and types of both frameworks, as the roles chat templates know.
-_TEMPLATE_ROLES = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "ai": "assistant",
-    "chatbot": "assistant",
-    "model": "assistant",
-    "tool": "tool",
-    "function": "tool",
-}
 
 # Request settings are LLM fields and per-call arguments; in ``engine_config`` they would create
 # a separate engine (another copy of the model) per value. ``sampling`` holds the defaults of
@@ -116,11 +91,6 @@ def call_options(defaults: Mapping[str, Any], kwargs: Mapping[str, Any], *, owne
         given[target] = name
         options[target] = value
     return options
-
-
-def template_role(role: str) -> str | None:
-    """The chat-template role of a framework's message role or type (``human`` -> ``user``); None if unknown."""
-    return _TEMPLATE_ROLES.get(role)
 
 
 def check_engine_choice(
@@ -194,32 +164,15 @@ class GenerationFields(BaseModel):
         default_factory=dict,
         description="EngineConfig fields of the shared engine (dtype, device, memory_budget_bytes, ...).",
     )
-    mode: Mode | None = Field(
-        default=None,
-        description=f"Prefill mode, one of {', '.join(MODES)}; None = the engine's default. full reuses nothing.",
-    )
-    recompute_ratio: float | Literal["auto"] | None = Field(
-        default=None,
-        description="Share of cached chunk tokens recomputed in blend (0..1), or 'auto' (each request "
-        "recomputes what it needs); None = engine default (auto).",
-    )
-    selection: str | None = Field(
-        default=None,
-        description="Which cached tokens blend recomputes, a selection registered in kvrag "
-        f"({', '.join(registered_selections())}, ...), checked when a call runs; None = engine default.",
-    )
-    quality: Quality | None = Field(
-        default=None,
-        description=f"The dial of recompute_ratio='auto', one of {', '.join(QUALITIES)}: how much blend "
-        "recomputes of chunks whose KV was computed in other company; None = engine default (balanced).",
-    )
-    temperature: float | None = Field(default=None, description="0 = greedy; None = engine default (greedy).")
-    top_p: float | None = Field(default=None, description="Nucleus sampling threshold; None = engine default.")
-    seed: int | None = Field(default=None, description="Sampling seed.")
-    stop: list[str] | None = Field(default=None, description="Stop strings; the output is cut before the first one.")
-    dedup: bool | None = Field(
-        default=None, description="In a conversation, drop chunks an earlier turn already placed (CRAFT)."
-    )
+    mode: Mode | None = Field(default=None, description=OPTION_DOCS["mode"])
+    recompute_ratio: float | Literal["auto"] | None = Field(default=None, description=OPTION_DOCS["recompute_ratio"])
+    selection: str | None = Field(default=None, description=OPTION_DOCS["selection"])
+    quality: Quality | None = Field(default=None, description=OPTION_DOCS["quality"])
+    temperature: float | None = Field(default=None, description=OPTION_DOCS["temperature"])
+    top_p: float | None = Field(default=None, description=OPTION_DOCS["top_p"])
+    seed: int | None = Field(default=None, description=OPTION_DOCS["seed"])
+    stop: list[str] | None = Field(default=None, description=OPTION_DOCS["stop"])
+    dedup: bool | None = Field(default=None, description=OPTION_DOCS["dedup"])
 
     _server: ServerDocuments | None = PrivateAttr(default=None)
 

@@ -47,7 +47,7 @@ def register_documents(documents: Iterable[Document | str], llm: Any = None, *, 
             will answer; ``None`` = the shared default engine (bundled model, default settings).
             An LLM with ``base_url`` sends the documents with the requests whose prompt holds them.
         warm: also compute and store their KV now, each document behind the ones most like it
-            (``Engine.warm(order="similar")``: the company it will keep in prompts), so even the
+            (``Engine.warm(order="similar")``: the context it will keep in prompts), so even the
             first question over them hits. This computes every document: do it ahead of time
             (e.g. when the corpus is loaded), not on the request path.
 

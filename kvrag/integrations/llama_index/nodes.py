@@ -66,7 +66,7 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
         warm: also precompute and store their KV now, in the form the response synthesizers put
             in prompts (metadata header, stripped), so even the first query over them hits; each
             node is computed behind the ones most like it (by the nodes' own embeddings when every
-            node carries one, else a lexical similarity): the company it will keep in prompts.
+            node carries one, else a lexical similarity): the context it will keep in prompts.
             This computes every node: do it ahead of time, not on the request path.
 
     Returns:

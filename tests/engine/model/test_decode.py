@@ -185,9 +185,9 @@ def test_the_bundled_model_decodes_packed_as_the_plain_step(smol_engine):
         pytest.skip(f"no packed decode here: {why}")
     assert smol_engine.info().decode.startswith("packed")
     if smol_engine.adapter.dtype == torch.float32:
-        decode_close(smol_engine.adapter, smol_engine.decoder, steps=3)
+        decode_close(smol_engine.adapter, smol_engine.decoding.decoder, steps=3)
     else:
-        decode_both(smol_engine.adapter, smol_engine.decoder, steps=3)
+        decode_both(smol_engine.adapter, smol_engine.decoding.decoder, steps=3)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

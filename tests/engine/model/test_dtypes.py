@@ -114,7 +114,7 @@ def test_info_says_what_the_engine_runs(tiny_engine):
     assert info.context_window == tiny_engine.context_window
     assert info.gate_ok and info.gate.startswith("passed in float32: placement ")
     assert info.decode.startswith(("packed: ", "plain: "))  # which path, and why (tests/engine/model/test_decode.py)
-    assert info.decode.startswith(tiny_engine.decoder.description)
+    assert info.decode.startswith(tiny_engine.decoding.decoder.description)
     assert info.blend.startswith("probe, auto (balanced): ")  # the default selection, quality and budget
     assert info.malloc  # what the process's allocator does (tests/engine/model/test_host.py)
     assert set(info.to_dict()) == {

@@ -6,8 +6,11 @@ learned the path costs) runs as a full prefill or with exact KV only; one that w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
+from kvrag.engine.reuse.budget import Budget
 from kvrag.engine.reuse.paths import CPU_BLEND_LINE, LEARN_WINDOW, MARGIN, PathCosts
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.segments import prompt_ids
@@ -15,6 +18,18 @@ from kvrag.engine.reuse.variants import ExactDigest, context_id
 from tests.engine.reuse.test_planner import LEAD, QUESTION, make_planner, prompt, record
 
 LAYERS = 2  # the pretend model's (test_planner.KV_SHAPE)
+BUDGET = Budget("probe", 0.15)
+
+
+@dataclass
+class Paths:
+    """The cost model and the budget a plan is priced with (what the prefill hands the cost model)."""
+
+    costs: PathCosts
+    budget: Budget = BUDGET
+
+    def choose(self, plan: Plan, *, price: bool = True) -> Plan:
+        return self.costs.settle(plan, self.budget, price=price)
 
 
 def priced() -> PathCosts:
@@ -29,12 +44,12 @@ def docs(n: int, size: int = 40) -> list[list[int]]:
 def plan_with(cached: int, of: int, *, mode: str = "blend", ratio: float = 0.15, costs: PathCosts | None = None):
     """A blend plan over ``of`` chunks of which the first ``cached`` are stored (computed elsewhere)."""
     planner, variants = make_planner()
-    planner.costs = costs if costs is not None else priced()
+    paths = Paths(costs if costs is not None else priced(), Budget("probe", ratio))
     chunks = docs(of)
     for d in chunks[:cached]:
         variants.keep(planner.chunk_key(d), record(d), ())
     segments = prompt(("text", LEAD), *(("chunk", d) for d in chunks), ("text", QUESTION))
-    return planner, planner.plan(segments, mode=mode, ratio=ratio, use_prefix=False)
+    return paths, planner.plan(segments, mode=mode, full=paths.budget.reuses_nothing(mode), use_prefix=False)
 
 
 def test_nothing_cached_runs_a_full_prefill():
@@ -55,7 +70,7 @@ def test_too_little_cached_falls_back_to_full_and_keeps_what_was_found():
     # one chunk of six blended at 15%: the plan computes 1 - 40 * 0.85 / 249 = 0.86 of a full prefill,
     # within the margin; the chunk is computed (a miss to write back) but reported as found
     planner, plan = plan_with(1, 6)
-    assert planner.costs.price(plan, "blend").cost == pytest.approx(1 - 40 * 0.85 / plan.num_tokens)
+    assert planner.costs.price(plan, "blend", planner.budget).cost == pytest.approx(1 - 40 * 0.85 / plan.num_tokens)
     planner.costs.margin = 0.15
     planner.choose(plan)
     assert plan.path == "full" and plan.reason.startswith("blend predicted 0.86")
@@ -90,10 +105,10 @@ def test_exact_kv_alone_is_reused_when_blending_the_rest_does_not_win():
         before = tuple(context_id(c) for c in chunks[:i])
         variants.keep(planner.chunk_key(d), record(d), before, exact.at(segments[i + 1].start))
     variants.keep(planner.chunk_key(chunks[3]), record(chunks[3]), ())  # the last one from elsewhere
-    planner.costs = PathCosts(LAYERS, prior={"blend": (0.5, 1.0)}, min_tokens=1)  # blending is dear here
-    plan = planner.plan(segments, mode="blend", ratio=0.15, use_prefix=False)
+    paths = Paths(PathCosts(LAYERS, prior={"blend": (0.5, 1.0)}, min_tokens=1))  # blending is dear here
+    plan = planner.plan(segments, mode="blend", use_prefix=False)
     assert len(plan.exact_records) == 3 and len(plan.chunk_records) == 1
-    planner.choose(plan)
+    paths.choose(plan)
     assert plan.path == "prefix" and plan.reason.startswith("blend predicted")
     assert [u.source for u in plan.chunks] == ["tree", "tree", "tree", "computed"]
     assert plan.chunk_records == [] and plan.exact_tokens == 120
@@ -103,7 +118,7 @@ def test_a_tiny_exact_prefix_is_not_worth_its_overhead():
     # a plan whose only reuse is a few exact tokens: predicted within the margin of a full prefill
     planner, plan = plan_with(0, 6)
     plan.prefix_len, plan.prefix_records = 4, [(0, record(LEAD[:4]))]
-    assert planner.costs.price(plan, "prefix").cost > 1 - MARGIN
+    assert planner.costs.price(plan, "prefix", planner.budget).cost > 1 - MARGIN
     planner.choose(plan)
     assert plan.path == "full" and plan.prefix_len == 0 and plan.prefix_records == []
 
@@ -117,23 +132,23 @@ def test_short_prompts_keep_their_modes_path():
 def observe_blends(costs: PathCosts, segments, a: float, m: float, times: int) -> None:
     """``times`` blends over ``segments`` whose seconds follow ``a + m * work`` (a full prefill: 1 s)."""
     n = len(prompt_ids(segments))
-    costs.observe(Plan(mode="full", ratio=1.0, segments=segments), n * LAYERS, 1.0)
+    costs.observe(Plan(mode="full", segments=segments), BUDGET, n * LAYERS, 1.0)
     for i in range(times):
         work = (0.3, 0.7)[i % 2]
-        blend = Plan(mode="blend", ratio=0.15, segments=segments)
-        costs.observe(blend, round(work * n * LAYERS), a + m * work)
+        blend = Plan(mode="blend", segments=segments)
+        costs.observe(blend, BUDGET, round(work * n * LAYERS), a + m * work)
 
 
 def test_the_prior_line_holds_until_the_path_is_timed():
     costs = PathCosts(LAYERS, prior={"blend": CPU_BLEND_LINE}, min_tokens=1)
     planner, plan = plan_with(2, 6, costs=costs)  # a third of the prompt cached: 0.73 of the work
     work = 1 - 80 * 0.85 / plan.num_tokens
-    assert costs.price(plan, "blend").cost == pytest.approx(CPU_BLEND_LINE[0] + CPU_BLEND_LINE[1] * work)
+    assert costs.price(plan, "blend", BUDGET).cost == pytest.approx(CPU_BLEND_LINE[0] + CPU_BLEND_LINE[1] * work)
     assert planner.choose(plan).path == "full"
     # blends on this engine cost no more than their work: the fit leaves the prior
     planner, blended = plan_with(2, 6, costs=costs)
     observe_blends(costs, blended.segments, 0.0, 1.0, LEARN_WINDOW)
-    assert costs.price(blended, "blend").cost < 1 - MARGIN
+    assert costs.price(blended, "blend", BUDGET).cost < 1 - MARGIN
     assert planner.choose(blended).path == "blend"
     assert costs.stats()["lines"]["blend"]["observations"] == LEARN_WINDOW
 
@@ -142,7 +157,7 @@ def test_the_line_is_learned_from_prefills_against_full_ones():
     costs = PathCosts(LAYERS, min_tokens=100)
     planner, plan = plan_with(3, 6, costs=costs)
     work = 1 - 120 * 0.85 / plan.num_tokens
-    assert costs.price(plan, "blend").cost == pytest.approx(work)  # no prior: the work alone
+    assert costs.price(plan, "blend", BUDGET).cost == pytest.approx(work)  # no prior: the work alone
     observe_blends(costs, plan.segments, 0.6, 1.0, 4 * LEARN_WINDOW)  # blends that cost their work + 0.6
     a, m = costs._lines["blend"].fit()
     assert m == pytest.approx(1.0, abs=0.05) and 0.45 < a < 0.6  # the data, with the prior's weight of two
@@ -159,10 +174,10 @@ def test_short_prefills_teach_nothing():
 def test_auto_expects_the_recompute_share_it_measured():
     costs = PathCosts(LAYERS, min_tokens=1)
     _, plan = plan_with(3, 6, ratio=0.3, costs=costs)
-    plan.auto = True
-    assert costs.recompute_share(plan) == 0.3  # before any measure: the cap
-    costs.observe(plan, plan.num_tokens, 1.0, recomputed=12)  # 12 of the 120 blended tokens
-    assert costs.recompute_share(plan) == pytest.approx(0.1)
+    auto = Budget("probe", 0.3, auto=True)
+    assert costs.recompute_share(auto) == 0.3  # before any measure: the cap
+    costs.observe(plan, auto, plan.num_tokens, 1.0, recomputed=12)  # 12 of the 120 blended tokens
+    assert costs.recompute_share(auto) == pytest.approx(0.1)
 
 
 def test_off_the_requested_path_runs_whenever_anything_is_cached():

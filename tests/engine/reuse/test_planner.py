@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrag.engine.reuse.budget import Budget
 from kvrag.engine.reuse.planner import Plan, Planner
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import Segment
@@ -75,12 +76,12 @@ def rag_prompt(*docs: list[int], lead: list[int] = LEAD) -> list[Segment]:
 def test_a_plan_holds_the_segments_ids_and_spans_fusion_turns_into_masks():
     planner, variants = make_planner()
     variants.keep(planner.chunk_key(DOC_B), record(DOC_B), ())
-    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", ratio=0.15, use_prefix=False)
+    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", use_prefix=False)
     assert plan.ids == LEAD + DOC_A + DOC_B + QUESTION and plan.num_tokens == len(plan.ids)
     b = len(LEAD) + len(DOC_A)
     assert plan.blended_spans() == [(b, b + len(DOC_B))] and plan.exact_spans() == []
     assert plan.boundaries == [len(LEAD), b, b + len(DOC_B), plan.num_tokens]
-    assert Plan(mode="full", ratio=1.0, segments=plan.segments).ids == plan.ids  # ids always follow the segments
+    assert Plan(mode="full", segments=plan.segments).ids == plan.ids  # ids always follow the segments
 
 
 @pytest.mark.parametrize(("mode", "ratio"), [("full", 0.15), ("blend", 1.0)])
@@ -90,7 +91,9 @@ def test_full_prefill_computes_everything_and_looks_nothing_up(mode, ratio):
     for doc in (DOC_A, DOC_B):
         variants.keep(planner.chunk_key(doc), record(doc), ())
     before = store.stats()
-    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode=mode, ratio=ratio, use_prefix=True)
+    plan = planner.plan(
+        rag_prompt(DOC_A, DOC_B), mode=mode, full=Budget("probe", ratio).reuses_nothing(mode), use_prefix=True
+    )
     assert plan.is_full and plan.cached_spans() == [] and plan.prefix_len == 0
     assert [(u.hit, u.source) for u in plan.chunks] == [(False, "computed")] * 2
     assert [u.key for u in plan.chunks] == [planner.chunk_key(DOC_A), planner.chunk_key(DOC_B)]
@@ -103,7 +106,7 @@ def test_a_stored_chunk_becomes_a_blended_hit_and_the_store_hears_of_the_reuse()
     planner, variants = make_planner(store)
     kept = record(DOC_B, fill=1.0)
     assert variants.keep(planner.chunk_key(DOC_B), kept, ())  # computed behind nothing
-    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", ratio=0.15, use_prefix=False)
+    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", use_prefix=False)
     a, b = plan.chunks
     assert (a.hit, a.source) == (False, "computed")
     assert (b.hit, b.source, b.tier) == (True, "store", "memory")
@@ -113,8 +116,8 @@ def test_a_stored_chunk_becomes_a_blended_hit_and_the_store_hears_of_the_reuse()
     assert store.reuses == [(planner.chunk_key(DOC_B), b.fix)]
     assert variants.index.variants(planner.chunk_key(DOC_B))[0].reuses == 1
     # reuse mode places it too; prefix mode never looks chunks up
-    assert planner.plan(rag_prompt(DOC_A, DOC_B), mode="reuse", ratio=0.0, use_prefix=False).chunk_records
-    prefix = planner.plan(rag_prompt(DOC_A, DOC_B), mode="prefix", ratio=0.0, use_prefix=True)
+    assert planner.plan(rag_prompt(DOC_A, DOC_B), mode="reuse", use_prefix=False).chunk_records
+    prefix = planner.plan(rag_prompt(DOC_A, DOC_B), mode="prefix", use_prefix=True)
     assert prefix.cached_spans() == [] and not any(u.hit for u in prefix.chunks)
 
 
@@ -124,9 +127,9 @@ def test_the_variant_with_the_lowest_fix_overhead_is_used():
     alone, behind_a = record(DOC_B, fill=1.0), record(DOC_B, fill=2.0)
     assert variants.keep(key, alone, ())
     assert variants.keep(key, behind_a, (context_id(DOC_A),))
-    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", ratio=0.15, use_prefix=False)
+    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", use_prefix=False)
     assert plan.chunk_records[0][1] is behind_a and plan.chunks[1].fix == 0.0
-    plan = planner.plan(rag_prompt(DOC_B), mode="blend", ratio=0.15, use_prefix=False)
+    plan = planner.plan(rag_prompt(DOC_B), mode="blend", use_prefix=False)
     assert plan.chunk_records[0][1] is alone and plan.chunks[0].fix == 0.0
 
 
@@ -139,14 +142,14 @@ def test_an_exact_variant_is_placed_as_is_over_a_context_one():
     in_context, exact = record(DOC_B, fill=1.0), record(DOC_B, fill=2.0)
     assert variants.keep(key, in_context, (context_id(DOC_A),))  # scores 0 here too, but is not exact
     assert variants.keep(key, exact, (context_id(DOC_A),), digest)
-    plan = planner.plan(segments, mode="blend", ratio=0.15, use_prefix=False)
+    plan = planner.plan(segments, mode="blend", use_prefix=False)
     use = plan.chunks[1]
     assert (use.hit, use.source, use.fix) == (True, "tree", 0.0)
     assert plan.exact_records == [(start, exact)] and plan.chunk_records == []
     assert plan.exact_spans() == [(start, start + len(DOC_B))] and plan.blended_spans() == []
     assert plan.exact_tokens == plan.cached_tokens == len(DOC_B)
     # another lead: the same chunks, but not the same tokens before them: blended
-    other = planner.plan(rag_prompt(DOC_A, DOC_B, lead=[1, 2, 3]), mode="blend", ratio=0.15, use_prefix=False)
+    other = planner.plan(rag_prompt(DOC_A, DOC_B, lead=[1, 2, 3]), mode="blend", use_prefix=False)
     assert other.chunks[1].source == "store" and len(other.chunk_records) == 1 and other.exact_records == []
 
 
@@ -159,7 +162,7 @@ def test_the_refresh_plans_exact_variants_only_and_as_looks():
     variants.keep(planner.chunk_key(DOC_A), record(DOC_A), ())  # a blendable variant: not for a refresh
     variants.keep(key, record(DOC_B), (context_id(DOC_A),), digest)
     before = store.stats()
-    plan = planner.plan(segments, mode="prefix", ratio=0.0, use_prefix=True, exact_only=True)
+    plan = planner.plan(segments, mode="prefix", use_prefix=True, exact_only=True)
     assert [u.source for u in plan.chunks] == ["computed", "tree"] and plan.chunk_records == []
     assert store.stats()["hits"] == before["hits"] and store.reuses == []  # looks, not uses
     assert variants.index.variants(key)[0].reuses == 0
@@ -170,7 +173,7 @@ def test_a_record_with_another_models_kv_shape_is_refused():
     planner, variants = make_planner(store)
     forged = record(DOC_B, shape=(3, 1, 4))  # right key, right tokens, KV of another shape
     assert store.put(planner.chunk_key(DOC_B), forged)
-    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", ratio=0.15, use_prefix=False)
+    plan = planner.plan(rag_prompt(DOC_A, DOC_B), mode="blend", use_prefix=False)
     assert plan.cached_spans() == [] and not plan.chunks[1].hit
     assert variants.index.variants(planner.chunk_key(DOC_B)) == []  # not indexed either
     assert not variants.fits(forged) and variants.fits(record(DOC_B))
@@ -180,13 +183,13 @@ def test_the_last_token_is_never_cached():
     planner, variants = make_planner()
     variants.keep(planner.chunk_key(DOC_B), record(DOC_B), ())
     ending = prompt(("text", LEAD), ("chunk", DOC_A), ("chunk", DOC_B))  # no question after the chunk
-    plan = planner.plan(ending, mode="blend", ratio=0.15, use_prefix=True)
+    plan = planner.plan(ending, mode="blend", use_prefix=True)
     assert plan.chunk_records == [] and not plan.chunks[1].hit
     # an exact prefix covering the whole prompt stops one token short of its end
     ids = plan.ids
     k = torch.zeros(KV_SHAPE[0], KV_SHAPE[1], len(ids), KV_SHAPE[2])  # [L, Hkv, N, D]
     planner.prefix_cache.insert(ids, k, k, 0, len(ids), plan.boundaries, namespace="default")
-    again = planner.plan(ending, mode="prefix", ratio=0.0, use_prefix=True)
+    again = planner.plan(ending, mode="prefix", use_prefix=True)
     assert 0 < again.prefix_len < len(ids) and again.prefix_len % BLOCK == 0
     assert all(s + r.num_tokens <= len(ids) - 1 for s, r in again.prefix_records)
 
@@ -201,13 +204,13 @@ def test_prefix_lookups_stop_at_a_bad_record():
 
     cache = planner.prefix_cache
     assert cache.insert(ids, kv(0, 4), kv(0, 4), 0, 4, bounds, namespace="default") == 1
-    first = planner.plan(segments, mode="prefix", ratio=0.0, use_prefix=True)
+    first = planner.plan(segments, mode="prefix", use_prefix=True)
     assert first.prefix_len == 4 and len(first.prefix_records) == 1
     # the chain's second block forged with another shape, a good third block behind it
     assert cache.insert(ids, kv(4, 8, (3, 1, 4)), kv(4, 8, (3, 1, 4)), 4, 8, bounds, namespace="default") == 1
     assert cache.insert(ids, kv(8, 12), kv(8, 12), 8, 12, bounds, namespace="default") == 1
     assert cache.lookup(ids, bounds, len(ids) - 1, namespace="default")[0] == 12  # the cache itself finds all three
-    plan = planner.plan(segments, mode="prefix", ratio=0.0, use_prefix=True)
+    plan = planner.plan(segments, mode="prefix", use_prefix=True)
     assert plan.prefix_len == 4 and [s for s, _ in plan.prefix_records] == [0]
 
 
@@ -219,7 +222,7 @@ def test_chunks_inside_the_exact_prefix_are_prefix_hits_and_one_across_it_is_com
     end = segments[1].end + 4  # 6 + 10 + 4 = 20: five blocks, into DOC_B
     k = torch.zeros(KV_SHAPE[0], KV_SHAPE[1], end, KV_SHAPE[2])  # [L, Hkv, T, D]
     planner.prefix_cache.insert(ids, k, k, 0, end, bounds, namespace="default")
-    plan = planner.plan(segments, mode="blend", ratio=0.15, use_prefix=True)
+    plan = planner.plan(segments, mode="blend", use_prefix=True)
     assert plan.prefix_len == end
     assert [(u.hit, u.source) for u in plan.chunks] == [(True, "prefix"), (False, "computed")]
     assert plan.chunk_records == [] and plan.exact_spans() == [(0, end)]
@@ -228,12 +231,12 @@ def test_chunks_inside_the_exact_prefix_are_prefix_hits_and_one_across_it_is_com
 def test_tenants_never_share_chunk_keys():
     planner, variants = make_planner()
     variants.keep(planner.chunk_key(DOC_B, "alice"), record(DOC_B), ())
-    mine = planner.plan(rag_prompt(DOC_B), mode="blend", ratio=0.15, use_prefix=False, namespace="alice")
-    theirs = planner.plan(rag_prompt(DOC_B), mode="blend", ratio=0.15, use_prefix=False, namespace="bob")
+    mine = planner.plan(rag_prompt(DOC_B), mode="blend", use_prefix=False, namespace="alice")
+    theirs = planner.plan(rag_prompt(DOC_B), mode="blend", use_prefix=False, namespace="bob")
     assert mine.chunks[0].hit and not theirs.chunks[0].hit
     assert (
         theirs.namespace == "bob"
-        and planner.plan(rag_prompt(DOC_B), mode="full", ratio=0.0, use_prefix=False).namespace == "default"
+        and planner.plan(rag_prompt(DOC_B), mode="full", use_prefix=False).namespace == "default"
     )
 
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-import kvrag.engine.engine as engine_module
+import kvrag.engine.serving.decode as decode_module
 from kvrag import Engine, InvalidRequestError, SamplingParams
 from kvrag.engine.serving.drafts import (
     PROBE_EVERY,
@@ -123,13 +123,13 @@ def test_the_engine_checks_the_drafts_the_cost_pays_for(tiny_model, tiny_tokeniz
     ) as plain:
         expected = greedy(plain, chunks)
     Oracle.reference, Oracle.calls = expected.token_ids, 0
-    monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
+    monkeypatch.setattr(decode_module, "PromptLookup", Oracle)
     with Engine.from_model(
         tiny_model, tiny_tokenizer, draft_tokens=4, sampling=SamplingParams(max_new_tokens=24)
     ) as engine:
-        engine.step_cost = PlantedCost((0.0, 1.0))  # a draft row costs as much as the step: never worth it
+        engine.decoding.step_cost = PlantedCost((0.0, 1.0))  # a draft row costs as much as the step: never worth it
         dear = greedy(engine, chunks)
-        engine.step_cost = PlantedCost(FREE)  # draft rows are free: as many as allowed
+        engine.decoding.step_cost = PlantedCost(FREE)  # draft rows are free: as many as allowed
         free = greedy(engine, chunks)
     assert dear.token_ids == free.token_ids == expected.token_ids
     steps = dear.stats.decode_steps
@@ -147,8 +147,8 @@ def test_draft_tokens_is_validated():
 def test_draft_tokens_default_to_the_device():
     """Left unset, a CPU engine checks up to 4 drafts a step and a GPU none (a draft row's kernel
     launches cost more there than its guesses save); a number given is kept on any device."""
-    resolve = engine_module._draft_tokens
-    assert resolve(None, "cpu") == engine_module.CPU_DRAFT_TOKENS == 4
+    resolve = decode_module.draft_tokens_for
+    assert resolve(None, "cpu") == decode_module.CPU_DRAFT_TOKENS == 4
     assert resolve(None, "cuda") == resolve(None, "cuda:1") == 0
     assert resolve(2, "cuda") == 2 and resolve(0, "cpu") == 0
 
@@ -202,9 +202,9 @@ def test_drafts_kept_or_refused_never_change_the_tokens(tiny_tokenizer, monkeypa
         plain.close()
     assert expected.stats.draft_tokens == 0 and expected.stats.decode_steps >= len(expected.token_ids) - 1
     Oracle.reference, Oracle.calls = expected.token_ids, 0
-    monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
+    monkeypatch.setattr(decode_module, "PromptLookup", Oracle)
     engine = Engine.from_model(model, tiny_tokenizer, draft_tokens=4, sampling=SamplingParams(max_new_tokens=24))
-    engine.step_cost = PlantedCost(FREE)  # how many are checked would follow this machine's timing
+    engine.decoding.step_cost = PlantedCost(FREE)  # how many are checked would follow this machine's timing
     try:
         got = greedy(engine, chunks)
         again = greedy(engine, chunks)  # the KV a refused draft left behind is not read
@@ -244,7 +244,7 @@ def test_drafts_stop_at_the_token_budget_and_at_a_stop_string(tiny_model, tiny_t
     finally:
         plain.close()
     Oracle.reference, Oracle.calls = long.token_ids, 1  # calls 2, 3, ...: some spoiled
-    monkeypatch.setattr(engine_module, "PromptLookup", Oracle)
+    monkeypatch.setattr(decode_module, "PromptLookup", Oracle)
     engine = Engine.from_model(tiny_model, tiny_tokenizer, draft_tokens=7)
     try:
         got = greedy(engine, chunks, max_new_tokens=5)
@@ -298,14 +298,14 @@ def test_drafts_on_the_bundled_model_save_steps_and_change_no_token(smol_engine)
     prompt = smol_engine.apply_chat_template([{"role": "user", "content": f"{passage}\n\n{question}"}])
     base = smol_engine.config
     out = {}
-    fitted = smol_engine.step_cost
-    smol_engine.step_cost = PlantedCost(FREE)  # the steps saved would follow this machine's timing
+    fitted = smol_engine.decoding.step_cost
+    smol_engine.decoding.step_cost = PlantedCost(FREE)  # the steps saved would follow this machine's timing
     try:
         for k in (0, 4):
             smol_engine.config = base.replace(draft_tokens=k)
             out[k] = smol_engine.generate(prompt=prompt, mode="full", max_new_tokens=40)
     finally:
-        smol_engine.config, smol_engine.step_cost = base, fitted
+        smol_engine.config, smol_engine.decoding.step_cost = base, fitted
     assert out[4].token_ids == out[0].token_ids
     assert out[4].stats.draft_accepted > 0
     assert out[4].stats.decode_steps < out[0].stats.decode_steps

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-import kvrag.engine.engine as engine_module
+import kvrag.engine.serving.prefill as prefill_module
 from kvrag import Engine, OverloadedError, SamplingParams
 from kvrag.engine.model.batch import Decoder, DecodeRow, decode_step
 from kvrag.engine.model.runner import KVBuffer, forward
@@ -30,7 +30,7 @@ def serving(tiny_model, tiny_tokenizer):
 def events(monkeypatch):
     """What the engine thread did, in order: ("prefill", prompt tokens), ("prefilled", ...), ("step", bufs)."""
     log: list[tuple] = []
-    prefill, step = engine_module.prefill, Decoder.step
+    prefill, step = prefill_module.prefill, Decoder.step
 
     def spy_prefill(adapter, plan, capacity, **kw):
         log.append(("prefill", plan.num_tokens))
@@ -42,7 +42,7 @@ def events(monkeypatch):
         log.append(("step", [weakref.ref(r.buf) for r in rows]))
         return step(decoder, rows)
 
-    monkeypatch.setattr(engine_module, "prefill", spy_prefill)
+    monkeypatch.setattr(prefill_module, "prefill", spy_prefill)
     monkeypatch.setattr(Decoder, "step", spy_step)
     return log
 

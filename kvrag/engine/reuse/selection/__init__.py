@@ -25,6 +25,7 @@ import pkgutil
 
 from kvrag.engine.reuse.selection.base import (
     BlendPass,
+    PrefillOptions,
     SelectionParams,
     Strategy,
     auto_kind,
@@ -43,6 +44,7 @@ from kvrag.engine.reuse.selection.recency import recency_window
 
 __all__ = [
     "BlendPass",
+    "PrefillOptions",
     "Strategy",
     "SelectionParams",
     "register_selection",

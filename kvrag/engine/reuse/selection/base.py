@@ -30,11 +30,13 @@ from kvrag.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvrag.config import EngineConfig
-    from kvrag.engine.reuse.fusion import PrefillOptions
-    from kvrag.engine.reuse.planner import Plan, SpanSource
+    from kvrag.engine.reuse.budget import Budget
+    from kvrag.engine.reuse.placement import SpanSource
+    from kvrag.engine.reuse.planner import Plan
 
 __all__ = [
     "BlendPass",
+    "PrefillOptions",
     "Strategy",
     "SelectionParams",
     "DEVIATIONS",
@@ -81,13 +83,49 @@ class SelectionParams:
         return tuple(f.name for f in dataclasses.fields(cls))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillOptions:
+    """How one prefill runs, besides its plan: the selection strategy, its parameters, what to capture.
+
+    Attributes:
+        params: the strategy's parameters (its registered :class:`SelectionParams` subclass);
+            ``None``: its defaults. :func:`prefill` resolves them for the model before the strategy
+            sees them (``BlendPass.params``).
+        capture_end: > 0 keeps the exact pre-RoPE KV of [aligned prefix_len, capture_end) for the
+            prefix cache.
+        capture_block: the prefix cache's block size (the capture starts on a block boundary).
+        capture_chunks: segment indices of missed chunks whose KV, computed whole in this prompt,
+            is kept (write-back of their real context).
+        keep_recomputed: keep cached chunks a strategy recomputes whole as new variants.
+    """
+
+    params: SelectionParams | None = None
+    capture_end: int = 0
+    capture_block: int = 16
+    capture_chunks: tuple[int, ...] = ()
+    keep_recomputed: bool = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, n_layers: int, selection: str | None = None, **fields) -> PrefillOptions:
+        """Options from an :class:`~kvrag.EngineConfig` for a model of ``n_layers`` layers, with the
+        parameters ``selection`` (default ``config.selection``) runs with under that config
+        (:func:`configured_params`); ``fields`` override."""
+        base = dict(
+            params=configured_params(config, selection).resolved(n_layers),
+            capture_block=config.prefix_block_tokens,
+        )
+        return cls(**{**base, **fields})
+
+
 @dataclass(slots=True, kw_only=True)
 class BlendPass:
     """One ``blend`` prefill as a selection strategy sees it.
 
     Attributes:
         adapter: the model.
-        plan: the request's plan (``plan.ratio`` is the recompute budget's share of cached tokens).
+        plan: the request's plan.
+        budget: what it may recompute (``budget.share`` of the cached tokens; with ``budget.auto``
+            what measures reach ``budget.threshold``, up to that share).
         buf: the request's KV buffer (cached KV enters it layer by layer through ``source``).
         ids: [N] prompt token ids, on the model's device.
         all_pos: [N] positions 0..N-1.
@@ -103,12 +141,13 @@ class BlendPass:
         measured: what the strategy measured, for calibration and benchmarks (e.g. the probe's
             ``block_sizes`` and ``block_deviation``, [B] each).
         kept: start -> (KV capture, query tap) of cached chunks the strategy recomputes whole,
-            kept as new variants computed in this prompt's company (:meth:`keep_whole`).
+            kept as new variants computed in this prompt's context (:meth:`keep_whole`).
         pause: the engine thread's pause hook, passed to every pass (see :func:`~kvrag.engine.model.runner.forward`).
     """
 
     adapter: ModelAdapter
     plan: Plan
+    budget: Budget
     buf: KVBuffer
     ids: torch.Tensor
     all_pos: torch.Tensor
@@ -126,7 +165,7 @@ class BlendPass:
 
     def keep_whole(self, start: int, end: int) -> None:
         """Keep the KV of the cached chunk at [start, end), which the strategy recomputes whole on
-        every layer from now on, as a variant of that chunk computed in this prompt's company
+        every layer from now on, as a variant of that chunk computed in this prompt's context
         (with its attention statistics). Call before the passes that recompute it."""
         if not self.options.keep_recomputed:
             return
@@ -194,7 +233,7 @@ class _Registered:
 _REGISTRY: dict[str, _Registered] = {}
 #: How a strategy spends ``recompute_ratio="auto"``: ``"threshold"`` measures a deviation and
 #: recomputes what reaches the model's calibrated threshold; ``"self"`` decides on its own (e.g.
-#: from the variants' fix overhead). Either way within the cap (``plan.auto``, ``plan.ratio``).
+#: from the variants' fix overhead). Either way within the cap (``budget.auto``, ``budget.share``).
 AUTO_KINDS = ("threshold", "self")
 
 

@@ -6,17 +6,31 @@ Each blended chunk gets ``CFO * |C|`` of the budget, where the CFO (``CCI * (1 -
 how much the chunk depends on its context; inside the chunk, its blocks are recomputed in order of
 the inter-attention measured where the variant was computed (``stats["block_inter"]``). Nothing is
 probed: one pass. With a fixed ratio the budget is shared in proportion to ``CFO * |C|``; with
-``"auto"`` each chunk gets ``ceil(auto_alpha * CFO * |C|)`` within the cap.
+``"auto"`` each chunk gets ``ceil(alpha * CFO * |C|)`` within the cap (``alpha`` a parameter, 1 by default).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE
-from kvrag.engine.reuse.selection.base import BlendPass, register_selection
+from kvrag.engine.reuse.selection.base import BlendPass, SelectionParams, register_selection
+from kvrag.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class CraftParams(SelectionParams):
+    """Cache-Craft's ``alpha``: the fix overhead's scale, per model (a number > 0)."""
+
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise InvalidRequestError(f"alpha must be a number > 0, got {self.alpha!r}")
+
 
 __all__ = ["craft_budgets", "craft"]
 
@@ -51,9 +65,9 @@ def craft(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     records = dict(p.plan.chunk_records)
     sizes = [b - a for a, b in p.spans]
     fixes = [fix.get(a, 1.0) for a, _ in p.spans]
-    cap = math.ceil(p.plan.ratio * sum(sizes))
-    if p.plan.auto:
-        alpha = p.options.auto_alpha  # Cache-Craft's alpha, calibrated per model
+    cap = math.ceil(p.budget.share * sum(sizes))
+    if p.budget.auto:
+        alpha = p.params.alpha
         budgets = [min(s, math.ceil(alpha * f * s)) for s, f in zip(sizes, fixes)]
         budgets = craft_budgets(sizes, fixes, cap) if sum(budgets) > cap else budgets
     else:
@@ -71,4 +85,4 @@ def craft(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     return p.run(p.all_pos[rows], last_row_only=True)
 
 
-register_selection("craft", craft, auto="self")
+register_selection("craft", craft, params=CraftParams, auto="self")

@@ -50,7 +50,7 @@ def epic_tokens(spans: list[tuple[int, int]], n: int, ratio: float) -> torch.Ten
 
 
 def epic(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
-    chosen = epic_tokens(p.spans, p.plan.num_tokens, p.plan.ratio).to(p.adapter.device)
+    chosen = epic_tokens(p.spans, p.plan.num_tokens, p.budget.share).to(p.adapter.device)
     rows = p.rows & ~(p.candidates & ~chosen)
     return p.run(p.all_pos[rows], last_row_only=True)
 

@@ -1,6 +1,6 @@
 """``selection="focus"``: recompute whole the chunks the question reads (Cache-Craft's focused chunks).
 
-When a chunk's KV was computed in other company, its deviation is spread over the whole chunk: a
+When a chunk's KV was computed in another context, its deviation is spread over the whole chunk: a
 few blocks recomputed here and there recover little of it (docs/benchmarks.md). What the answer
 needs is the KV of the chunks the question attends to. Cache-Craft (§3.2.2, Algorithm 1) watches
 the question's attention to each chunk, cumulated layer by layer, and finds the *focused* chunks;
@@ -11,7 +11,7 @@ whole gives its first tokens, which depend most on what precedes it); what is le
 most deviated blocks of the other chunks, as ``probe`` does.
 
 With ``recompute_ratio="auto"`` a focused chunk is recomputed whole when its probed deviation
-shows it was computed in foreign company (mean deviation >= the threshold), else only its
+shows it was computed in another context (mean deviation >= the threshold), else only its
 deviated blocks; unfocused chunks get their blocks above the threshold; all within the cap.
 """
 
@@ -89,16 +89,16 @@ def _by_focus(p: BlendPass, meter: BlockProbe) -> torch.Tensor:
     deviation = _mean_deviation(p, meter)
     chosen = torch.zeros(n, dtype=torch.bool)
     ranked = sorted(range(len(p.spans)), key=lambda i: -attention[i])
-    whole = [i for i in ranked if i in focused] if p.plan.auto else ranked
+    whole = [i for i in ranked if i in focused] if p.budget.auto else ranked
     for i in whole:
         a, b = p.spans[i]
-        if p.plan.auto and deviation[i] < threshold:  # computed in company like this one: blocks will do
+        if p.budget.auto and deviation[i] < threshold:  # computed in a context like this one: blocks will do
             continue
         # a chunk that does not fit gives its first tokens: they depend most on what precedes it
         take = min(b - a, budget)
         chosen[a : a + take] = True
         if take == b - a:
-            p.keep_whole(a, b)  # recomputed in this prompt's company: a new variant of the chunk
+            p.keep_whole(a, b)  # recomputed in this prompt's context: a new variant of the chunk
         budget -= take
         if budget <= 0:
             break

@@ -116,8 +116,8 @@ class HKVDSelector:
 def hkvd(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row after the exact prefix enters; the selector prunes cached ones from the check layer on."""
     o = p.params
-    schedule = keep_schedule(p.plan.ratio, o.check_layer, o.filter_schedule, p.adapter.n_layers)
-    selector = HKVDSelector(p.candidates, p.plan.ratio, schedule, o.deviation)
+    schedule = keep_schedule(p.budget.share, o.check_layer, o.filter_schedule, p.adapter.n_layers)
+    selector = HKVDSelector(p.candidates, p.budget.share, schedule, o.deviation)
     return p.run(p.all_pos[p.rows], selector=selector, last_row_only=True)
 
 

@@ -184,14 +184,14 @@ def probe_blocks(
 
 
 def budget_tokens(p: BlendPass) -> int:
-    """The recompute budget of a blend pass, in tokens: ``ceil(ratio * blended tokens)``."""
-    return math.ceil(p.plan.ratio * sum(b - a for a, b in p.spans))
+    """The recompute budget of a blend pass, in tokens: ``ceil(share * blended tokens)``."""
+    return math.ceil(p.budget.share * sum(b - a for a, b in p.spans))
 
 
 def threshold_of(p: BlendPass) -> float:
     """The deviation below which a block is not recomputed (``auto`` only)."""
-    o = p.options
-    return o.auto_threshold if p.plan.auto and o.auto_threshold is not None else 0.0
+    b = p.budget
+    return b.threshold if b.auto and b.threshold is not None else 0.0
 
 
 Choose = Callable[[BlendPass, BlockProbe], torch.Tensor]

@@ -1,6 +1,6 @@
 """``selection="query"``: recompute the blocks the question reads (ProphetKV's query-driven selection).
 
-When a chunk's KV was computed in other company its deviation is spread over the whole chunk, and
+When a chunk's KV was computed in another context its deviation is spread over the whole chunk, and
 blocks ranked by deviation spend the budget on tokens that deviate but that the answer never reads:
 ProphetKV (arXiv 2602.02579) calls it the crowding-out effect, and ranks the cached tokens by the
 attention the user's question pays them, fused over layers, in two stages:

@@ -27,7 +27,7 @@ def recency_window(candidates: torch.Tensor, ratio: float, before: int) -> torch
 
 
 def recency(p: BlendPass) -> tuple[torch.Tensor, torch.Tensor]:
-    window = recency_window(p.candidates, p.plan.ratio, max(b for _, b in p.spans))
+    window = recency_window(p.candidates, p.budget.share, max(b for _, b in p.spans))
     rows = p.rows & ~(p.candidates & ~window)
     return p.run(p.all_pos[rows], last_row_only=True)
 

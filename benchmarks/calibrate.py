@@ -1,24 +1,22 @@
-"""``kvrag calibrate``: measure the model's constants of ``recompute_ratio="auto"`` on dev questions.
+"""``python -m benchmarks calibrate``: measure a model's constants of ``recompute_ratio="auto"`` on dev questions.
 
-    kvrag calibrate --dataset ../shared/data/musique_dev.json --n 20 --top-k 6 [--model M] [--config F=V ...]
+    python -m benchmarks calibrate --dataset ../shared/data/musique_dev.json --n 20 --top-k 6 [--model M]
 
-``auto`` recomputes every probed block whose KV deviation reaches a per-model threshold (with
-``craft``: ``alpha * CFO`` of each chunk); until a model is calibrated it recomputes a fixed share.
-On KV computed in other company it recomputes a share of each foreign chunk set by ``quality``;
+``auto`` can recompute every probed block whose KV deviation reaches a per-model threshold (with
+``craft``: ``alpha * CFO`` of each chunk); without one (the default) it recomputes a fixed share.
+On KV computed in another context it recomputes a share of each such chunk set by ``quality``;
 ``--what qualities`` measures that share per quality for this model
-(:meth:`kvrag.Engine.calibrate_qualities`). ``--what both`` (default) runs the two.
+(:func:`benchmarks.calibration.calibrate_qualities`). ``--what both`` (default) runs the two.
 The command reads a QA file in the dev-set shape (a JSON list of ``{"question", "answers",
 "ctxs": [{"title", "text"}]}``), builds each of the first ``--n`` questions' prompt as the benchmark
 does (its first ``--top-k`` passages as chunks, in a seeded shuffled order, inside the model's chat
-template), and runs :meth:`kvrag.Engine.calibrate` (and ``calibrate_qualities``), which write the
-constants where every engine of this model (same weights, tokenizer and dtype: ``--config
-dtype=...``) finds them.
+template), and prints the settings that would use what it measured (``auto_threshold=...``,
+``other_context_ratio=...``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -26,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.data import read_dataset_list
 from kvrag.errors import InvalidRequestError, KvragError
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "parser",
     "DevQuestion",
     "read_questions",
-    "read_dataset_list",
     "prompt_parts",
     "calibration_questions",
 ]
@@ -60,23 +58,6 @@ def _passage(ctx: dict) -> str:
     title = str(ctx.get("title") or "").strip()
     text = str(ctx.get("text") or "").strip()
     return f"{title}\n{text}\n\n" if title else f"{text}\n\n"
-
-
-def read_dataset_list(path: Path) -> list:
-    """A QA file's rows: a non-empty JSON list (each row is checked by its reader).
-
-    Raises:
-        InvalidRequestError: the file is missing, not JSON, or not a non-empty list.
-    """
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidRequestError(f"dataset not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"dataset {path} is not readable JSON: {exc}") from None
-    if not isinstance(data, list) or not data:
-        raise InvalidRequestError(f"dataset {path} must be a non-empty JSON list of questions")
-    return data
 
 
 def read_questions(path: str | Path, n: int) -> list[DevQuestion]:
@@ -135,7 +116,7 @@ def prompt_parts(
 
 def calibration_questions(items: list[DevQuestion], tokenizer, *, top_k: int, seed: int) -> list:
     """Each question's first ``top_k`` passages, asked in a shuffled order (the benchmark's, by ``seed``)."""
-    from kvrag.engine import CalibrationQuestion
+    from benchmarks.calibration import CalibrationQuestion
 
     head, question_head, tail = prompt_parts(tokenizer)
     rng = random.Random(seed)
@@ -154,11 +135,11 @@ def calibration_questions(items: list[DevQuestion], tokenizer, *, top_k: int, se
     return out
 
 
-def parser(prog: str = "kvrag calibrate") -> argparse.ArgumentParser:
+def parser(prog: str = "python -m benchmarks calibrate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Measure the model's constants of recompute_ratio='auto' on dev questions and save them "
-        "where every engine of this model (weights, tokenizer, dtype) finds them.",
+        description="Measure the model's constants of recompute_ratio='auto' on dev questions and print the "
+        "settings that would use them.",
     )
     p.add_argument("--dataset", required=True, help="QA JSON: [{question, answers, ctxs: [{title, text}]}]")
     p.add_argument("--n", type=int, default=20, help="dev questions (the first N)")
@@ -170,7 +151,7 @@ def parser(prog: str = "kvrag calibrate") -> argparse.ArgumentParser:
         "--what",
         choices=("both", "threshold", "qualities"),
         default="both",
-        help="the probe's threshold (own company), the foreign share per quality, or both",
+        help="the probe's threshold (own context), the share of KV from another context per quality, or both",
     )
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer tokens scored by the quality calibration")
     p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled SmolLM2-135M)")
@@ -185,14 +166,14 @@ def parser(prog: str = "kvrag calibrate") -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, *, prog: str = "kvrag calibrate") -> int:
-    """Entry point of ``kvrag calibrate``: 0 when the constants are written, 2 on a bad argument."""
+def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks calibrate") -> int:
+    """Entry point of the calibration: 0 when the constants are measured, 2 on a bad argument."""
     a = parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from benchmarks.calibration import calibrate, calibrate_qualities, check_target
     from kvrag.config import EngineConfig, parse_overrides
     from kvrag.engine import Engine
-    from kvrag.engine.reuse.calibration import check_target
 
     t0 = time.perf_counter()
 
@@ -210,27 +191,26 @@ def main(argv: list[str] | None = None, *, prog: str = "kvrag calibrate") -> int
         with Engine.from_pretrained(a.model, config=config) as engine:
             questions = calibration_questions(items, engine.tokenizer, top_k=a.top_k, seed=a.seed)
             if a.what in ("both", "threshold"):
-                res = engine.calibrate(questions, target=a.target, progress=progress, facts={"top_k": a.top_k})
+                res = calibrate(engine, questions, target=a.target, progress=progress)
+                print(f"{engine.model_name} ({res.probe}): threshold {res.threshold:.6g}, alpha {res.alpha:.4g}")
                 print(
-                    f"{engine.model_name} ({res.probe}): threshold {res.threshold:.6g}, alpha {res.alpha:.4g}"
-                    f" -> {res.path}"
+                    f"  to use them: auto_threshold={res.threshold:.6g} (craft: selection_params.alpha={res.alpha:.4g})"
                 )
             if a.what in ("both", "qualities"):
-                got = engine.calibrate_qualities(
-                    questions, max_new_tokens=a.max_new_tokens, progress=progress, facts={"top_k": a.top_k}
-                )
+                got = calibrate_qualities(engine, questions, max_new_tokens=a.max_new_tokens, progress=progress)
                 drifts = ", ".join(f"{s:g}: {d:.3f}" for s, d in got.drifts.items())
-                print(f"{engine.model_name} ({got.selection} on foreign KV): drift {drifts}")
+                print(f"{engine.model_name} ({got.selection} on KV from another context): drift {drifts}")
                 print(f"  probe@15%: {got.reference:.3f}")
                 if not got.switch:
-                    print(f"  {got.selection} needs more than the probe's 15% for the probe's drift: foreign KV stays")
-                    print("  with the probe on this model (the qualities' own-company shares)")
+                    print(f"  {got.selection} needs more than the probe's 15% for the probe's drift: leave KV")
+                    print("  from another context to the probe on this model: other_context_selection=null")
                 for quality in got.reached:
                     if quality in got.shares:
-                        print(f"  {quality}: {got.shares[quality]:.0%} of each foreign chunk")
+                        print(f"  {quality}: {got.shares[quality]:.0%} of each chunk from another context")
                     elif got.switch:
                         print(f"  {quality}: no share tried reaches its target; the built-in share stays")
-                print(f"  -> {got.path}")
+                if "balanced" in got.shares:
+                    print(f"  to use it: other_context_ratio={got.shares['balanced']:.2f}")
             print(f"fingerprint {engine.fingerprint}")
     except KvragError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -1,44 +1,44 @@
-"""Per-model calibration of ``recompute_ratio="auto"``: the probe deviation from which a block is
-recomputed, and the share of foreign KV each ``quality`` recomputes.
+"""Per-model calibration experiments of ``recompute_ratio="auto"`` (research: not in the wheel).
 
 A probe's KV deviation has a scale of its own for every model (and probe layer, block size and
-deviation kind), and so has Cache-Craft's fix overhead. :meth:`kvrag.Engine.calibrate` (the
-``kvrag calibrate`` command) measures, on dev questions, the threshold and the ``alpha`` that make
-``auto`` recompute what a fixed budget would in the favourable case, and writes them here:
-``<cache_dir>/calibration/<model fingerprint>.json``. The bundled model's values may ship with kvrag
-(``kvrag/engine/reuse/data/calibration.json``), keyed the same way.
+deviation kind), and so has Cache-Craft's fix overhead. :func:`calibrate` measures, on dev questions,
+the threshold and the ``alpha`` that make ``auto`` recompute what a fixed budget would in the
+favourable case: set them as ``auto_threshold=`` and ``selection_params={"alpha": ...}`` (``craft``)
+to use them. On the dev set a calibrated threshold cost TTFT and bought no fidelity, so none is
+set by default (docs/results.md).
 
 How much a chunk's KV computed behind other passages drifts, and how much recomputing buys back,
-is a model's own too. :meth:`kvrag.Engine.calibrate_qualities` warms each question's passages behind
-passages of other questions, measures the answer drift (mean |log p| difference per token of the
-full prefill's answer, teacher-forced) of ``foreign_selection`` at a grid of shares against that of
-CacheBlend's probe at 15%, and keeps per quality the least share whose mean drift reaches the
-quality's target (:data:`QUALITY_TARGETS`), under the key ``foreign=<selection>`` of the same file;
-where the selection needs more than the probe's budget to drift no more than it, foreign KV is left
-to the probe on that model (``switch`` false).
+is a model's own too. :func:`calibrate_qualities` warms each question's passages behind passages
+of other questions, measures the answer drift (mean |log p| difference per token of the full
+prefill's answer, teacher-forced) of ``other_context_selection`` at a grid of shares against that
+of CacheBlend's probe at 15%, and keeps per quality the least share whose mean drift reaches the
+quality's target (:data:`QUALITY_TARGETS`); where the selection needs more than the probe's budget
+to drift no more than it, KV from another context is better left to the probe on that model
+(``switch`` false: ``other_context_selection=None``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
-from collections.abc import Sequence
+import random
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import torch
 
+from benchmarks.metrics import drift
+from kvrag import Engine, RequestOptions
+from kvrag.engine.reuse.selection import configured_params
+from kvrag.engine.serving.progress import progress_reporter
 from kvrag.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "calibrate",
+    "calibrate_qualities",
     "probe_key",
-    "load",
-    "save",
     "threshold_for",
     "alpha_for",
     "CalibrationQuestion",
@@ -51,9 +51,6 @@ __all__ = [
     "QualityCalibration",
     "QualityMeasurements",
     "drift",
-    "foreign_key",
-    "load_shares",
-    "save_shares",
 ]
 
 
@@ -62,63 +59,9 @@ def probe_key(probe_layer: int, probe_stride: int, deviation: str) -> str:
     return f"layer={probe_layer},stride={probe_stride},deviation={deviation}"
 
 
-def _read(path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _shipped() -> dict:
-    try:
-        text = resources.files("kvrag.engine.reuse").joinpath("data/calibration.json").read_text(encoding="utf-8")
-        data = json.loads(text)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _number(value) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-    return float(value) if ok else None
-
-
-def _entry(data, probe: str) -> dict:
-    entry = data.get(probe) if isinstance(data, dict) else None
-    if not isinstance(entry, dict):
-        return {}
-    return {k: v for k in ("threshold", "alpha") if (v := _number(entry.get(k))) is not None}
-
-
-def load(cache_dir: Path, fingerprint: str, probe: str) -> dict:
-    """The calibrated ``threshold`` and ``alpha`` for this model and probe (either may be missing):
-    the user's own (``kvrag calibrate``) first, then the one shipped with kvrag."""
-    mine = _entry(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"), probe)
-    return mine or _entry(_shipped().get(fingerprint), probe)
-
-
-def _write(cache_dir: Path, fingerprint: str, key: str, entry: dict) -> Path:
-    """Set ``key``'s entry in this model's calibration file (atomically; other keys kept)."""
-    path = Path(cache_dir) / "calibration" / f"{fingerprint}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _read(path)
-    data[key] = entry
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-    return path
-
-
-def save(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts: dict) -> Path:
-    """Record a calibrated threshold (with ``alpha`` and what they were measured on) for this model and probe."""
-    return _write(cache_dir, fingerprint, probe, {"threshold": float(threshold), **facts})
-
-
 # -- the shares of foreign KV per quality ---------------------------------------------------------------
 
-#: Shares of a foreign chunk's tokens the quality calibration tries (``foreign_selection`` at each).
+#: Shares of a foreign chunk's tokens the quality calibration tries (``other_context_selection`` at each).
 QUALITY_GRID = (0.05, 0.10, 0.13, 0.20, 0.30, 0.45, 0.60, 0.80)
 #: Each quality's target: the mean answer drift on foreign KV, as a multiple of the drift of
 #: CacheBlend's probe at 15% on the same prompts. ``fast``: no worse than CacheBlend; ``balanced``:
@@ -126,48 +69,6 @@ QUALITY_GRID = (0.05, 0.10, 0.13, 0.20, 0.30, 0.45, 0.60, 0.80)
 QUALITY_TARGETS = {"fast": 1.0, "balanced": 0.85, "faithful": 0.5}
 #: The reference the targets are multiples of: (selection, share).
 QUALITY_REFERENCE = ("probe", 0.15)
-
-
-def foreign_key(selection: str) -> str:
-    """The calibration file's key of the shares measured for ``foreign_selection``."""
-    return f"foreign={selection}"
-
-
-def load_shares(cache_dir: Path, fingerprint: str, selection: str) -> tuple[bool | None, dict[str, float]]:
-    """``(switch, shares)`` calibrated for this model and selection: whether foreign KV runs
-    ``selection`` at all (``None``: not calibrated), and the share of a foreign chunk per quality
-    (may be empty). The user's own first, then the one shipped with kvrag; values outside (0, 1]
-    are dropped."""
-    key = foreign_key(selection)
-
-    def entry(data) -> tuple[bool | None, dict[str, float]]:
-        got = data.get(key) if isinstance(data, dict) else None
-        if not isinstance(got, dict) or not isinstance(got.get("switch"), bool):
-            return None, {}
-        shares = got.get("shares") if isinstance(got.get("shares"), dict) else {}
-        return got["switch"], {q: x for q, v in shares.items() if q in QUALITY_TARGETS and (x := _number(v)) and x <= 1}
-
-    mine = entry(_read(Path(cache_dir) / "calibration" / f"{fingerprint}.json"))
-    return mine if mine[0] is not None else entry(_shipped().get(fingerprint))
-
-
-def save_shares(
-    cache_dir: Path, fingerprint: str, selection: str, switch: bool, shares: dict[str, float], facts: dict
-) -> Path:
-    """Record the calibrated switch and shares (with what they were measured on) for this model and selection."""
-    return _write(cache_dir, fingerprint, foreign_key(selection), {"switch": switch, "shares": dict(shares), **facts})
-
-
-def drift(got: Sequence[float], ref: Sequence[float]) -> float:
-    """Answer drift: mean |Δ log p| per token of the full prefill's answer, teacher-forced, against
-    the full prefill's own log-probabilities (the benchmarks' fidelity measure too).
-
-    More sensitive than ROUGE-L: two methods whose greedy answers read the same can still differ
-    in how sure they are of every token, and one flipped token no longer hides the rest.
-    """
-    if len(got) != len(ref) or not ref:
-        raise ValueError("log-probabilities of different continuations")
-    return sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
 
 
 @dataclass
@@ -292,7 +193,7 @@ class Measurements:
         return threshold_for(torch.cat(self.sizes), torch.cat(self.deviations), target), alpha_for(self.chunks, target)
 
 
-# -- the public types of Engine.calibrate ----------------------------------------------------------------
+# -- the calibrations' types -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,13 +216,12 @@ class CalibrationQuestion:
 
 @dataclass(frozen=True, slots=True)
 class CalibrationResult:
-    """What :meth:`kvrag.Engine.calibrate` measured and where it wrote it.
+    """What :func:`calibrate` measured.
 
     Attributes:
         threshold: the probe deviation from which ``recompute_ratio="auto"`` recomputes a block.
         alpha: Cache-Craft's alpha for ``selection="craft"`` with ``"auto"``.
         probe: the probe settings they belong to (layer, block size, deviation kind).
-        path: the file they were written to (per model fingerprint, under the cache directory).
         questions: questions measured.
         blocks: probed blocks the threshold was set from.
         seconds: time the calibration took.
@@ -330,7 +230,6 @@ class CalibrationResult:
     threshold: float
     alpha: float
     probe: str
-    path: Path
     questions: int
     blocks: int
     seconds: float
@@ -338,18 +237,17 @@ class CalibrationResult:
 
 @dataclass(frozen=True, slots=True)
 class QualityCalibration:
-    """What :meth:`kvrag.Engine.calibrate_qualities` measured and where it wrote it.
+    """What :func:`calibrate_qualities` measured.
 
     Attributes:
-        switch: whether prompts of foreign KV run ``selection`` from now on (else the probe, as in
-            own company: on this model ``selection`` needs more than the probe's budget for its drift).
-        shares: per quality whose target some share reached, the share of a foreign chunk ``"auto"``
-            recomputes from now on (the others keep the built-in one); empty without the switch.
+        switch: whether prompts of KV from another context should run ``selection`` (else the probe,
+            as in their own context: on this model ``selection`` needs more than the probe's budget).
+        shares: per quality whose target some share reached, the share of such a chunk ``"auto"``
+            should recompute (the others keep the built-in one); empty without the switch.
         reached: per quality, whether some share of the grid reached its target.
         reference: mean answer drift of :data:`QUALITY_REFERENCE` on these prompts.
         drifts: mean answer drift of ``selection`` per share tried.
-        selection: the selection measured (``EngineConfig.foreign_selection``).
-        path: the file they were written to.
+        selection: the selection measured (``EngineConfig.other_context_selection``).
         questions: questions measured (those whose full prefill answered something).
         seconds: time the calibration took.
     """
@@ -360,7 +258,6 @@ class QualityCalibration:
     reference: float
     drifts: dict[float, float]
     selection: str
-    path: Path
     questions: int
     seconds: float
 
@@ -392,3 +289,150 @@ def check_target(target) -> float:
     if not ok:
         raise InvalidRequestError(f"target must be a share of the cached tokens in (0, 1], got {target!r}")
     return float(target)
+
+
+# -- the experiments, over an engine of their own -------------------------------------------------------
+
+
+def probe_settings(engine: Engine) -> str:
+    """The probe settings of ``engine`` a threshold belongs to."""
+    probe = configured_params(engine.config, "probe").resolved(engine.adapter.n_layers)
+    return probe_key(probe.probe_layer, probe.probe_stride, probe.deviation)
+
+
+def _check_engine(engine: Engine) -> None:
+    if engine.config.disk_tier or engine.config.remote_url:
+        raise InvalidRequestError(
+            "calibrate empties the store after each question; use an engine without disk_tier and remote_url"
+        )
+
+
+def _prefill(engine: Engine, question: CalibrationQuestion, options: RequestOptions):
+    """Prefill a question's prompt as a request does, its path not priced (the blend is measured,
+    whatever the cost model would choose): ``(plan, budget, result)``."""
+    req = engine.requests.build(chunks=question.chunks, prefix=question.prefix, suffix=question.suffix, options=options)
+    req.priced = False
+    n = req.num_tokens
+    return req, engine._run_internal(lambda pause: engine.prefiller.run(req, capacity=n, pause=pause), n)
+
+
+def calibrate(
+    engine: Engine,
+    questions: Sequence[CalibrationQuestion],
+    *,
+    target: float = 0.15,
+    progress: bool | Callable[[int, int], None] = False,
+) -> CalibrationResult:
+    """Measure the model's constants of ``recompute_ratio="auto"``: the probe threshold and ``alpha``.
+
+    Each question's passages are warmed together in retrieval order, then the question is prefilled
+    with them in prompt order, blended by the probe at ``target`` (the favourable case); the constants
+    are those at which ``auto`` recomputes ``target`` of the cached tokens there. The store is emptied
+    after each question: calibrate on an engine of its own (one with a disk or remote tier is refused).
+    """
+    questions, target = check_questions(questions), check_target(target)
+    _check_engine(engine)
+    t0 = time.perf_counter()
+    measured = Measurements()
+    options = RequestOptions(max_new_tokens=0, mode="blend", recompute_ratio=target, selection="probe")
+    with progress_reporter(progress, "calibrate", unit="question") as report:
+        for done, q in enumerate(questions, 1):
+            engine.warm(q.retrieved)
+            engine.flush()
+            _, (plan, _, res) = _prefill(engine, q, options)
+            measured.add(
+                res.measured, [(u.length, u.fix) for u in plan.chunks if u.source == "store" and u.fix is not None]
+            )
+            engine.store.clear()
+            if report is not None:
+                report(done, len(questions))
+    threshold, alpha = measured.constants(target)
+    seconds = time.perf_counter() - t0
+    return CalibrationResult(threshold, alpha, probe_settings(engine), len(questions), measured.blocks, seconds)
+
+
+def calibrate_qualities(
+    engine: Engine,
+    questions: Sequence[CalibrationQuestion],
+    *,
+    max_new_tokens: int = 16,
+    others: int = 3,
+    shares: Sequence[float] = QUALITY_GRID,
+    seed: int = 0,
+    progress: bool | Callable[[int, int], None] = False,
+) -> QualityCalibration:
+    """Measure the model's share of KV from another context per ``quality``.
+
+    For each question its full prefill answers (greedy, ``max_new_tokens``); then each of its passages
+    is warmed on its own behind ``others`` passages of other questions, and that answer is scored
+    (teacher-forced) under full prefill, under CacheBlend's probe at 15% and under
+    ``other_context_selection`` at each of ``shares``. Per quality the least share whose mean answer
+    drift reaches the quality's target (:data:`QUALITY_TARGETS`) is kept. The store is emptied before
+    and after each question: calibrate on an engine of its own.
+    """
+    questions = check_questions(questions)
+    selection = engine.config.other_context_selection
+    if selection is None:
+        raise InvalidRequestError("config.other_context_selection is None: no share to calibrate")
+    _check_engine(engine)
+    for name, value in (("max_new_tokens", max_new_tokens), ("others", others)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+    ok = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1  # noqa: E731
+    if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or not shares or not all(map(ok, shares)):
+        raise InvalidRequestError(f"shares must be a non-empty list of shares in (0, 1], got {shares!r}")
+    grid = sorted({float(x) for x in shares})
+    pool = list(dict.fromkeys(p for q in questions for p in q.retrieved))
+    fewest = min(sum(p not in set(q.chunks) for p in pool) for q in questions)
+    if fewest < others:  # checked before any work
+        raise InvalidRequestError(
+            f"the quality calibration needs {others} passages of other questions before each passage; "
+            f"a question has {fewest} (give more questions or fewer others)"
+        )
+    rng = random.Random(seed)
+    ref_selection, ref_share = QUALITY_REFERENCE
+    t0 = time.perf_counter()
+    measured = QualityMeasurements()
+
+    def scored(answer: str, q: CalibrationQuestion, ref: list[float] | None, mode: str, sel=None, ratio=None):
+        options = RequestOptions(max_new_tokens=0, temperature=0.0, mode=mode, recompute_ratio=ratio, selection=sel)
+        req = engine.requests.build(chunks=q.chunks, prefix=q.prefix, suffix=q.suffix, options=options)
+        req.priced = False  # the blend is measured, whatever the cost model would choose
+        cont = engine.prompt_tokenizer.tokenize(answer)
+        tokens = req.num_tokens + len(cont)
+        got = engine._run_internal(lambda pause: engine.prefiller.score(req, cont, time.perf_counter(), pause), tokens)
+        return got.token_logprobs if ref is None else drift(got.token_logprobs, ref)
+
+    with progress_reporter(progress, "calibrate qualities", unit="question") as report:
+        for done, q in enumerate(questions, 1):
+            engine.store.clear()
+            full = engine.generate(
+                q.chunks, q.prefix, q.suffix, mode="full", max_new_tokens=max_new_tokens, temperature=0.0
+            )
+            engine.flush()
+            engine.store.clear()  # nothing the full prefill wrote back is found by the blends
+            if full.text.strip():
+                mine = set(q.chunks)
+                strangers = [p for p in pool if p not in mine]
+                for passage in q.chunks:
+                    engine.warm(rng.sample(strangers, others) + [passage])
+                engine.flush()
+                ref = scored(full.text, q, None, "full")
+                measured.add(
+                    scored(full.text, q, ref, "blend", ref_selection, ref_share),
+                    {s: scored(full.text, q, ref, "blend", selection, s) for s in grid},
+                )
+            if report is not None:
+                report(done, len(questions))
+    engine.store.clear()
+    switch, chosen, reached = measured.shares()
+    return QualityCalibration(
+        switch,
+        chosen,
+        reached,
+        measured.reference_drift(),
+        measured.means(),
+        selection,
+        len(measured.reference),
+        time.perf_counter() - t0,
+    )

@@ -1,4 +1,4 @@
-"""One engine call as an iterator, and what it did as the figures both integrations report."""
+"""One engine call as an iterator, and what it did as the figures the integrations and the server report."""
 
 from __future__ import annotations
 

@@ -1,0 +1,133 @@
+"""The engine's parts, wired once: the cache's view of the prompt (reuse layer) and the engine thread
+with what it drives (serving layer). :class:`kvrag.Engine` builds the model's side (weights, dtype,
+fingerprint, the gate, the store) and hands it here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrag.config import EngineConfig
+from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.batch import Decoder
+from kvrag.engine.reuse.access import AccessTable
+from kvrag.engine.reuse.chunks import ChunkComputer, context_label
+from kvrag.engine.reuse.conversations import Conversations
+from kvrag.engine.reuse.documents import DocumentFinder
+from kvrag.engine.reuse.gate import GateResult
+from kvrag.engine.reuse.planner import Planner
+from kvrag.engine.reuse.prefix import PrefixCache
+from kvrag.engine.reuse.segments import PromptTokenizer
+from kvrag.engine.reuse.variants import StoredVariants, VariantIndex
+from kvrag.engine.serving.costs import CostFeedback
+from kvrag.engine.serving.decode import Decoding
+from kvrag.engine.serving.prefill import Prefiller
+from kvrag.engine.serving.requests import Requests
+from kvrag.engine.serving.scheduler import Scheduler, Ticket
+from kvrag.engine.serving.speculation import Speculations
+from kvrag.engine.serving.warming import Warming
+from kvrag.engine.serving.worker import Worker
+from kvrag.engine.serving.writeback import WriteBack
+from kvrag.engine.store.base import KVStore
+
+__all__ = ["Parts", "assemble"]
+
+
+@dataclass(slots=True)
+class Parts:
+    """What an engine is made of, below its model (each a module's object; see docs/how-it-works.md)."""
+
+    prompt_tokenizer: PromptTokenizer
+    documents: DocumentFinder
+    variants: StoredVariants
+    planner: Planner
+    chunk_computer: ChunkComputer
+    conversations: Conversations
+    access: AccessTable
+    costs: CostFeedback
+    requests: Requests
+    scheduler: Scheduler
+    worker: Worker
+    writeback: WriteBack
+    speculations: Speculations
+    prefiller: Prefiller
+    warming: Warming
+    decoding: Decoding
+
+
+def assemble(
+    config: EngineConfig,
+    adapter: ModelAdapter,
+    tokenizer,
+    store: KVStore,
+    gate: GateResult,
+    *,
+    fingerprint: str,
+    sink_ids: list[int],
+    eos_ids: set[int],
+    context_window: int,
+    model_name: str,
+    threads: int,
+    drafts_given: bool,
+) -> Parts:
+    """Build and wire the parts of an engine over ``adapter`` and ``store``; its engine thread computes
+    with ``threads`` torch threads, whatever the caller's threads set later."""
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    kv_shape = (adapter.n_layers, adapter.n_kv_heads, adapter.head_dim)
+    variants = StoredVariants(store, VariantIndex(config.max_variants), kv_shape)
+    planner = Planner(
+        variants,
+        PrefixCache(store, fingerprint, config.prefix_block_tokens),
+        fingerprint=fingerprint,
+        namespace=config.namespace,
+        context_label=context_label(config.chunk_context, sink_ids),
+        kv_shape=kv_shape,
+    )
+    computer = ChunkComputer(adapter, prompt_tokenizer.tokenize, sink_ids, config.chunk_context, context_window)
+    documents, conversations = DocumentFinder(), Conversations(adapter, config.max_conversations)
+    #: CRAFT's chunk-access table: recent retrievals per namespace (frequency order, promotion)
+    access = AccessTable(config.chunk_access_window, config.promotion_threshold)
+    costs = CostFeedback(store, adapter.n_layers, config.loading_controller, config.cost_model, adapter.device.type)
+    requests = Requests(config, prompt_tokenizer, documents, conversations, access, gate,
+                        context_window=context_window, model_name=model_name)  # fmt: skip
+    scheduler = Scheduler(
+        max_running=config.max_running,
+        max_queued=config.max_queued,
+        max_queued_tokens=config.max_queued_tokens,
+        starvation_window=config.starvation_window,
+    )
+    worker = Worker(
+        scheduler=scheduler,
+        eos_ids=eos_ids,
+        slice_s=config.prefill_slice_s,
+        setup=lambda: torch.set_num_threads(threads),
+    )
+
+    def run(job, tokens: int, *, bounded: bool = True):  # a job on the engine thread, queued like a request
+        return worker.call(Ticket(tokens=tokens, compute=tokens, bounded=bounded), job)
+
+    writeback = WriteBack(
+        config,
+        store,
+        planner,
+        variants,
+        computer,
+        run=lambda job, tokens: run(job, tokens, bounded=False),  # internal work: never refused
+        worker=worker,
+        promoted=access.promoted,
+        stored=access.stored,
+        computed=access.computed,
+    )
+    speculations = Speculations(worker, adapter.n_layers)
+    prefiller = Prefiller(config, adapter, planner, conversations, costs, writeback, speculations, tokenizer,
+                          context_window=context_window)  # fmt: skip
+    warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
+                      context_window=context_window)  # fmt: skip
+    decoding = Decoding(Decoder(adapter, config.decode_group), conversations, config.draft_tokens,
+                        drafts_given=drafts_given)  # fmt: skip
+    worker.drive(start=prefiller.start, step=decoding.step, finish=decoding.finish)
+    return Parts(
+        prompt_tokenizer, documents, variants, planner, computer, conversations, access, costs, requests, scheduler,
+        worker, writeback, speculations, prefiller, warming, decoding,
+    )  # fmt: skip
