@@ -80,7 +80,7 @@ def test_calibrate_refuses_bad_input_with_one_clear_error(tmp_path, tiny_engine,
             calibrate(disk, [q])
 
 
-# -- the share of KV from another context per quality ------------------------------------------------------------------------
+# -- the share of KV from another context per quality ----------------------------------------------------
 
 
 def test_quality_shares_are_the_least_that_reach_each_target_never_below_a_faster_one():
