@@ -37,7 +37,7 @@ class EngineInfo:
             ``plain`` (the adapter's own layer functions), and the prompt-lookup drafts a greedy
             request checks per step (``config.draft_tokens``).
         blend: what ``blend`` recomputes by default: the selection and budget, and what runs on
-            chunk KV from other company (``config.foreign_selection``).
+            chunk KV from other company (``config.other_context_selection``).
         malloc: what the process's allocator does with a prefill's large temporaries (glibc's
             thresholds fixed by ``config.tune_malloc``, or why left unchanged).
     """
@@ -88,9 +88,9 @@ class GenerationStats:
             for, or with ``recompute_ratio="auto"`` the share the request measured it needed.
         auto: the budget was measured per request (``recompute_ratio="auto"`` with a probe).
         selection: the selection the ``blend`` path ran (``""`` on another path); with the default
-            selection and ``recompute_ratio="auto"``, ``config.foreign_selection`` for a prompt whose
+            selection and ``recompute_ratio="auto"``, ``config.other_context_selection`` for a prompt whose
             blended chunks' KV was computed in other company (their company overlap, Cache-Craft's
-            beta averaged over the blended tokens, below ``config.foreign_overlap``).
+            beta averaged over the blended tokens, below ``config.other_context_overlap``).
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose KV came from the cache (exact prefix + chunk hits).
         prefix_tokens: prompt tokens reused from the exact prefix cache.

@@ -11,7 +11,7 @@ deviation kind), and so has Cache-Craft's fix overhead. :meth:`kvrag.Engine.cali
 How much a chunk's KV computed behind other passages drifts, and how much recomputing buys back,
 is a model's own too. :meth:`kvrag.Engine.calibrate_qualities` warms each question's passages behind
 passages of other questions, measures the answer drift (mean |log p| difference per token of the
-full prefill's answer, teacher-forced) of ``foreign_selection`` at a grid of shares against that of
+full prefill's answer, teacher-forced) of ``other_context_selection`` at a grid of shares against that of
 CacheBlend's probe at 15%, and keeps per quality the least share whose mean drift reaches the
 quality's target (:data:`QUALITY_TARGETS`), under the key ``foreign=<selection>`` of the same file;
 where the selection needs more than the probe's budget to drift no more than it, foreign KV is left
@@ -118,7 +118,7 @@ def save(cache_dir: Path, fingerprint: str, probe: str, threshold: float, facts:
 
 # -- the shares of foreign KV per quality ---------------------------------------------------------------
 
-#: Shares of a foreign chunk's tokens the quality calibration tries (``foreign_selection`` at each).
+#: Shares of a foreign chunk's tokens the quality calibration tries (``other_context_selection`` at each).
 QUALITY_GRID = (0.05, 0.10, 0.13, 0.20, 0.30, 0.45, 0.60, 0.80)
 #: Each quality's target: the mean answer drift on foreign KV, as a multiple of the drift of
 #: CacheBlend's probe at 15% on the same prompts. ``fast``: no worse than CacheBlend; ``balanced``:
@@ -129,7 +129,7 @@ QUALITY_REFERENCE = ("probe", 0.15)
 
 
 def foreign_key(selection: str) -> str:
-    """The calibration file's key of the shares measured for ``foreign_selection``."""
+    """The calibration file's key of the shares measured for ``other_context_selection``."""
     return f"foreign={selection}"
 
 
@@ -176,7 +176,7 @@ class QualityMeasurements:
 
     Attributes:
         reference: per question, the drift of :data:`QUALITY_REFERENCE`.
-        drifts: share -> per question, the drift of ``foreign_selection`` at that share.
+        drifts: share -> per question, the drift of ``other_context_selection`` at that share.
     """
 
     reference: list[float] = field(default_factory=list)
@@ -348,7 +348,7 @@ class QualityCalibration:
         reached: per quality, whether some share of the grid reached its target.
         reference: mean answer drift of :data:`QUALITY_REFERENCE` on these prompts.
         drifts: mean answer drift of ``selection`` per share tried.
-        selection: the selection measured (``EngineConfig.foreign_selection``).
+        selection: the selection measured (``EngineConfig.other_context_selection``).
         path: the file they were written to.
         questions: questions measured (those whose full prefill answered something).
         seconds: time the calibration took.

@@ -153,7 +153,10 @@ def test_calibrated_shares_are_kept_per_model_and_selection_and_replace_the_buil
     assert cfg.quality_shares() == (0.15, 0.13)
     assert cfg.quality_shares("faithful", calibrated) == (0.30, 0.45)
     assert cfg.quality_shares(calibrated=calibrated) == (0.15, 0.2)
-    assert EngineConfig(foreign_ratio=0.3).quality_shares(calibrated=calibrated) == (0.15, 0.3)  # a set ratio wins
+    assert EngineConfig(other_context_ratio=0.3).quality_shares(calibrated=calibrated) == (
+        0.15,
+        0.3,
+    )  # a set ratio wins
 
 
 def test_engine_calibrate_qualities_measures_saves_and_uses_the_shares(tmp_path, tiny_model, tiny_tokenizer):
@@ -210,7 +213,8 @@ def test_engine_calibrate_qualities_refuses_bad_input_with_one_clear_error(tmp_p
                 engine.calibrate_qualities(questions, **kwargs)
     finally:
         engine.close()
-    for settings, match in (({"foreign_selection": None}, "foreign_selection"), ({"disk_tier": True}, "disk_tier")):
+    none = ({"other_context_selection": None}, "(foreign|other_context)_selection")  # engine.py's message: either name
+    for settings, match in (none, ({"disk_tier": True}, "disk_tier")):
         other = Engine.from_model(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), **settings)
         try:
             with pytest.raises(InvalidRequestError, match=match):

@@ -189,7 +189,7 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
     tiny_model, tiny_tokenizer
 ):
     """Issue 35: with the default selection and ratio "auto", a prompt whose chunk KV was all computed
-    behind other passages runs ``foreign_selection`` at ``foreign_ratio``; own company keeps the
+    behind other passages runs ``other_context_selection`` at ``other_context_ratio``; own company keeps the
     probe, and a request that names a selection or a ratio gets what it names."""
     from kvrag import Engine
 
@@ -209,11 +209,11 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         assert engine.generate(docs[:3], PREFIX, SUFFIX, selection="probe").stats.selection == "probe"
         assert engine.generate(docs[:3], PREFIX, SUFFIX, recompute_ratio=0.2).stats.selection == "probe"
         assert "recency, 13% of each foreign chunk" in engine.info().blend  # what a deployment prints at start-up
-    with Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection=None, **kw) as engine:
+    with Engine.from_model(tiny_model, tiny_tokenizer, other_context_selection=None, **kw) as engine:
         other_company(engine)
         assert engine.generate(docs[:3], PREFIX, SUFFIX).stats.selection == "probe"
         assert "other company" not in engine.info().blend
-    with Engine.from_model(tiny_model, tiny_tokenizer, foreign_overlap=0.0, **kw) as engine:
+    with Engine.from_model(tiny_model, tiny_tokenizer, other_context_overlap=0.0, **kw) as engine:
         other_company(engine)  # no overlap is below 0: never foreign
         assert engine.generate(docs[:3], PREFIX, SUFFIX).stats.selection == "probe"
     with Engine.from_model(tiny_model, tiny_tokenizer, **kw) as engine:
@@ -222,11 +222,11 @@ def test_auto_spends_on_the_tokens_nearest_the_question_when_the_chunks_come_fro
         g = engine.generate([docs[0], docs[2], docs[1]], PREFIX, SUFFIX)
         assert g.stats.chunk_hits == 3 and g.stats.path == "blend" and g.stats.selection == "probe"
     with pytest.raises(InvalidRequestError, match="unknown selection 'nearest'"):
-        Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="nearest")
-    with pytest.raises(InvalidRequestError, match="foreign_selection"):
-        Engine.from_model(tiny_model, tiny_tokenizer, foreign_selection="")
-    with pytest.raises(InvalidRequestError, match="foreign_overlap"):
-        Engine.from_model(tiny_model, tiny_tokenizer, foreign_overlap=1.5)
+        Engine.from_model(tiny_model, tiny_tokenizer, other_context_selection="nearest")
+    with pytest.raises(InvalidRequestError, match="other_context_selection"):
+        Engine.from_model(tiny_model, tiny_tokenizer, other_context_selection="")
+    with pytest.raises(InvalidRequestError, match="other_context_overlap"):
+        Engine.from_model(tiny_model, tiny_tokenizer, other_context_overlap=1.5)
 
 
 def test_the_quality_dial_sets_each_chunks_share_by_the_company_its_kv_was_computed_in(tiny_model, tiny_tokenizer):
@@ -253,7 +253,7 @@ def test_the_quality_dial_sets_each_chunks_share_by_the_company_its_kv_was_compu
             want = (sizes[1] * own + (sum(sizes) - sizes[1]) * foreign) / sum(sizes)
             assert g.stats.recompute_ratio == pytest.approx(want)
         assert QUALITY_SHARES["fast"] == engine.config.quality_shares("fast")
-        assert engine.config.quality_shares("balanced") == (0.15, 0.13)  # auto_ratio, foreign_ratio
+        assert engine.config.quality_shares("balanced") == (0.15, 0.13)  # auto_ratio, other_context_ratio
         own_company = engine.generate([docs[4], docs[0]], PREFIX, SUFFIX, quality="fast")
         assert (own_company.stats.selection, own_company.stats.recompute_ratio) == ("probe", 0.10)
         with pytest.raises(InvalidRequestError, match="quality must be one of 'fast', 'balanced', 'faithful'"):
