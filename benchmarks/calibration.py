@@ -77,7 +77,7 @@ class QualityMeasurements:
 
     Attributes:
         reference: per question, the drift of :data:`QUALITY_REFERENCE`.
-        drifts: share -> per question, the drift of ``foreign_selection`` at that share.
+        drifts: share -> per question, the drift of ``other_context_selection`` at that share.
     """
 
     reference: list[float] = field(default_factory=list)

@@ -113,7 +113,7 @@ def run_metadata(engine, run_id: str, argv: list[str], settings: dict) -> dict:
         "dtype": engine.config.dtype,
         "hf_attn_implementation": getattr(engine.hf_model.config, "_attn_implementation", None),
         "device": engine.config.device,
-        "engine_config": {k: _plain(getattr(engine.config, k)) for k in engine.config.__slots__},
+        "engine_config": {k: _plain(v) for k, v in engine.config.flat().items()},
         "git_commit": _git(["rev-parse", "HEAD"]),
         "git_dirty": bool(status) if status is not None else None,
         "settings": settings,

@@ -76,13 +76,11 @@ class MethodSpec:
 def _strategy_parameter(pair: str) -> str:
     """``probe_layer=12`` -> ``selection_params.probe_layer=12`` when ``probe_layer`` is no EngineConfig
     field but a parameter of a registered selection; other pairs as they are."""
-    import dataclasses
-
-    from kvrag.config import EngineConfig
+    from kvrag.config import FLAT_FIELDS
     from kvrag.engine.reuse.selection import params_class, registered_selections
 
     key = pair.partition("=")[0].strip()
-    if "=" not in pair or "." in key or key in {f.name for f in dataclasses.fields(EngineConfig)}:
+    if "=" not in pair or "." in key or key in FLAT_FIELDS:
         return pair
     taken = {n for s in registered_selections() for n in params_class(s).names()}
     return f"selection_params.{pair.strip()}" if key in taken else pair

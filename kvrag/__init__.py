@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kvrag.config import EngineConfig
+from kvrag.config import ComputeSettings, EngineConfig, ReuseSettings, ServingSettings, StoreSettings
 from kvrag.engine import (
     CacheLookup,
     ChunkInfo,
@@ -35,6 +35,10 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     "Engine",
     "EngineConfig",
+    "ComputeSettings",
+    "ReuseSettings",
+    "StoreSettings",
+    "ServingSettings",
     "SamplingParams",
     "Generation",
     "GenerationStats",

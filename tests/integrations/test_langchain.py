@@ -212,6 +212,8 @@ def test_constructor_is_cheap_and_strict():
     with pytest.raises(ValueError, match=r"selection_params=\{'probe_layer'"):  # a former field says where it went
         KVCachedLLM(engine_config={"probe_layer": 12})
     KVCachedLLM(engine_config={"selection_params": {"probe_layer": 12}})  # the probe's own: an engine setting
+    with pytest.warns(DeprecationWarning, match="foreign_ratio is now other_context_ratio"):  # an old name works
+        KVCachedLLM(engine_config={"foreign_ratio": 0.2})
     with pytest.raises(ValueError, match="recompute_ratio"):
         KVCachedLLM(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="quality"):

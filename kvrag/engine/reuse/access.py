@@ -49,6 +49,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvrag.checks import integer
 from kvrag.engine.reuse.documents import content_id
 from kvrag.errors import InvalidRequestError
 
@@ -240,14 +241,10 @@ class AccessTable:
     def __init__(
         self, window: int | None = 1000, threshold: int = 2, max_paths: int = 10_000, max_computed: int = 100_000
     ) -> None:
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be an integer >= 1 or None, got {window!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-            raise ValueError(f"threshold must be an integer >= 1, got {threshold!r}")
-        if isinstance(max_paths, bool) or not isinstance(max_paths, int) or max_paths < 0:
-            raise ValueError(f"max_paths must be an integer >= 0, got {max_paths!r}")
-        if isinstance(max_computed, bool) or not isinstance(max_computed, int) or max_computed < 0:
-            raise ValueError(f"max_computed must be an integer >= 0, got {max_computed!r}")
+        integer(1, also=(None,))("window", window)
+        integer(1)("threshold", threshold)
+        integer(0)("max_paths", max_paths)
+        integer(0)("max_computed", max_computed)
         self.window = window
         self.threshold = threshold
         self.max_paths = max_paths

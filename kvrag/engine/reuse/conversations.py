@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrag.checks import is_int
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.reuse.documents import content_id
@@ -72,7 +73,7 @@ def check_conversation_id(conversation_id) -> str | None:
     """Validate a conversation id (a non-empty string; ints are accepted and stringified)."""
     if conversation_id is None:
         return None
-    if isinstance(conversation_id, bool) or not isinstance(conversation_id, (str, int)):
+    if not (isinstance(conversation_id, str) or is_int(conversation_id)):
         raise InvalidRequestError(f"conversation_id must be a string, got {type(conversation_id).__name__}")
     cid = str(conversation_id)
     if not cid:

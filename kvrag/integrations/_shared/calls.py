@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 
 import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
 from kvrag.calls import EngineCall
-from kvrag.config import MODES, QUALITIES, EngineConfig, SamplingParams, check_field_names, check_ratio
+from kvrag.config import FLAT_FIELDS, MODES, QUALITIES, EngineConfig, SamplingParams, check_field_names, check_ratio
 from kvrag.engine import Engine
 from kvrag.engine.options import OPTION_DOCS, REUSE_OPTIONS, SAMPLING_OPTIONS
 from kvrag.errors import InvalidRequestError
@@ -53,7 +53,7 @@ CALL_ARGUMENTS: Mapping[str, str] = MappingProxyType(
 # Request settings are LLM fields and per-call arguments; in ``engine_config`` they would create
 # a separate engine (another copy of the model) per value. ``sampling`` holds the defaults of
 # ``max_new_tokens``, ``temperature``, ... : those are LLM fields too.
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+_CONFIG_FIELDS = set(FLAT_FIELDS)
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _PER_CALL_CONFIG = ((_CONFIG_FIELDS | _SAMPLING_FIELDS) & set(CALL_ARGUMENTS.values())) | {"sampling"}
 _ENGINE_CONFIG = _CONFIG_FIELDS - _PER_CALL_CONFIG

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.checks import integer
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.reuse.selection.base import BlendPass, SelectionParams, check_deviation, register_selection
-from kvrag.errors import InvalidRequestError
 from kvrag.kernels import kv_deviation
 
 __all__ = ["ProbeParams", "BlockProbe", "block_spans", "probe_sample", "probe_blocks", "probe", "three_passes"]
@@ -60,14 +60,8 @@ class ProbeParams(SelectionParams):
     deviation: str = "kv"
 
     def __post_init__(self) -> None:
-        layer = self.probe_layer
-        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
-            raise InvalidRequestError(
-                f"probe_layer must be an integer >= 1 or None (layer 0's KV does not depend on context), got {layer!r}"
-            )
-        stride = self.probe_stride
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise InvalidRequestError(f"probe_stride must be an integer >= 1, got {stride!r}")
+        integer(1, also=(None,), note="layer 0's KV does not depend on context")("probe_layer", self.probe_layer)
+        integer(1)("probe_stride", self.probe_stride)
         check_deviation(self.deviation)
 
     def resolved(self, n_layers: int) -> ProbeParams:
