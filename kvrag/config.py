@@ -166,7 +166,7 @@ def _engine_sampling(value) -> SamplingParams:
 
 
 #: ``EngineConfig.foreign_ratio``'s default: the share of a foreign chunk ``"auto"`` recomputes at
-#: ``quality="balanced"`` on a model without calibrated shares (chosen on the dev set: docs/benchmarks.md).
+#: ``quality="balanced"`` on a model without calibrated shares (chosen on the dev set: docs/results.md).
 FOREIGN_RATIO = 0.13
 
 
@@ -276,14 +276,14 @@ class EngineConfig:
         auto_threshold: the probe deviation from which ``"auto"`` recomputes a block; ``None``
             (default) takes the value ``kvrag calibrate`` measured for this model and dtype, if any.
             None ships with kvrag (on the dev set a calibrated threshold cost TTFT and bought no
-            fidelity; docs/benchmarks.md): uncalibrated, ``"auto"`` recomputes ``quality``'s share.
+            fidelity; docs/journal/fidelity.md): uncalibrated, ``"auto"`` recomputes ``quality``'s share.
         auto_ratio: the share ``"auto"`` recomputes at ``quality="balanced"`` where it cannot measure
             (no threshold known, or a selection without a probe; 0.15).
         foreign_selection: with the default selection and ``"auto"``, the selection a prompt runs
             (at ``quality``'s shares, per chunk) when its blended chunk KV was computed in other company (little
             of the company a chunk was computed in precedes it now: Cache-Craft's beta, averaged
             over the blended tokens, below ``foreign_overlap``): ``recency`` (default: the cached
-            tokens nearest the question, which carry the drift there; docs/benchmarks.md, issue 35);
+            tokens nearest the question, which carry the drift there; docs/journal/issue-35-query-driven.md);
             ``None``: always ``selection``. A request that names a selection or a ratio runs what it names.
         foreign_ratio: the share ``foreign_selection`` recomputes of a foreign chunk at
             ``quality="balanced"`` (0.13), unless ``kvrag calibrate`` measured the model's own
@@ -378,7 +378,7 @@ class EngineConfig:
             reach it (a sequence kept so grows by its next chunk once that one reaches it too), so
             the store keeps exact sequences of what recurs, not of every request. 1 refreshes every
             retrieved sequence: over a warmed corpus, where a first ask blends and is not refreshed at
-            2, a question's first return then finds its first ask exact (docs/benchmarks.md, "Promotion
+            2, a question's first return then finds its first ask exact (docs/journal/issue-36-craft.md, "Promotion
             holds the default back over a warmed corpus": 1.4-1.5x with ``order="frequency"``, ~3x
             the idle refresh work; at 2 the order gains from a question's second return on). A
             namespace where no retrieval was ever counted (prompts only, no retriever wrapper) has
@@ -397,7 +397,7 @@ class EngineConfig:
             running; 0: none; None (default): 4 on a CPU, none on a GPU, where each draft row
             launches its own attention kernels per layer and a step's time is its launches (an
             H200: 32 tokens of SmolLM2's shapes took 1.8-3.0 s with drafts that never held, 0.5-1.1 s
-            without; the real model's drafts, 44% kept, 0.97x; docs/benchmarks.md). The engine's config holds the
+            without; the real model's drafts, 44% kept, 0.97x; docs/results.md). The engine's config holds the
             number it resolved.
             They go in the rows a decode pass pads anyway (``decode_group`` less the running
             requests), each costing that row's attention; drafts that match the model's greedy
@@ -647,7 +647,7 @@ AUTO = "auto"
 QUALITIES = ("fast", "balanced", "faithful")
 #: (own company, other company): the share of a blended chunk's tokens ``"auto"`` recomputes when
 #: the chunk's KV was computed in its company in this prompt, and when behind other passages
-#: (``"balanced"``: ``auto_ratio`` and ``foreign_ratio``). Chosen on the dev set: docs/benchmarks.md.
+#: (``"balanced"``: ``auto_ratio`` and ``foreign_ratio``). Chosen on the dev set: docs/journal/issue-35-query-driven.md.
 QUALITY_SHARES = {"fast": (0.10, 0.10), "faithful": (0.30, 0.60)}
 
 
