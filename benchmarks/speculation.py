@@ -42,7 +42,7 @@ always-speculate's cost under load is at most (share of the search after which t
 changes) x search time per request.
 
 Threads (2 cores): torch gets ``--config num_threads=1`` by default and faiss one OpenMP thread,
-so a search and a prefill each hold one core (docs/benchmarks.md, "Threads on a small machine").
+so a search and a prefill each hold one core (docs/journal/threads.md, "Threads on a small machine").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ attention a prompt's later tokens pay to independently computed context. Here ea
 multiplied by NNN/100 on every layer, i.e. the attention logits on cached chunk keys divided by a
 temperature 100/NNN; the prefix and the question keep theirs. ``ks100`` is ``reuse`` exactly. They
 register with kvrag's selection registry (no parameters) when this module is imported.
-Chunks computed in other company (docs/benchmarks.md, "Nor does a temperature on the cached keys"):
+Chunks computed in other company (docs/journal/fidelity.md, "Nor does a temperature on the cached keys"):
 
     python -m benchmarks.research.key_temperature --dataset ../shared/data/musique_dev.json --n 10 \\
         --top-k 6 --workloads a --warm-company other --config num_threads=1 --score auto --methods \\

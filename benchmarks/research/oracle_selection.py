@@ -25,7 +25,7 @@ and the layers averaged):
 They register with kvrag's selection registry (with the probe's parameters: its layer and block
 size) when this module is imported, and run as ``blend@r+selection=<name>`` beside the shipped
 methods, all the bench's arguments passed through; e.g. chunks computed in other company
-(docs/benchmarks.md, "The budget alone does not buy it back"):
+(docs/journal/fidelity.md, "The budget alone does not buy it back"):
 
     python -m benchmarks.research.oracle_selection --dataset ../shared/data/musique_dev.json --n 10 \\
         --top-k 6 --workloads a --warm-company other --config num_threads=1 --methods \\

@@ -141,9 +141,8 @@ def _contiguous_tail(
     q_pos: torch.Tensor, rows: int, keys: int, window: int | None, span: tuple[int, int] | None = None
 ) -> bool:
     """Whether the rows are the last ``rows`` positions of the keys (a prefill or a decode step) on a
-    global layer: PyTorch's fused causal attention beats the scattered-row kernel there (H200,
-    bf16: 0.37-0.74x its time at 1-8K keys, ``python -m benchmarks kernels``), which wins on rows
-    scattered through the keys (3.6-8.8x), the blend's recompute."""
+    global layer: PyTorch's fused causal attention beats the scattered-row kernel there, which wins on
+    rows scattered through the keys, the blend's recompute (docs/results.md, "Kernels and the GPU")."""
     if window is not None or rows == 0:
         return False
     return contiguous_tail(*(span or positions_span(q_pos)), rows, keys)

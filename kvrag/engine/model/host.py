@@ -1,16 +1,14 @@
 """How the engine meets the CPU host: glibc malloc's two thresholds, and OpenMP's thread pools.
 
 **malloc.** A prefill allocates and frees tens of megabytes per layer (the MLP's gate/up product alone is
-``tokens x 2 x intermediate`` values, 23 MB for a 3.7K-token prompt of SmolLM2 in bf16). By default
-glibc serves a block above its mmap threshold (which starts at 128 KiB and grows to at most 32 MiB)
-with fresh pages from the kernel, and hands the top of its heap back once more than twice the
-threshold lies free there. So every prefill touches hundreds of megabytes of new pages, and each
-page's first touch is a minor fault: measured on a 2-core VM, ~38,000 faults in a 3.7K-token full
-prefill of the bundled model, ~21,000 in a blend of it, ~200,000 with the write-back that follows.
+``tokens x 2 x intermediate`` values). By default glibc serves a block above its mmap threshold (which
+starts at 128 KiB and grows to at most 32 MiB) with fresh pages from the kernel, and hands the top of its
+heap back once more than twice the threshold lies free there. So every prefill touches hundreds of
+megabytes of new pages, and each page's first touch is a minor fault.
 
 :func:`tune_malloc` fixes both thresholds once per process (mmap above 64 MiB, trim past 256 MiB
-free), so freed temporaries are reused by the next layer and the next request: the same prefills
-then fault ~50-3,000 and ~100 times (scratch runs, 1 thread). The cost: up to 256 MiB freed at the top of the heap stays
+free), so freed temporaries are reused by the next layer and the next request, and the faults all but
+disappear. The cost: up to 256 MiB freed at the top of the heap stays
 with the process, and blocks of up to 64 MiB come from the heap (a KV store's entries are smaller
 and already did, once glibc's own threshold had grown). Only on Linux with glibc, only for engines
 computing on the CPU; a threshold the user set (``MALLOC_MMAP_THRESHOLD_``,
@@ -19,15 +17,15 @@ computing on the CPU; a threshold the user set (``MALLOC_MMAP_THRESHOLD_``,
 
 **OpenMP.** PyTorch's CPU ops run on GNU OpenMP (libgomp), which gives every thread that runs a
 parallel op its own pool of worker threads, kept until that thread ends. While the pooled threads of
-the whole process outnumber its CPUs, libgomp stops its workers spinning between parallel regions
-(100 spins instead of ~300,000): each region then waits for a sleeping worker to wake. A decode step
-of the bundled model is ~300 short regions, so a step on the engine thread while another thread
-holds a pool ran 33-39 ms instead of 21 ms (2-core EPYC VM, 3.7K keys, bf16), 26 instead of 14 ms at
-200 keys; a prefill's few long regions hardly notice. The engine computes on its own thread
+the whole process outnumber its CPUs, libgomp all but stops its workers spinning between parallel
+regions: each region then waits for a sleeping worker to wake. A decode step of the bundled model is
+~300 short regions, so a step on the engine thread runs markedly slower while another thread holds a
+pool; a prefill's few long regions hardly notice. The engine computes on its own thread
 (:mod:`kvrag.engine.serving.worker`), so :func:`on_own_thread` loads the model and builds the engine on
 a thread that ends when it is done: the caller's thread keeps no pool of kvrag's making, and the
 engine thread's pool is the only one while the caller runs no torch ops of its own (an embedder on the
-same thread brings its pool back: see the README's note on threads).
+same thread brings its pool back: see the README's note on threads). Measurements: docs/results.md
+("Threads", "Other micro-benchmarks") and docs/journal/figures-from-code.md.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 A decode step reads every weight of the model to produce one token per running sequence, so on a
 CPU it is bound by how fast the linear layers stream their weights. In bfloat16, ``F.linear``
 hands each call to oneDNN, which first reorders the weight into its blocked layout; for the few
-rows of a decode step that reorder costs as much as the product itself (SmolLM2's MLP weights
-here: 94 µs per call through ``F.linear``, 50 µs with a prepacked weight, both for 8 rows).
+rows of a decode step that reorder costs about as much as the product itself.
 :class:`DecodeWeights` packs each layer's weights once, with Q/K/V fused into one product and
 gate/up into another (fewer, larger calls).
 
@@ -15,22 +14,19 @@ of every layer with the plain ``F.linear`` products on the decode step's own sha
 bit for bit, and returns ``None`` (the plain path) if one differs.
 
 In float32 ``F.linear`` goes to MKL, not oneDNN, and for a decode step's few rows MKL streams the
-weights slowly: on a 2-core AMD EPYC (Zen 3, AVX2) 8 rows of SmolLM2's MLP-sized products took 69 ms
-per 425 MB of weights through ``F.linear`` and 44 ms prepacked for oneDNN; a whole step of one
-sequence at 3.6K keys 147-187 ms plain, 102-117 ms packed. oneDNN's float32 sums are not MKL's bit
-for bit (they differ in the last bits: ~3e-6 of the output), so in float32 the check is that every
-packed product is within :data:`FLOAT32_TOLERANCE` of the plain one (a wrong packing is off by the
-whole value) and that a row's result does not depend on the other rows of the product. Decoding is
-then the packed path's on every request of the engine (full, blend, reuse alike), so ratio 1.0 still
-gives the full prefill's tokens; it is not the plain step's bits.
+weights slowly on some CPUs (an AVX2-only EPYC), so float32 weights are prepacked for oneDNN too.
+oneDNN's float32 sums are not MKL's bit for bit (they differ in the last bits), so in float32 the
+check is that every packed product is within :data:`FLOAT32_TOLERANCE` of the plain one (a wrong
+packing is off by the whole value) and that a row's result does not depend on the other rows of the
+product. Decoding is then the packed path's on every request of the engine (full, blend, reuse
+alike), so ratio 1.0 still gives the full prefill's tokens; it is not the plain step's bits.
 
 Packing is unavailable where it is not a CPU, not bfloat16 or float32, a torch without oneDNN's
 linear ops, or (bfloat16) a CPU without oneDNN's bfloat16 kernels. The packed copies take as many
 bytes again as the linear weights (270 MB for SmolLM2 in bfloat16, 540 MB in float32).
 
-``torch.compile`` of the decode step was measured here instead (whole step, layers unrolled,
-weights as constants; 2 cores): 95-99 s to compile, and the compiled step ran slower than this
-eager one (small compiled pieces add ~35 µs of call overhead each, more than they fuse away).
+``torch.compile`` of the decode step was measured instead and ran slower than this eager step.
+Measurements: docs/results.md ("Decode rates") and docs/journal/figures-from-code.md.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ CRAFT (§4.1-4.2) counts each chunk's accesses over a sliding window of the last
   retrieval order (CRAFT's stable sort): on a question's first ask the best ranked chunk, the
   likeliest to be retrieved again, leads what gets computed and stored, and a warmed corpus (every
   chunk computed, none in this context) does not reorder a prompt for nothing (ties in the warm's
-  order did: an order-only drift of 0.17-0.29 on first asks with no exact chunk gained, docs/benchmarks.md;
+  order did: an order-only drift of 0.17-0.29 on first asks with no exact chunk gained, docs/journal/issue-36-craft.md;
   ties by content key closed less of the replay's gap, 66% against 81%). With nothing stored it
   is CRAFT's sort;
 - **promotion**: a chunk sequence is worth keeping exactly only for its leading run of chunks

@@ -3,7 +3,7 @@
 Where a chunk's KV is computed matters. CacheBlend computes each chunk alone behind the
 attention-sink token. On the bundled SmolLM2-135M that KV is far from what the chunk gets inside
 a real prompt, and a small recompute budget cannot close the gap; the same chunk computed behind
-another document (its KV kept, the document's dropped) is much closer (docs/benchmarks.md,
+another document (its KV kept, the document's dropped) is much closer (docs/journal/fidelity.md,
 "Fidelity, honestly"). So by default (``chunk_context="neighbor"``):
 
 - ``warm(chunks)`` computes its list as one stream, in list order, so that each chunk is
@@ -20,7 +20,7 @@ another document (its KV kept, the document's dropped) is much closer (docs/benc
 More documents before a chunk bring its KV closer to what it gets deep inside a prompt. On the
 bundled model, 20 MuSiQue questions, six passages warmed in retrieval order and asked shuffled,
 HKVD at 15%: ROUGE-L 0.77 against the full prefill with one preceding document per chunk, 0.87
-with the stream (docs/benchmarks.md, "Fidelity, honestly").
+with the stream (docs/journal/fidelity.md, "Fidelity, honestly").
 
 ``chunk_context="sink"`` restores CacheBlend's behaviour. Keys carry the context kind, so caches
 computed both ways never mix. Keys are stored without RoPE, so the context's length does not

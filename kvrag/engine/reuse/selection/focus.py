@@ -1,7 +1,7 @@
 """``selection="focus"``: recompute whole the chunks the question reads (Cache-Craft's focused chunks).
 
 When a chunk's KV was computed in another context, its deviation is spread over the whole chunk: a
-few blocks recomputed here and there recover little of it (docs/benchmarks.md). What the answer
+few blocks recomputed here and there recover little of it (docs/journal/fidelity.md). What the answer
 needs is the KV of the chunks the question attends to. Cache-Craft (§3.2.2, Algorithm 1) watches
 the question's attention to each chunk, cumulated layer by layer, and finds the *focused* chunks;
 it stops recomputing the others. Here the probe's first pass runs the question's rows up to the

@@ -4,7 +4,7 @@ Each cached chunk is cut into blocks of ``probe_stride`` tokens; a probe compute
 of every block up to ``probe_layer`` (:class:`ProbeParams`) and compares its fresh KV with the
 cached KV there; blocks are recomputed whole in order of that deviation until the budget is spent.
 On SmolLM2 the deviation that changes the answer can stay hidden at layer 1 and grow from layer ~8
-on, where CacheBlend's layer-1 ranking does not see it (docs/benchmarks.md, *Why the probe*).
+on, where CacheBlend's layer-1 ranking does not see it (docs/journal/selection.md, *Why the probe*).
 
 The probe also measures how much the question attends to each cached chunk on the probe layer
 (its rows run with the probe, on the cached KV): :mod:`.focus` spends the budget on the chunks

@@ -19,9 +19,9 @@ attention the user's question pays them, fused over layers, in two stages:
    computed again here, over the recomputed blocks). This pass is most of the cost: the question
    reads the last chunks, whose rows attend over ~2.5x the keys of the probe's, so it costs ~1.26x
    the probe's whole prefill on its own and ``selection="query"`` ~1.4-1.5x the probe's TTFT
-   (docs/benchmarks.md, "Where the time goes").
+   (docs/journal/issue-35-query-driven.md, "Where the time goes").
 
-Measured on the dev set (docs/benchmarks.md, "Query-driven recompute"), chunks computed in other
+Measured on the dev set (docs/journal/issue-35-query-driven.md, "Query-driven recompute"), chunks computed in other
 company, 15% recomputed: an oracle ranking blocks by the question's attention on the *full* prefill's
 KV over all layers cuts the probe's drift by 15%, this selection by 15-17% (every layer, or up to
 layer 22 of SmolLM2's 30), at ~1.35x the probe's TTFT; the question's attention on layers 1..8
