@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             draft = kwargs.pop("draft_tokens", None)
             if draft is not None:
-                previous, eng.config = eng.config, eng.config.replace(draft_tokens=draft)
+                previous, eng.decoding.draft_tokens = eng.decoding.draft_tokens, draft
             _sync(device)
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     debug(0)
             if draft is not None:
-                eng.config = previous
+                eng.decoding.draft_tokens = previous
             sites = collections.Counter(
                 f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)
             )

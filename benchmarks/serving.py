@@ -221,7 +221,7 @@ def _ttft_request(engine, dataset: str | None) -> dict:
 def measure_answers(engine, items: list[QAItem], drafts: list[int], max_new_tokens: int) -> dict:
     """Greedy RAG answers, each question once per ``draft_tokens`` value (see the module's **answers**)."""
     fmt = PromptFormat(engine.tokenizer)
-    base = engine.config
+    base = engine.decoding.draft_tokens
     rows = []
     try:
         for qi, item in enumerate(items):
@@ -230,7 +230,7 @@ def measure_answers(engine, items: list[QAItem], drafts: list[int], max_new_toke
             row: dict = {"question": item.index, "by_drafts": {}}
             turn = qi % len(drafts)
             for k in drafts[turn:] + drafts[:turn]:
-                engine.config = base.replace(draft_tokens=k)
+                engine.decoding.draft_tokens = k
                 g = engine.generate(prompt=prompt, max_new_tokens=max_new_tokens, mode="full", temperature=0.0)
                 s = g.stats
                 row["by_drafts"][k] = {
@@ -254,7 +254,7 @@ def measure_answers(engine, items: list[QAItem], drafts: list[int], max_new_toke
                 flush=True,
             )
     finally:
-        engine.config = base
+        engine.decoding.draft_tokens = base
     fit = engine.decoding.step_cost.fit()  # what the drafts were planned with at the end (None: no fit yet)
     cost = None if fit is None else {"fixed_ms": fit[0] * 1e3, "per_1k_keys_ms": fit[1] * 1e6}
     return {"rows": rows, "summary": _answers_summary(rows, drafts), "step_cost": cost}

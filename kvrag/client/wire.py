@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from kvrag.engine.serving.requests import RequestArgs
+from kvrag.engine.options import RequestOptions
 from kvrag.engine.types import Generation, GenerationStats
 from kvrag.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, ServerError
 
@@ -32,7 +32,7 @@ __all__ = [
 #: Per-request keywords of the client's calls (the engine's, less what the server decides) and
 #: their names on the wire. ``max_tokens`` is accepted for ``max_new_tokens``.
 REQUEST_OPTIONS = {
-    **{name: name for name in RequestArgs.__annotations__ if name not in ("prompt", "sampling", "namespace")},
+    **{name: name for name in RequestOptions.names() if name != "namespace"},
     "max_new_tokens": "max_tokens",
     "max_tokens": "max_tokens",
 }

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvrag.config import MODES, QUALITIES, SamplingParams, check_quality, check_ratio
+from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["RequestOptions", "OPTION_DOCS", "SAMPLING_OPTIONS", "REUSE_OPTIONS"]
@@ -45,9 +46,6 @@ OPTION_DOCS: Mapping[str, str] = MappingProxyType(
 SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
 #: The options that say how a prompt's cached KV is reused.
 REUSE_OPTIONS = ("mode", "recompute_ratio", "selection", "quality", "conversation_id", "dedup")
-
-_CHUNK_ORDERS = ("retrieval", "frequency")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestOptions:
@@ -86,8 +84,8 @@ class RequestOptions:
             check_quality(self.quality)
         if self.dedup is not None and not isinstance(self.dedup, bool):
             raise InvalidRequestError(f"dedup must be True, False or None, got {self.dedup!r}")
-        if self.chunk_order is not None and self.chunk_order not in _CHUNK_ORDERS:
-            raise InvalidRequestError(f"chunk_order must be one of {_CHUNK_ORDERS}, got {self.chunk_order!r}")
+        if self.chunk_order is not None:
+            check_chunk_order(self.chunk_order)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -242,13 +242,13 @@ def test_a_later_turn_of_a_conversation_keeps_retrieval_order(engine):
     first = engine.generate(docs[:2], PREFIX, SUFFIX, conversation_id="c", chunk_order="frequency")
     assert first.stats.chunk_misses == 2
     asked = []
-    real = engine._request
+    real = engine.requests.build
 
     def spy(**kwargs):
         asked.append(list(kwargs["chunks"]))
         return real(**kwargs)
 
-    engine._request = spy
+    engine.requests.build = spy
     engine.generate(docs, "", SUFFIX, conversation_id="c", chunk_order="frequency", dedup=False)
     # what the table says now (counts: docs[2] most retrieved; paths the turns of "c" kept exactly)
     want = [docs[i] for i in engine.access.order("default", docs, "frequency")]

@@ -296,16 +296,16 @@ def test_drafts_on_the_bundled_model_save_steps_and_change_no_token(smol_engine)
     )
     question = "Who designed the Amberley Viaduct, and when did the Amberley Viaduct open?"
     prompt = smol_engine.apply_chat_template([{"role": "user", "content": f"{passage}\n\n{question}"}])
-    base = smol_engine.config
+    base = smol_engine.decoding.draft_tokens
     out = {}
     fitted = smol_engine.decoding.step_cost
     smol_engine.decoding.step_cost = PlantedCost(FREE)  # the steps saved would follow this machine's timing
     try:
         for k in (0, 4):
-            smol_engine.config = base.replace(draft_tokens=k)
+            smol_engine.decoding.draft_tokens = k
             out[k] = smol_engine.generate(prompt=prompt, mode="full", max_new_tokens=40)
     finally:
-        smol_engine.config, smol_engine.decoding.step_cost = base, fitted
+        smol_engine.decoding.draft_tokens, smol_engine.decoding.step_cost = base, fitted
     assert out[4].token_ids == out[0].token_ids
     assert out[4].stats.draft_accepted > 0
     assert out[4].stats.decode_steps < out[0].stats.decode_steps
