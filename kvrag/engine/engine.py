@@ -4,10 +4,8 @@ validation, prefill, decode, write-back); a walk through one request: docs/how-i
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -19,15 +17,15 @@ from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
 from kvrag.engine.model.host import on_own_thread, tune_malloc
 from kvrag.engine.model.sampling import SamplingParams
 from kvrag.engine.options import RequestOptions
-from kvrag.engine.reuse.access import AccessStats, check_chunk_order
+from kvrag.engine.reuse.access import AccessStats
 from kvrag.engine.reuse.conversations import check_conversation_id
 from kvrag.engine.reuse.gate import load_gate
-from kvrag.engine.reuse.selection import check_selection, configured_params
 from kvrag.engine.serving.assembly import assemble
 from kvrag.engine.serving.decode import draft_tokens_for
 from kvrag.engine.serving.requests import (
     Request,
     check_chunks,
+    check_engine_config,
     check_namespace,
     check_text,
     describe_blend,
@@ -37,32 +35,13 @@ from kvrag.engine.serving.scheduler import Ticket
 from kvrag.engine.serving.speculation import Speculation
 from kvrag.engine.serving.worker import Pause, StreamJob
 from kvrag.engine.store.base import KVStore
-from kvrag.engine.store.policy import check_policy
 from kvrag.engine.store.tiered import build_store
 from kvrag.engine.types import CacheLookup, EngineInfo, Generation, GenerationStream, ScoreResult, WarmResult
-from kvrag.errors import ContextLengthError, InvalidRequestError
+from kvrag.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
-
-#: Engines not closed yet: at interpreter exit their threads are let finish first (see _quiesce_at_exit).
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-#: Seconds an engine may take at interpreter exit to finish what it runs.
-EXIT_WAIT_S = 60.0
-
-
-@atexit.register
-def _quiesce_at_exit() -> None:
-    """Let live engines' threads end before the interpreter tears down: a daemon thread still inside a
-    torch op while the interpreter finalises aborts the process (exit code 134). Refreshes not started
-    are dropped; running work and write-back finish (bounded by ``EXIT_WAIT_S``)."""
-    for engine in list(_LIVE):
-        try:
-            engine._quiesce(EXIT_WAIT_S)
-        except Exception:  # exiting anyway: never fail the interpreter's shutdown
-            log.debug("kvrag: an engine did not finish at exit", exc_info=True)
 
 
 class Engine:
@@ -90,7 +69,7 @@ class Engine:
         store: KVStore | None = None,
         compute_dtype: DtypeChoice | None = None,
     ) -> None:
-        _check_config(config)
+        check_engine_config(config)
         self.hf_model, self.tokenizer, self.weights_digest = hf_model, tokenizer, weights_digest
         self.model_name = name or str(getattr(hf_model.config, "name_or_path", "") or "model")
         self.adapter = adapter = ModelAdapter(hf_model)
@@ -120,7 +99,7 @@ class Engine:
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         #: torch intra-op threads of the engine thread: ``num_threads``, else torch's count when the engine was built
         self.threads = config.num_threads or torch.get_num_threads()
-        parts = assemble(
+        self.parts = parts = assemble(
             config,
             adapter,
             tokenizer,
@@ -135,26 +114,19 @@ class Engine:
             drafts_given=drafts_given,
         )
         # the parts a request goes through (docs/how-it-works.md), by the names tests and tools use
-        self.prompt_tokenizer, self.documents, self.variants, self.planner = (
-            parts.prompt_tokenizer, parts.documents, parts.variants, parts.planner,
+        self.prompt_tokenizer, self.documents, self.variants, self.planner, self.chunk_computer = (
+            parts.prompt_tokenizer, parts.documents, parts.variants, parts.planner, parts.chunk_computer,
         )  # fmt: skip
-        self.chunk_computer, self.conversations, self.access, self.costs = (
-            parts.chunk_computer, parts.conversations, parts.access, parts.costs,
+        self.conversations, self.access, self.costs, self.requests, self.scheduler, self._worker = (
+            parts.conversations, parts.access, parts.costs, parts.requests, parts.scheduler, parts.worker,
         )  # fmt: skip
-        self.requests, self.scheduler, self._worker, self.writeback = (
-            parts.requests, parts.scheduler, parts.worker, parts.writeback,
-        )  # fmt: skip
-        #: live speculations (RAGCache's speculative pipelining: :meth:`speculate`, :meth:`speculate_request`)
-        self.speculations, self.prefiller, self.warming, self.decoding = (
-            parts.speculations, parts.prefiller, parts.warming, parts.decoding,
+        self.writeback, self.speculations, self.prefiller, self.warming, self.decoding = (
+            parts.writeback, parts.speculations, parts.prefiller, parts.warming, parts.decoding,
         )  # fmt: skip
         log.info("kvrag: decode %s", self.decoding.decoder.description)
         self._closed = False
-        _LIVE.add(self)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-
-    # -- construction --------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(
@@ -172,7 +144,7 @@ class Engine:
         config = (config or EngineConfig()).replace(**overrides)
         if model is not None:
             config = config.replace(model=str(model))
-        _check_config(config)  # before the model loads: a bad name fails at once
+        check_engine_config(config)  # before the model loads: a bad name fails at once
 
         def build() -> Engine:
             loaded = loading.load_model(config.model, config.dtype, config.device, config.resolved_cache_dir())
@@ -186,7 +158,7 @@ class Engine:
                 compute_dtype=loaded.dtype,
             )
 
-        return _built(build, config)
+        return on_own_thread(build, threads=config.num_threads)
 
     @classmethod
     def from_model(
@@ -198,13 +170,12 @@ class Engine:
         ``dtype="auto"`` (the default) accepts it, an explicit ``dtype`` must be the weights'.
         """
         config = (config or EngineConfig()).replace(**overrides)
-        _check_config(config)
+        check_engine_config(config)
         loading.check_architecture(hf_model.config)
         hf_model.eval()
         digest = loading.state_dict_digest(hf_model)
-        return _built(lambda: cls(hf_model, tokenizer, config, weights_digest=digest, store=store), config)
-
-    # -- documents and prompts ------------------------------------------------------------------
+        build = lambda: cls(hf_model, tokenizer, config, weights_digest=digest, store=store)  # noqa: E731
+        return on_own_thread(build, threads=config.num_threads)
 
     def count_tokens(self, text: str) -> int:
         """Tokens of a text on its own."""
@@ -234,17 +205,7 @@ class Engine:
         exactly first, then the most retrieved in the window; :meth:`AccessTable.order`). Returns
         indices into ``documents`` in the order to put them in the prompt.
         """
-        order = check_chunk_order(order)
-        namespace = check_namespace(self.config, namespace)
-        if isinstance(documents, (str, bytes)):
-            raise InvalidRequestError("documents must be a list of texts, not a single string")
-        documents = list(documents)
-        try:
-            ranked = self.access.order(namespace, documents, order)
-            self.access.record(namespace, documents)
-        except TypeError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        return ranked
+        return self.access.retrieval(check_namespace(self.config, namespace), documents, order)
 
     def chunk_access(self, namespace: str | None = None) -> AccessStats:
         """The tenant's chunk-access table now: window, retrievals counted, chunks, promoted, top counts."""
@@ -272,9 +233,8 @@ class Engine:
         progress bar, or a callback ``progress(windows done, windows)``.
         """
         self._check_open()
-        namespace = check_namespace(self.config, namespace)
-        return self.warming.warm(check_chunks(chunks), order=order, embeddings=embeddings, progress=progress,
-                                 namespace=namespace)  # fmt: skip
+        namespace, chunks = check_namespace(self.config, namespace), check_chunks(chunks)
+        return self.warming.warm(chunks, order=order, embeddings=embeddings, progress=progress, namespace=namespace)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -316,13 +276,10 @@ class Engine:
         options: RequestOptions | None = None,
         **fields,
     ) -> GenerationStream:
-        """Like :meth:`generate`, but yields text pieces as they are decoded.
-
-        The request is validated and queued before this returns (a full queue raises
-        :class:`~kvrag.errors.OverloadedError`); ``.generation`` holds the result once the stream is
-        exhausted. Closing the stream early cancels the request and frees its KV. Its TTFT counts
-        from this call (segmenting and tokenising the prompt included).
-        """
+        """Like :meth:`generate`, but yields text pieces as they are decoded. The request is validated
+        and queued before this returns (a full queue raises :class:`~kvrag.errors.OverloadedError`);
+        ``.generation`` holds the result once the stream is exhausted; closing the stream early cancels
+        the request and frees its KV. TTFT counts from this call (tokenising the prompt included)."""
         t0 = time.perf_counter()
         opts = RequestOptions.of(options, fields)
         chunks, retrieved = self.requests.order_chunks(chunks, prompt, opts)
@@ -409,15 +366,8 @@ class Engine:
         opts = RequestOptions(mode=mode, recompute_ratio=recompute_ratio, selection=selection, chunk_order=chunk_order)
         chunks, _ = self.requests.order_chunks(chunks, prompt, opts)
         req = self._request(chunks, prefix, suffix, prompt, opts, SamplingParams(max_new_tokens=0, temperature=0.0))
-        cont_ids = self.prompt_tokenizer.tokenize(cont)
-        if not cont_ids:
-            raise InvalidRequestError("continuation is empty")
-        if req.num_tokens + len(cont_ids) > self.context_window:
-            raise ContextLengthError(req.num_tokens + len(cont_ids), self.context_window, "prompt + continuation")
-        t0 = time.perf_counter()
-        return self._worker.call(
-            self.prefiller.ticket(req), lambda pause: self.prefiller.score(req, cont_ids, t0, pause)
-        )
+        t0, ids = time.perf_counter(), self.prefiller.continuation(req, cont)
+        return self._worker.call(self.prefiller.ticket(req), lambda pause: self.prefiller.score(req, ids, t0, pause))
 
     def lookup(
         self,
@@ -469,12 +419,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
-        self.speculations.cancel_all()
-        self.writeback.cancel_refreshes()  # background work not started yet is not worth waiting for
-        self._worker.wait_idle()
-        self.writeback.close()  # its chunk computations still run on the engine thread
-        self._worker.stop()  # the thread, idle now, ends instead of lingering
+        self.parts.close()
         self.store.close()
 
     def __enter__(self) -> Engine:
@@ -482,16 +427,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _quiesce(self, timeout: float) -> None:
-        """Drop refreshes not started, let running work and write-back finish (the exit hook)."""
-        self.speculations.cancel_all()
-        self.writeback.cancel_refreshes()
-        if self._worker.wait_idle(timeout=timeout):
-            self.writeback.flush()
-            self._worker.stop(timeout=timeout)  # no engine thread lingers into the interpreter's teardown
 
     def _check_open(self) -> None:
         if self._closed:
@@ -511,22 +446,3 @@ class Engine:
     def _run_internal(self, job, tokens: int):
         """:meth:`_run_job` for internal work: never refused."""
         return self._run_job(job, tokens, bounded=False)
-
-
-def _built(build: Callable[[], Engine], config: EngineConfig) -> Engine:
-    """``build()`` on a thread of its own, so the caller's thread keeps no OpenMP pool of kvrag's making
-    (decode steps on the engine thread stay fast: :mod:`kvrag.engine.model.host`); ``num_threads``
-    applies to the caller's thread too, as when the engine was built there."""
-    engine = on_own_thread(build)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    return engine
-
-
-def _check_config(config: EngineConfig) -> None:
-    """What the config cannot check without torch: the selections and their parameters against the
-    selection registry, the eviction policy against the store's (one clear error each)."""
-    configured_params(config)
-    if config.other_context_selection is not None:
-        check_selection(config.other_context_selection)
-    check_policy(config.eviction_policy)

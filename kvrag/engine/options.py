@@ -47,6 +47,7 @@ SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
 #: The options that say how a prompt's cached KV is reused.
 REUSE_OPTIONS = ("mode", "recompute_ratio", "selection", "quality", "conversation_id", "dedup")
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestOptions:
     """The options of one request; every one optional (``None``: the engine config's default).

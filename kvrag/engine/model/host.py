@@ -101,12 +101,13 @@ def _tune() -> str:
     )
 
 
-def on_own_thread(fn: Callable[[], T], name: str = "kvrag-load") -> T:
+def on_own_thread(fn: Callable[[], T], name: str = "kvrag-load", *, threads: int | None = None) -> T:
     """``fn()`` run on a new thread that ends when it returns: its result, or its error raised here.
 
     The thread's OpenMP pool ends with it, so the caller's thread is left without one (see the module
     note). A caller interrupted while it waits (Ctrl-C) gets the interruption at once; the thread, a
-    daemon, finishes ``fn`` on its own and its result is dropped.
+    daemon, finishes ``fn`` on its own and its result is dropped. ``threads``: torch's intra-op threads
+    set on the caller's thread afterwards too (an engine's ``num_threads``, as if built there).
     """
     box: dict = {}
 
@@ -121,4 +122,8 @@ def on_own_thread(fn: Callable[[], T], name: str = "kvrag-load") -> T:
     thread.join()
     if "error" in box:
         raise box["error"]
+    if threads:
+        import torch  # this module imports without torch
+
+        torch.set_num_threads(threads)
     return box["result"]

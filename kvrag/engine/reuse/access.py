@@ -267,6 +267,24 @@ class AccessTable:
                 table = self._tables[namespace] = _Window(self.window)
             table.add(keys)
 
+    def retrieval(self, namespace: str, documents, order: str) -> list[int]:
+        """Count one retrieval of ``documents`` (a list, checked) and return their prompt order (``order``:
+        ``"retrieval"`` or ``"frequency"``, :meth:`order`): :meth:`kvrag.Engine.record_retrieval`.
+
+        Raises:
+            InvalidRequestError: a single string, or a document that is neither a text nor texts.
+        """
+        order = check_chunk_order(order)
+        if isinstance(documents, (str, bytes)):
+            raise InvalidRequestError("documents must be a list of texts, not a single string")
+        documents = list(documents)
+        try:
+            ranked = self.order(namespace, documents, order)
+            self.record(namespace, documents)
+        except TypeError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return ranked
+
     def counts(self, namespace: str, documents: Sequence[Document]) -> list[int]:
         """Each document's count now (the most of its forms' counts); 0 for one never seen."""
         keyed = [_keys(d) for d in documents]

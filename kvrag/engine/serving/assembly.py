@@ -4,6 +4,9 @@ fingerprint, the gate, the store) and hands it here."""
 
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +34,27 @@ from kvrag.engine.serving.worker import Worker
 from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import KVStore
 
-__all__ = ["Parts", "assemble"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Parts", "assemble", "EXIT_WAIT_S"]
+
+#: Parts of engines not closed yet: at interpreter exit their threads are let finish first.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+#: Seconds an engine may take at interpreter exit to finish what it runs.
+EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _quiesce_at_exit() -> None:
+    """Let live engines' threads end before the interpreter tears down: a daemon thread still inside a
+    torch op while the interpreter finalises aborts the process (exit code 134). Refreshes not started
+    are dropped; running work and write-back finish (bounded by ``EXIT_WAIT_S``)."""
+    for parts in list(_LIVE):
+        try:
+            parts.quiesce(EXIT_WAIT_S)
+        except Exception:  # exiting anyway: never fail the interpreter's shutdown
+            log.debug("kvrag: an engine did not finish at exit", exc_info=True)
 
 
 @dataclass(slots=True)
@@ -54,6 +77,23 @@ class Parts:
     prefiller: Prefiller
     warming: Warming
     decoding: Decoding
+
+    def close(self) -> None:
+        """Let queued and running work finish, finish write-back, end the engine thread."""
+        _LIVE.discard(self)
+        self.speculations.cancel_all()
+        self.writeback.cancel_refreshes()  # background work not started yet is not worth waiting for
+        self.worker.wait_idle()
+        self.writeback.close()  # its chunk computations still run on the engine thread
+        self.worker.stop()  # the thread, idle now, ends instead of lingering
+
+    def quiesce(self, timeout: float) -> None:
+        """Drop refreshes not started, let running work and write-back finish (the exit hook)."""
+        self.speculations.cancel_all()
+        self.writeback.cancel_refreshes()
+        if self.worker.wait_idle(timeout=timeout):
+            self.writeback.flush()
+            self.worker.stop(timeout=timeout)  # no engine thread lingers into the interpreter's teardown
 
 
 def assemble(
@@ -120,14 +160,16 @@ def assemble(
         computed=access.computed,
     )
     speculations = Speculations(worker, adapter.n_layers)
-    prefiller = Prefiller(config, adapter, planner, conversations, costs, writeback, speculations, tokenizer,
+    prefiller = Prefiller(config, adapter, planner, conversations, costs, writeback, speculations, prompt_tokenizer,
                           context_window=context_window)  # fmt: skip
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
                       context_window=context_window)  # fmt: skip
     decoding = Decoding(Decoder(adapter, config.decode_group), conversations, config.draft_tokens,
                         drafts_given=drafts_given)  # fmt: skip
     worker.drive(start=prefiller.start, step=decoding.step, finish=decoding.finish)
-    return Parts(
+    parts = Parts(
         prompt_tokenizer, documents, variants, planner, computer, conversations, access, costs, requests, scheduler,
         worker, writeback, speculations, prefiller, warming, decoding,
     )  # fmt: skip
+    _LIVE.add(parts)
+    return parts

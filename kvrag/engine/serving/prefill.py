@@ -27,6 +27,7 @@ from kvrag.engine.reuse.budget import Budget
 from kvrag.engine.reuse.conversations import Conversations
 from kvrag.engine.reuse.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
 from kvrag.engine.reuse.planner import Plan, Planner
+from kvrag.engine.reuse.segments import PromptTokenizer
 from kvrag.engine.serving.costs import CostFeedback
 from kvrag.engine.serving.requests import Request
 from kvrag.engine.serving.scheduler import Ticket
@@ -36,6 +37,7 @@ from kvrag.engine.serving.worker import Pause
 from kvrag.engine.serving.writeback import WriteBack
 from kvrag.engine.store.base import DamagedEntryError
 from kvrag.engine.types import CacheLookup, ScoreResult
+from kvrag.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class Prefiller:
         costs: the cost model, the cost profile and the loading controller.
         writeback: what a request computed, stored after its first token.
         speculations: prefills done ahead, adopted by the request they speculated.
-        tokenizer: the model's tokenizer (a request's text stream).
+        tokenizer: the prompt tokenizer (its ``tokenizer``, the model's, detokenises a request's text).
         context_window: most tokens a request may hold.
     """
 
@@ -66,7 +68,7 @@ class Prefiller:
         costs: CostFeedback,
         writeback: WriteBack,
         speculations: Speculations,
-        tokenizer,
+        tokenizer: PromptTokenizer,
         *,
         context_window: int,
     ) -> None:
@@ -111,7 +113,7 @@ class Prefiller:
             pos=n,
             token=token,
             budget=budget,
-            text=TextStream(self.tokenizer, sp.stop),
+            text=TextStream(self.tokenizer.tokenizer, sp.stop),
             generator=generator,
             stats=stats,
             t0=t0,
@@ -195,6 +197,16 @@ class Prefiller:
         per_token = logp[torch.arange(len(continuation)), torch.tensor(continuation)].tolist()
         stats = generation_stats(plan, budget, res, self.adapter.n_layers, time.perf_counter() - t0)
         return ScoreResult(float(sum(per_token)), len(continuation), per_token, stats)
+
+    def continuation(self, req: Request, text: str) -> list[int]:
+        """The token ids of a continuation to score after ``req``'s prompt (one clear error: empty, or
+        past the context window with the prompt)."""
+        ids = self.tokenizer.tokenize(text)
+        if not ids:
+            raise InvalidRequestError("continuation is empty")
+        if req.num_tokens + len(ids) > self.context_window:
+            raise ContextLengthError(req.num_tokens + len(ids), self.context_window, "prompt + continuation")
+        return ids
 
     def count_lookups(self, req: Request) -> None:
         """An adopted speculation's lookups were looks: make them again as the request's uses (hits

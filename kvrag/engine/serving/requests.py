@@ -23,7 +23,8 @@ from kvrag.engine.reuse.conversations import Conversations, check_conversation_i
 from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.reuse.gate import GateResult
 from kvrag.engine.reuse.segments import PromptTokenizer, Segment
-from kvrag.engine.reuse.selection import auto_kind, check_selection
+from kvrag.engine.reuse.selection import auto_kind, check_selection, configured_params
+from kvrag.engine.store.policy import check_policy
 from kvrag.errors import ContextLengthError, InvalidRequestError
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Requests",
     "resolve_budget",
     "describe_blend",
+    "check_engine_config",
     "check_text",
     "check_chunks",
     "check_namespace",
@@ -200,6 +202,15 @@ class Requests:
     def conversation_key(self, conversation_id: str, namespace: str) -> str:
         """A conversation is scoped to its tenant (the default tenant's keys are the ids themselves)."""
         return conversation_id if namespace == self.config.namespace else f"{namespace}\0{conversation_id}"
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """What the config cannot check without torch: the selections and their parameters against the
+    selection registry, the eviction policy against the store's (one clear error each)."""
+    configured_params(config)
+    if config.other_context_selection is not None:
+        check_selection(config.other_context_selection)
+    check_policy(config.eviction_policy)
 
 
 def describe_blend(cfg: EngineConfig) -> str:

@@ -119,7 +119,9 @@ def test_focus_recomputes_whole_the_chunks_the_question_reads(tiny_engine, monke
 
     def spy(p, meter):
         attention, focused = original(p, meter)
-        seen.update(spans=p.spans, attention=attention, budget=math.ceil(p.budget.share * sum(b - a for a, b in p.spans)))
+        seen.update(
+            spans=p.spans, attention=attention, budget=math.ceil(p.budget.share * sum(b - a for a, b in p.spans))
+        )
         return attention, focused
 
     monkeypatch.setattr(focus_module, "_chunk_attention", spy)

@@ -177,18 +177,18 @@ def test_closing_the_engine_drops_a_refresh_not_started(tiny_model, tiny_tokeniz
 def test_at_exit_live_engines_finish_their_work_first(tiny_model, tiny_tokenizer):
     """A daemon thread still inside torch when the interpreter tears down aborts the process (exit
     code 134; `make demo` did): at exit, live engines drop waiting refreshes and finish the rest."""
-    import kvrag.engine.engine as engine_module
+    import kvrag.engine.serving.assembly as assembly
 
     engine = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2), **EVERY_SEQUENCE)
-    assert engine in engine_module._LIVE
+    assert engine.parts in assembly._LIVE
     caller, busy = refresh_waiting_behind_other_work(engine, seed=45)
     threading.Timer(0.2, busy.set).start()
-    engine._quiesce(engine_module.EXIT_WAIT_S)  # what the exit hook does for each live engine
+    engine.parts.quiesce(assembly.EXIT_WAIT_S)  # what the exit hook does for each live engine
     assert engine._worker._thread is None and not engine.writeback._refreshing
     assert engine.writeback.refresh_counts["runs"] == 0
     caller.join(timeout=60)
     engine.close()
-    assert engine not in engine_module._LIVE
+    assert engine.parts not in assembly._LIVE
 
 
 def refresh_waiting_behind_other_work(engine, seed: int) -> tuple[threading.Thread, threading.Event]:
