@@ -57,7 +57,7 @@ def _quiesce_at_exit() -> None:
             log.debug("kvrag: an engine did not finish at exit", exc_info=True)
 
 
-@dataclass(slots=True)
+@dataclass(eq=False)  # a weak reference marks it live (the exit hook); compared by identity
 class Parts:
     """What an engine is made of, below its model (each a module's object; see docs/how-it-works.md)."""
 
