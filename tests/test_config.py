@@ -10,7 +10,6 @@ import math
 import pickle
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -172,13 +171,9 @@ def test_old_names_are_taken_with_a_warning_naming_the_new_one():
     with pytest.raises(TypeError, match="foreign_ratio is the old name of other_context_ratio"):
         EngineConfig(foreign_ratio=0.1, other_context_ratio=0.2)
     check_field_names(["foreign_ratio", "other_context_ratio", "reuse"])  # old names and groups are known
-    # transition: the engine still reads the old names (and the old constant), without a warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert (config.foreign_ratio, config.foreign_overlap, config.foreign_selection) == (0.2, 0.25, "recency")
-    from kvrag.config import FOREIGN_RATIO
-
-    assert FOREIGN_RATIO == OTHER_CONTEXT_RATIO == EngineConfig().other_context_ratio
+    with pytest.raises(AttributeError):  # an old name is taken as a keyword, never read
+        config.foreign_ratio  # noqa: B018
+    assert OTHER_CONTEXT_RATIO == EngineConfig().other_context_ratio
 
 
 def test_each_check_returns_the_value_or_names_the_setting():

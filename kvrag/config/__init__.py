@@ -21,7 +21,6 @@ from kvrag.config.engine_config import (
 )
 
 # transition: removed once the engine reads the new names
-from kvrag.config.engine_config import FOREIGN_RATIO as FOREIGN_RATIO
 from kvrag.config.sampling import DEFAULT_SAMPLING, SamplingParams
 from kvrag.config.settings import ComputeSettings, ReuseSettings, ServingSettings, StoreSettings
 from kvrag.config.values import (

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from kvrag.config.sampling import SAMPLING_FIELDS
 from kvrag.config.settings import ComputeSettings, ReuseSettings, ServingSettings, StoreSettings
-from kvrag.config.values import OTHER_CONTEXT_RATIO, QUALITY_SHARES, check_quality, default_cache_dir
+from kvrag.config.values import QUALITY_SHARES, check_quality, default_cache_dir
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["EngineConfig", "GROUPS", "FLAT_FIELDS", "RENAMED", "check_field_names", "parse_overrides"]
@@ -35,15 +35,6 @@ RENAMED = MappingProxyType(
         "foreign_overlap": "other_context_overlap",
     }
 )
-
-# transition: removed once the engine reads the new names. Flat reads of the old names
-# (``config.foreign_ratio`` is ``config.other_context_ratio``, no warning) and the constant's old name.
-_OLD_READS = {
-    "foreign_selection": "other_context_selection",
-    "foreign_ratio": "other_context_ratio",
-    "foreign_overlap": "other_context_overlap",
-}
-FOREIGN_RATIO = OTHER_CONTEXT_RATIO
 
 #: Fields EngineConfig had before and where they went, so that old code gets one error saying
 #: where to write them instead of "unexpected keyword".
@@ -154,9 +145,6 @@ class EngineConfig:
     def __getattr__(self, name: str):
         """A setting read by its own name: ``config.namespace`` is ``config.store.namespace``."""
         group = _GROUP_OF.get(name)
-        if group is None and name in _OLD_READS:  # transition (see _OLD_READS)
-            name = _OLD_READS[name]
-            group = _GROUP_OF[name]
         if group is None:
             raise AttributeError(f"'EngineConfig' object has no attribute {name!r}")
         return getattr(object.__getattribute__(self, group), name)
@@ -200,23 +188,13 @@ class EngineConfig:
         reuse = self.reuse
         return reuse.warm_variants or min(2 if order == "similar" else 1, reuse.max_variants)
 
-    def quality_shares(
-        self, quality: str | None = None, calibrated: Mapping[str, float] | None = None
-    ) -> tuple[float, float]:
+    def quality_shares(self, quality: str | None = None) -> tuple[float, float]:
         """(own context, other context) shares ``"auto"`` recomputes at ``quality`` (default
         :attr:`quality`; :data:`~kvrag.config.QUALITY_SHARES`, ``"balanced"``: ``auto_ratio`` and
-        ``other_context_ratio``).
-
-        ``calibrated``: the model's other-context share per quality measured by ``kvrag calibrate``
-        (:meth:`kvrag.Engine.calibrate_qualities`); it replaces the built-in one, except that an
-        ``other_context_ratio`` set to another value than its default wins for ``"balanced"``."""
+        ``other_context_ratio``)."""
         reuse = self.reuse
         quality = check_quality(reuse.quality if quality is None else quality)
-        own, other = QUALITY_SHARES.get(quality, (reuse.auto_ratio, reuse.other_context_ratio))
-        ratio_is_default = reuse.other_context_ratio == OTHER_CONTEXT_RATIO
-        if calibrated and quality in calibrated and (quality != "balanced" or ratio_is_default):
-            other = calibrated[quality]
-        return own, other
+        return QUALITY_SHARES.get(quality, (reuse.auto_ratio, reuse.other_context_ratio))
 
     def resolved_kv_codec(self) -> str:
         """The codec chunk KV is held in at rest (see ``kv_codec``): ``auto`` is ``int8`` with a remote
