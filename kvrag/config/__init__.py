@@ -11,58 +11,11 @@ eviction policies) are plain strings here, checked against their registries when
 - :mod:`.sampling`: :class:`SamplingParams`. :mod:`.values`: the names each choice accepts.
 """
 
-from kvrag.config.engine_config import (
-    FLAT_FIELDS,
-    GROUPS,
-    RENAMED,
-    EngineConfig,
-    check_field_names,
-    parse_overrides,
-)
+# every public name of the package's modules, from their own __all__ (one list each)
+from kvrag.config import engine_config, sampling, settings, values
+from kvrag.config.engine_config import *  # noqa: F403
+from kvrag.config.sampling import *  # noqa: F403
+from kvrag.config.settings import *  # noqa: F403
+from kvrag.config.values import *  # noqa: F403
 
-# transition: removed once the engine reads the new names
-from kvrag.config.sampling import DEFAULT_SAMPLING, SamplingParams
-from kvrag.config.settings import ComputeSettings, ReuseSettings, ServingSettings, StoreSettings
-from kvrag.config.values import (
-    AUTO,
-    CHUNK_CONTEXTS,
-    DTYPE_NAMES,
-    KV_CODECS,
-    MODES,
-    OTHER_CONTEXT_RATIO,
-    QUALITIES,
-    QUALITY_SHARES,
-    check_quality,
-    check_ratio,
-    check_remote_url,
-    check_share,
-    default_cache_dir,
-)
-
-__all__ = [
-    "EngineConfig",
-    "ComputeSettings",
-    "ReuseSettings",
-    "StoreSettings",
-    "ServingSettings",
-    "SamplingParams",
-    "DEFAULT_SAMPLING",
-    "FLAT_FIELDS",
-    "GROUPS",
-    "RENAMED",
-    "parse_overrides",
-    "check_field_names",
-    "MODES",
-    "CHUNK_CONTEXTS",
-    "DTYPE_NAMES",
-    "AUTO",
-    "QUALITIES",
-    "QUALITY_SHARES",
-    "OTHER_CONTEXT_RATIO",
-    "check_quality",
-    "check_ratio",
-    "check_share",
-    "check_remote_url",
-    "KV_CODECS",
-    "default_cache_dir",
-]
+__all__ = [*engine_config.__all__, *settings.__all__, *sampling.__all__, *values.__all__]

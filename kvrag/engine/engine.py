@@ -434,9 +434,7 @@ class Engine:
 
     def _request(self, chunks, prefix, suffix, prompt, options: RequestOptions, sampling=None) -> Request:
         self._check_open()
-        return self.requests.build(
-            chunks=chunks, prefix=prefix, suffix=suffix, prompt=prompt, options=options, sampling=sampling
-        )
+        return self.requests.build(chunks, prefix, suffix, prompt, options, sampling)
 
     def _run_job(self, job, tokens: int, *, bounded: bool = True):
         """Run ``job(pause)`` on the engine thread, queued as ``tokens`` of compute; ``bounded=False``

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvrag.calls import call_metadata, template_role
 from kvrag.calls import usage as token_counts
+from kvrag.calls.fields import ReuseFields
 from kvrag.engine import Generation
 from kvrag.engine.options import OPTION_DOCS, REUSE_OPTIONS, RequestOptions
 from kvrag.errors import InvalidRequestError
@@ -54,7 +55,7 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(ReuseFields):
     """The fields both completion endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -72,14 +73,9 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # kvrag's extensions: the engine's reuse options (RequestOptions), documents, a speculation key
-    documents: list[str] | None = None
-    mode: str | None = Field(default=None, description=OPTION_DOCS["mode"])
-    recompute_ratio: float | Literal["auto"] | None = Field(default=None, description=OPTION_DOCS["recompute_ratio"])
-    selection: str | None = Field(default=None, description=OPTION_DOCS["selection"])
-    quality: str | None = Field(default=None, description=OPTION_DOCS["quality"])
+    # kvrag's extensions: the engine's reuse options (ReuseFields), a conversation, documents, a speculation key
     conversation_id: str | None = Field(default=None, description=OPTION_DOCS["conversation_id"])
-    dedup: bool | None = Field(default=None, description=OPTION_DOCS["dedup"])
+    documents: list[str] | None = None
     speculate: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_supported(self) -> None:

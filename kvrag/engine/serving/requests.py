@@ -129,15 +129,15 @@ class Requests:
 
     def build(
         self,
-        *,
         chunks: Sequence[str] | None = None,
         prefix: str = "",
         suffix: str = "",
         prompt: str | None = None,
-        options: RequestOptions,
+        options: RequestOptions = RequestOptions(),  # noqa: B008 - immutable
         sampling: SamplingParams | None = None,
     ) -> Request:
-        """Validate a request and segment its prompt (``chunks`` in the order given)."""
+        """Validate a request and segment its prompt: ``prefix + chunks + suffix`` (``chunks`` in the order
+        given) or a whole ``prompt``, with its ``options`` (and ``sampling=`` instead of their sampling fields)."""
         cfg = self.config
         parts = self.parts(chunks, prefix, suffix, prompt)
         namespace = check_namespace(cfg, options.namespace)

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator
 
 import kvrag.engine  # get_engine is looked up at call time: swappable, e.g. to prove construction loads nothing
 from kvrag.calls import EngineCall
+from kvrag.calls.fields import ReuseFields
 from kvrag.config import FLAT_FIELDS, MODES, QUALITIES, EngineConfig, SamplingParams, check_field_names, check_ratio
 from kvrag.engine import Engine
 from kvrag.engine.options import OPTION_DOCS, REUSE_OPTIONS, SAMPLING_OPTIONS
@@ -131,7 +132,7 @@ def registrar_of(target: Any) -> Engine | ServerDocuments:
     return registrar() if callable(registrar) else engine_of(target)
 
 
-class GenerationFields(BaseModel):
+class GenerationFields(ReuseFields):
     """The fields of a kvrag LLM, the same in both integrations, and how a call uses them.
 
     The engine is not loaded when the LLM is constructed: the first call takes it from the
@@ -164,15 +165,12 @@ class GenerationFields(BaseModel):
         default_factory=dict,
         description="EngineConfig fields of the shared engine (dtype, device, memory_budget_bytes, ...).",
     )
-    mode: Mode | None = Field(default=None, description=OPTION_DOCS["mode"])
-    recompute_ratio: float | Literal["auto"] | None = Field(default=None, description=OPTION_DOCS["recompute_ratio"])
-    selection: str | None = Field(default=None, description=OPTION_DOCS["selection"])
+    mode: Mode | None = Field(default=None, description=OPTION_DOCS["mode"])  # a choice in the LLM's schema
     quality: Quality | None = Field(default=None, description=OPTION_DOCS["quality"])
     temperature: float | None = Field(default=None, description=OPTION_DOCS["temperature"])
     top_p: float | None = Field(default=None, description=OPTION_DOCS["top_p"])
     seed: int | None = Field(default=None, description=OPTION_DOCS["seed"])
     stop: list[str] | None = Field(default=None, description=OPTION_DOCS["stop"])
-    dedup: bool | None = Field(default=None, description=OPTION_DOCS["dedup"])
 
     _server: ServerDocuments | None = PrivateAttr(default=None)
 
