@@ -122,8 +122,8 @@ def test_literals_and_descriptions_follow_kvrag_config():
     fields = GenerationFields.model_fields
     assert all(m in fields["mode"].description for m in MODES)
     assert fields["selection"].annotation == str | None  # the registry is the list, checked per call
-    assert all(s in fields["selection"].description for s in ("probe", "hkvd", "focus", "epic"))
-    assert set(registered_selections()) >= {"probe", "hkvd", "recency", "focus", "craft", "epic"}
+    assert all(s in fields["selection"].description for s in ("probe", "recency"))
+    assert set(registered_selections()) >= {"probe", "recency"}  # the benchmarks may have added theirs
 
 
 # -- figures --------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ another document (its KV kept, the document's dropped) is much closer (docs/benc
 
 More documents before a chunk bring its KV closer to what it gets deep inside a prompt. On the
 bundled model, 20 MuSiQue questions, six passages warmed in retrieval order and asked shuffled,
-HKVD at 15%: ROUGE-L 0.77 against the full prefill with one preceding document per chunk, 0.87
-with the stream (docs/benchmarks.md, "Fidelity, honestly").
+the benchmarks' ``hkvd`` selection (CacheBlend's) at 15%: ROUGE-L 0.77 against the full prefill
+with one preceding document per chunk, 0.87 with the stream (docs/benchmarks.md, "Fidelity,
+honestly").
 
 ``chunk_context="sink"`` restores CacheBlend's behaviour. Keys carry the context kind, so caches
 computed both ways never mix. Keys are stored without RoPE, so the context's length does not
