@@ -153,3 +153,15 @@ def placed_again(engine, monkeypatch, selection: str) -> tuple[list[int], torch.
 
     monkeypatch.setattr(fusion.SpanSource, "fill", fill_whole)
     return first, fast, last_logits(engine, order, "blend", 0.3, selection)
+
+
+def probe_strides(monkeypatch) -> list[int]:
+    """The block size of every probe sample taken from now on in this test (the probe's parameters in use)."""
+    import kvrag.engine.reuse.selection.probe as probe_module
+
+    strides: list[int] = []
+    real = probe_module.probe_sample
+    monkeypatch.setattr(
+        probe_module, "probe_sample", lambda spans, n, stride: strides.append(stride) or real(spans, n, stride)
+    )
+    return strides

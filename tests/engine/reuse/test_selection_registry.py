@@ -21,7 +21,7 @@ from kvrag.engine.reuse.selection import (
 from kvrag.engine.reuse.selection import base as registry
 from kvrag.engine.reuse.selection.base import BlendPass
 from kvrag.engine.store import build_store, make_policy
-from tests.helpers import PREFIX, SUFFIX, make_docs
+from tests.helpers import PREFIX, SUFFIX, make_docs, probe_strides
 
 #: What the wheel registers: the default and the other-context rule's (research baselines register from
 #: the benchmarks: tests/benchmarks/selections).
@@ -151,13 +151,7 @@ def test_bad_selection_params_fail_when_the_engine_is_built(tiny_model, tiny_tok
 
 
 def test_configured_probe_parameters_reach_the_probe_and_the_calibration_key(tiny_model, tiny_tokenizer, monkeypatch):
-    import kvrag.engine.reuse.selection.probe as probe_module
-
-    strides = []
-    real = probe_module.probe_sample
-    monkeypatch.setattr(
-        probe_module, "probe_sample", lambda spans, n, stride: strides.append(stride) or real(spans, n, stride)
-    )
+    strides = probe_strides(monkeypatch)
     chunks = make_docs(4, seed=3)
     settings = dict(selection_params={"probe_layer": 2, "probe_stride": 8}, tree_refresh=False, prefix_cache=False)
     with Engine.from_model(tiny_model, tiny_tokenizer, **settings) as engine:
