@@ -1,8 +1,8 @@
 """Which cached tokens a ``blend`` prefill recomputes: one registry of selection strategies.
 
 - ``probe`` (default, :mod:`.probe`): 16-token blocks ranked by a deep-layer probe's KV deviation.
-- ``recency`` (:mod:`.recency`): the cached tokens nearest the question (what ``"auto"`` runs on
-  chunks whose KV was computed in other company, ``EngineConfig.foreign_selection``).
+- ``recency`` (:mod:`.recency`): the cached tokens nearest the question (what ``"auto"`` runs by
+  default on chunks whose KV was computed in another context).
 
 A strategy is a function of a :class:`BlendPass` registered under its name, with its parameters
 class and how it spends ``"auto"`` (:func:`register_selection`), in the strategy's own file: the
