@@ -7,10 +7,9 @@ default in-memory store would give the same top-k here, only slower at scale.
 
 Data: the 500 dev passages pooled from ``../shared/data/musique_dev.json`` when present (it is
 never copied into the repo), else (or with ``--data handbook``) the six documents of
-``examples/data/handbook.json``. Two
-questions whose top-6 share at least four passages, in another order, are asked: the first cold,
-the second reusing the shared passages' KV. The same questions go through the same query engine
-with ``mode="full"`` (a plain full prefill) for the baseline.
+``examples/data/handbook.json``. Two questions whose top-6 share at least four passages, in another
+order, are asked: the first cold, the second reusing the shared passages' KV. The same questions go
+through the same query engine with ``mode="full"`` (a plain full prefill) for the baseline.
 
     python examples/llama_index_rag.py [--data PATH|handbook] [--response-mode compact|tree_summarize] [--repeats N]
 
