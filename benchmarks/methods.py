@@ -8,7 +8,8 @@ modes; ``blend@0.3`` names a recompute ratio, ``blend`` alone uses the engine's 
 EngineConfig overrides and selection parameters for its method alone: ``probe@0.15+probe_layer=12``
 (:mod:`benchmarks.specs`); ``full+dtype=float32`` is a full prefill in float32 beside a run in the
 machine's dtype (bf16 where it computes it natively), the reference of the tables' "× fp32 full".
-``random`` is an ablation registered by :mod:`benchmarks.selections`.
+``probe`` and ``recency`` are kvrag's own; ``hkvd``, ``epic``, ``focus``, ``craft``, ``query`` (research
+baselines) and ``random`` (an ablation) are registered by :mod:`benchmarks.selections`, imported here.
 
 New methods (Cache-Craft, reordering, ...) plug in with :func:`register_method`::
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import benchmarks.selections  # noqa: F401  (registers the ablations' selections: random)
+import benchmarks.selections  # noqa: F401  (registers the research selections: hkvd, epic, focus, craft, query, random)
 from benchmarks.specs import MethodSpec, check_selection_params, parse_spec, split_specs
 from kvrag.engine.model.host import on_own_thread
 from kvrag.errors import InvalidRequestError

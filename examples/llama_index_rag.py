@@ -6,12 +6,12 @@ is what kvrag's examples standardise on and what a production LlamaIndex app wou
 default in-memory store would give the same top-k here, only slower at scale.
 
 Data: the 500 dev passages pooled from ``../shared/data/musique_dev.json`` when present (it is
-never copied into the repo), else the six documents of ``examples/data/handbook.json``. Two
-questions whose top-6 share at least four passages, in another order, are asked: the first cold,
-the second reusing the shared passages' KV. The same questions go through the same query engine
-with ``mode="full"`` (a plain full prefill) for the baseline.
+never copied into the repo), else (or with ``--data handbook``) the six documents of
+``examples/data/handbook.json``. Two questions whose top-6 share at least four passages, in another
+order, are asked: the first cold, the second reusing the shared passages' KV. The same questions go
+through the same query engine with ``mode="full"`` (a plain full prefill) for the baseline.
 
-    python examples/llama_index_rag.py [--data PATH] [--response-mode compact|tree_summarize] [--repeats N]
+    python examples/llama_index_rag.py [--data PATH|handbook] [--response-mode compact|tree_summarize] [--repeats N]
 
 It ends with the acceptance checks of issue 4 for a LlamaIndex query engine (PASS/FAIL lines):
 >= 4 chunk hits on Q2, TTFT(Q2) <= 0.35 x TTFT(cold Q1), ROUGE-L(kvrag, full) >= 0.85. Timings
@@ -31,23 +31,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
-# Run from a clone: the question picker and ROUGE-L of the clone's benchmarks/ (beside the package, not
-# installed with it), whatever the working directory.
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))  # _compare beside this file, whatever the working directory
 
-from benchmarks.data import pick_question_pair  # noqa: E402
-from benchmarks.metrics import rouge_l  # noqa: E402
+from _compare import question_pair, rouge_l  # noqa: E402
 
 MUSIQUE = HERE.parent.parent / "shared" / "data" / "musique_dev.json"
 HANDBOOK_QUESTIONS = ("Who built the lighthouse at Gull Point?", "When was the Port Alder lighthouse first lit?")
 TOP_K = 6
 
 
-def load_data(path: Path | None) -> tuple[list[str], list[str], str]:
-    """(passages, questions, source name): pooled musique passages, else the bundled handbook."""
+def load_data(path: str | None) -> tuple[list[str], list[str], str]:
+    """(passages, questions, source name): pooled musique passages, else (or for ``"handbook"``) the
+    bundled handbook."""
     path = path or (MUSIQUE if MUSIQUE.is_file() else None)
-    if path is not None:
-        rows = json.loads(Path(path).read_text())
+    if path is not None and path != "handbook":
+        path = Path(path)
+        rows = json.loads(path.read_text())
         passages = list(dict.fromkeys(c["text"] for row in rows for c in row["ctxs"]))  # dedup, keep order
         return passages, [row["question"] for row in rows], f"{path.name} ({len(passages)} unique passages)"
     docs = json.loads((HERE / "data" / "handbook.json").read_text())
@@ -56,7 +55,12 @@ def load_data(path: Path | None) -> tuple[list[str], list[str], str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=None, help="musique-style JSON (default: ../shared/data/...)")
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="musique-style JSON, or 'handbook' for examples/data/handbook.json "
+        "(default: ../shared/data/musique_dev.json if present, else the handbook)",
+    )
     ap.add_argument("--response-mode", default="compact", choices=["compact", "tree_summarize"])
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--recompute-ratio", type=float, default=None, help="kvrag's blend ratio (default: config)")
@@ -83,7 +87,7 @@ def main() -> None:
     top_k = min(TOP_K, len(passages))
     retriever = index.as_retriever(similarity_top_k=top_k)
     tops = [[n.node.node_id for n in retriever.retrieve(q)] for q in questions]
-    q1, q2, shared = pick_question_pair(questions, tops)
+    q1, q2, shared = question_pair(questions, tops)
     print(f"Q1: {q1}\nQ2: {q2}\n    (their top-{top_k} share {shared} passages, in another order)\n")
 
     # The one-line change: KVCachedLLM, plus a postprocessor that registers the retrieved nodes.

@@ -13,7 +13,7 @@ works too) is what kvrag uses as the conversation id. Two prompt layouts:
 
 Each turn runs twice, in two sessions: kvrag off (``mode="full"``) and kvrag on.
 
-    python examples/multi_turn_chat.py [--layout append-only] [--data path/to/musique_dev.json]
+    python examples/multi_turn_chat.py [--layout append-only] [--data path/to/musique_dev.json | handbook] [--turns N]
 """
 
 from __future__ import annotations
@@ -70,14 +70,19 @@ def run_turn(layout: str, retriever, llm, history: list, question: str, config: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", choices=("docs-first", "append-only"), default="docs-first")
-    ap.add_argument("--data", help="MuSiQue-style JSON (default: ../shared/data/musique_dev.json if present)")
+    ap.add_argument(
+        "--data",
+        help="MuSiQue-style JSON, or 'handbook' for examples/data/handbook.json "
+        "(default: ../shared/data/musique_dev.json if present, else the handbook)",
+    )
     ap.add_argument("--k", type=int, default=4, help="documents retrieved per turn")
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=5, help="turns of the conversation (at most 5)")
     args = ap.parse_args()
 
     path = dataset_path(args.data)
     docs, questions = load_passages(path)
-    turns = [questions[i] for i in DEV_TURNS] if path else HANDBOOK_TURNS
+    turns = ([questions[i] for i in DEV_TURNS] if path else HANDBOOK_TURNS)[: args.turns]
     print(f"{len(docs)} passages; building the faiss index with MiniLM...")
     store = build_index(docs)
     kvrag_llm = KVCachedLLM(max_tokens=args.max_tokens)

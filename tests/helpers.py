@@ -108,3 +108,53 @@ def stored_contexts(engine, texts: list[str]) -> list[tuple[str, ...]]:
         key = engine.planner.chunk_key(engine.prompt_tokenizer.tokenize(text))
         out.append(tuple(engine.store.get(key).meta["context"]))
     return out
+
+
+def kl_by_ratio(engine, selection: str, ratios=(0.0, 0.2, 0.5, 1.0), seeds=range(3)) -> dict[float, float]:
+    """Per recompute ratio, KL(full || blend) of the last-token distribution under ``selection``,
+    summed over a few warmed prompts (a selection's deviation from the full prefill as it spends more)."""
+    errors = {r: 0.0 for r in ratios}
+    for seed in seeds:
+        chunks = make_docs(4, seed=seed + 10)
+        engine.warm(chunks)
+        ref = torch.log_softmax(last_logits(engine, chunks, "full"), -1)
+        for r in errors:
+            got = torch.log_softmax(last_logits(engine, chunks, "blend", r, selection), -1)
+            errors[r] += float((ref.exp() * (ref - got)).sum())
+    return errors
+
+
+def placed_again(engine, monkeypatch, selection: str) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A blend at 0.3 under ``selection``: the layers fusion placed again restoring only what a pass
+    computed over, its last logits, and the same logits when every pass places its layer whole."""
+    from kvrag.engine.reuse import fusion
+
+    chunks = make_docs(4, seed=5)
+    engine.warm(chunks)
+    order = [chunks[i] for i in (3, 1, 0, 2)]
+    restored: list[int] = []
+    restore, fill = fusion.SpanSource._restore, fusion.SpanSource.fill
+    monkeypatch.setattr(
+        fusion.SpanSource, "_restore", lambda s, layer, buf: restored.append(layer) or restore(s, layer, buf)
+    )
+    fast = last_logits(engine, order, "blend", 0.3, selection)
+    first = list(restored)  # the fast run's alone
+
+    def fill_whole(self, layer, buf):  # every pass places the layer whole, as before
+        self._placed.discard(layer)
+        return fill(self, layer, buf)
+
+    monkeypatch.setattr(fusion.SpanSource, "fill", fill_whole)
+    return first, fast, last_logits(engine, order, "blend", 0.3, selection)
+
+
+def probe_strides(monkeypatch) -> list[int]:
+    """The block size of every probe sample taken from now on in this test (the probe's parameters in use)."""
+    import kvrag.engine.reuse.selection.probe as probe_module
+
+    strides: list[int] = []
+    real = probe_module.probe_sample
+    monkeypatch.setattr(
+        probe_module, "probe_sample", lambda spans, n, stride: strides.append(stride) or real(spans, n, stride)
+    )
+    return strides

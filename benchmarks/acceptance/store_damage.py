@@ -2,7 +2,7 @@
 
 ``damaged``: writes entries into a disk tier and damages each file behind the index's back
 (truncated, extended, bits flipped, bytes overwritten, a header spliced onto another entry's body,
-random bytes behind a valid magic; ``tests/store/helpers.py: damage``), then reads each one back.
+random bytes behind a valid magic; ``tests/engine/store/helpers.py: damage``), then reads each one back.
 A read is a miss (the entry is dropped) or the exact record; anything else is a wrong answer, and
 an exception out of the store is a crash.
 
@@ -34,7 +34,7 @@ import torch
 
 from kvrag.engine.store import serial
 from kvrag.engine.store.disk import DiskStore
-from tests.store.helpers import DAMAGE, damage, entry_path, key, record, same, token_ids
+from tests.engine.store.helpers import DAMAGE, damage, entry_path, key, record, same, token_ids
 
 
 def damaged_entries(directory: str, n: int, seed: int) -> dict:

@@ -38,12 +38,12 @@ import sys
 
 import torch
 
+from benchmarks.selections.query import question_blocks
 from kvrag.engine.model.runner import KVBuffer, forward
 from kvrag.engine.reuse.attention_stats import Tap
 from kvrag.engine.reuse.fusion import extend
 from kvrag.engine.reuse.selection.base import BlendPass, register_selection
 from kvrag.engine.reuse.selection.probe import ProbeParams, block_spans, budget_tokens
-from kvrag.engine.reuse.selection.query import question_blocks
 from kvrag.kernels import kv_deviation
 
 ORACLES = {"otok8": ("probe", False), "otokall": ("all", False), "oblkall": ("all", True)}

@@ -259,11 +259,11 @@ def test_selection_reaches_the_engine(lc_engine, monkeypatch):
     seen = []
     original = lc_engine.stream
     monkeypatch.setattr(lc_engine, "stream", lambda *a, **k: seen.append(k["selection"]) or original(*a, **k))
-    llm = KVCachedLLM(engine=lc_engine, max_tokens=2, selection="hkvd")
+    llm = KVCachedLLM(engine=lc_engine, max_tokens=2, selection="probe")
     llm.invoke("hello the river")
     llm.invoke("hello the river", selection="recency")
     KVCachedTextLLM(engine=lc_engine, max_tokens=2, selection="recency").invoke("hello")
-    assert seen == ["hkvd", "recency", "recency"]
+    assert seen == ["probe", "recency", "recency"]
 
 
 def test_context_window_error_names_the_limit(lc_engine):

@@ -147,8 +147,8 @@ def test_per_call_arguments_and_errors(llm, tiny_engine):
         llm.complete("river", selection="oracle")
     seen = spy_calls(tiny_engine, "selection")
     llm.complete("river", max_tokens=1, selection="recency")
-    KVCachedLLM(engine=tiny_engine, selection="hkvd").complete("river", max_tokens=1)
-    assert seen == ["recency", "hkvd"]
+    KVCachedLLM(engine=tiny_engine, selection="probe").complete("river", max_tokens=1)
+    assert seen == ["recency", "probe"]
     long = " ".join(["river"] * (tiny_engine.context_window + 10))
     with pytest.raises(ContextLengthError, match=str(tiny_engine.context_window)):
         llm.complete(long)

@@ -3,7 +3,7 @@
 Where a chunk's KV is computed matters. CacheBlend computes each chunk alone behind the
 attention-sink token. On the bundled SmolLM2-135M that KV is far from what the chunk gets inside
 a real prompt, and a small recompute budget cannot close the gap; the same chunk computed behind
-another document (its KV kept, the document's dropped) is much closer (docs/journal/fidelity.md,
+another document (its KV kept, the document's dropped) is much closer (docs/benchmarks.md,
 "Fidelity, honestly"). So by default (``chunk_context="neighbor"``):
 
 - ``warm(chunks)`` computes its list as one stream, in list order, so that each chunk is
@@ -19,8 +19,9 @@ another document (its KV kept, the document's dropped) is much closer (docs/jour
 
 More documents before a chunk bring its KV closer to what it gets deep inside a prompt. On the
 bundled model, 20 MuSiQue questions, six passages warmed in retrieval order and asked shuffled,
-HKVD at 15%: ROUGE-L 0.77 against the full prefill with one preceding document per chunk, 0.87
-with the stream (docs/journal/fidelity.md, "Fidelity, honestly").
+the benchmarks' ``hkvd`` selection (CacheBlend's) at 15%: ROUGE-L 0.77 against the full prefill
+with one preceding document per chunk, 0.87 with the stream (docs/journal/fidelity.md, "Fidelity,
+honestly").
 
 ``chunk_context="sink"`` restores CacheBlend's behaviour. Keys carry the context kind, so caches
 computed both ways never mix. Keys are stored without RoPE, so the context's length does not
@@ -255,7 +256,7 @@ def similarity_order(docs: Sequence[list[int]], embeddings=None) -> list[int]:
     A greedy chain: from the first document, always on to the most similar one not placed yet
     (cosine similarity of ``embeddings`` [n, d] when given, e.g. the retriever's own vectors, else
     of lexical tf-idf vectors). Computed in a stream, each chunk's KV is then computed behind the
-    passages most like it: the context it will keep in prompts.
+    passages most like it: the company it will keep in prompts.
     """
     n = len(docs)
     if n <= 2:

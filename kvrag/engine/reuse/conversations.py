@@ -17,7 +17,7 @@ After each turn the engine keeps the turn's token ids (prompt + generated answer
   the history follows) the history sits behind documents that changed, so no exact prefix covers
   it. The kept sequence is aligned with the new prompt token by token (runs of at least
   ``MIN_RUN`` equal tokens, found through 8-token anchors), and each run's KV is placed at its new
-  positions as a cached span, blended like a document chunk (CacheBlend's HKVD recompute applies
+  positions as a cached span, blended like a document chunk (the selection's recompute applies
   to it). Runs only fill positions that neither the exact prefix nor a chunk hit covers.
 * **Deduplication** (CRAFT §4.3, conversation-scoped). A chunk that an earlier turn of the same
   conversation placed in its context is dropped from the new request when that earlier copy is
@@ -281,7 +281,7 @@ class Conversations:
 
         The exact common prefix becomes the plan's prefix (if longer than what the prefix cache
         found); in ``blend``/``reuse`` mode, runs of the kept sequence found elsewhere in the
-        prompt become cached spans, HKVD candidates like chunk hits.
+        prompt become cached spans, recompute candidates like chunk hits.
         """
         state = follow.state
         new = plan.ids

@@ -21,13 +21,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from kvrag.integrations.llama_index.base import KVCachedLLM, generation_info
 from kvrag.integrations.llama_index.conversation import conversation, current_conversation
 from kvrag.integrations.llama_index.embeddings import minilm_embedding
-from kvrag.integrations.llama_index.nodes import (
-    KVCachedNodePostprocessor,
-    KVCachedRetriever,
-    node_texts,
-    register_nodes,
-)
+from kvrag.integrations.llama_index.nodes import KVCachedNodePostprocessor, KVCachedRetriever, register_nodes
 from kvrag.integrations.llama_index.stats import KVStatsHandler, record_stats
+from kvrag.integrations.llama_index.texts import node_texts
 
 __all__ = [
     "KVCachedLLM",

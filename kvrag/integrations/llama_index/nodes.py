@@ -26,34 +26,20 @@ from typing import Any
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
 from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.engine.types import WarmResult
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import check_target, registrar_of
 from kvrag.integrations.llama_index.speculation import check_speculative, speculative_retrieve
+from kvrag.integrations.llama_index.texts import node_texts, prompt_form
 from kvrag.integrations.staged_search import DEFAULT_STAGES, check_stages
 
 __all__ = ["node_texts", "register_nodes", "order_nodes", "KVCachedNodePostprocessor", "KVCachedRetriever"]
 
 #: Metadata key of a reordered node's retrieval rank (0 = best); hidden from the LLM and the embedder.
 RANK_KEY = "kvrag_rank"
-
-
-def node_texts(node: BaseNode | NodeWithScore) -> list[str]:
-    """The forms in which LlamaIndex may put a node's text into a prompt (distinct, in order)."""
-    if isinstance(node, NodeWithScore):
-        node = node.node
-    if not isinstance(node, BaseNode):
-        raise InvalidRequestError(f"expected LlamaIndex nodes, got {type(node).__name__}")
-    out: list[str] = []
-    for mode in (MetadataMode.LLM, MetadataMode.NONE):
-        text = node.get_content(metadata_mode=mode)
-        for form in (text, text.strip()):
-            if form and form not in out:
-                out.append(form)
-    return out
 
 
 def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm: bool = False) -> WarmResult | None:
@@ -80,7 +66,7 @@ def register_nodes(target: Any, nodes: Iterable[BaseNode | NodeWithScore], warm:
         forms = node_texts(node)
         texts.extend(forms)
         if forms:
-            prompt_forms.append(forms[0].strip())
+            prompt_forms.append(prompt_form(forms))
             vectors.append((node.node if isinstance(node, NodeWithScore) else node).embedding)
     engine.register(texts)
     if not warm:

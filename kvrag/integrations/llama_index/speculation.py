@@ -28,6 +28,7 @@ from llama_index.core.vector_stores.types import VectorStoreQueryMode
 from kvrag.engine import Engine
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import registrar_of
+from kvrag.integrations.llama_index.texts import node_texts, prompt_form
 from kvrag.integrations.staged_search import speculating_search
 
 __all__ = ["check_speculative", "speculative_retrieve"]
@@ -92,10 +93,9 @@ def speculative_retrieve(
         return [found.get(node_id) for node_id in node_ids]
 
     def texts(ids) -> list[str]:
-        from kvrag.integrations.llama_index.nodes import node_texts
-
         # the form the response synthesizers put into prompts: metadata header, stripped
-        return [node_texts(n)[0].strip() for n in nodes(ids) if n is not None and node_texts(n)]
+        forms = (prompt_form(node_texts(n)) for n in nodes(ids) if n is not None)
+        return [form for form in forms if form is not None]
 
     vector = np.array([query_bundle.embedding], dtype=np.float32)
     last = speculating_search(

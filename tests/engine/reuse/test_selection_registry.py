@@ -11,7 +11,6 @@ import torch
 
 from kvrag import Engine, EngineConfig, InvalidRequestError
 from kvrag.engine.reuse.selection import (
-    HKVDParams,
     ProbeParams,
     SelectionParams,
     configured_params,
@@ -22,9 +21,11 @@ from kvrag.engine.reuse.selection import (
 from kvrag.engine.reuse.selection import base as registry
 from kvrag.engine.reuse.selection.base import BlendPass
 from kvrag.engine.store import build_store, make_policy
-from tests.helpers import PREFIX, SUFFIX, make_docs
+from tests.helpers import PREFIX, SUFFIX, make_docs, probe_strides
 
-PRODUCT = {"probe", "focus", "hkvd", "recency", "epic", "craft", "query"}
+#: What the wheel registers: the default and the other-context rule's (research baselines register from
+#: the benchmarks: tests/benchmarks/selections).
+PRODUCT = {"probe", "recency"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ def test_the_product_registers_its_selections_and_no_ablation():
 
     code = "from kvrag.engine.reuse.selection import registered_selections as r; print(','.join(r()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert set(out.strip().split(",")) == PRODUCT  # ``random`` and the oracles come with the benchmarks
+    assert set(out.strip().split(",")) == PRODUCT  # ``hkvd``, ``random``, the oracles... come with the benchmarks
 
 
 def test_a_selection_registered_in_one_place_is_accepted_everywhere(tail_selection, tiny_model, tiny_tokenizer):
@@ -118,19 +119,20 @@ def test_an_unknown_eviction_policy_is_one_error_listing_the_store_policies(tiny
         EngineConfig(eviction_policy="")
 
 
-def test_selection_params_belong_to_the_selection_and_those_sharing_its_class():
+def test_selection_params_belong_to_the_selection_and_those_sharing_its_class(tail_selection):
+    register_selection("shares_probe", lambda p: None, params=ProbeParams)  # as the benchmarks' focus and random
     config = EngineConfig(selection_params={"probe_layer": 12, "probe_stride": 8})
     assert configured_params(config) == ProbeParams(probe_layer=12, probe_stride=8)
-    assert configured_params(config, "focus") == ProbeParams(probe_layer=12, probe_stride=8)  # the probe's too
-    assert configured_params(config, "hkvd") == HKVDParams()  # another class: its defaults
-    assert configured_params(config, "epic") == SelectionParams()
-    hkvd = EngineConfig(selection="hkvd", selection_params={"filter_schedule": [3.0, 2.0], "check_layer": 2})
-    assert configured_params(hkvd) == HKVDParams(check_layer=2, filter_schedule=(3.0, 2.0))
-    assert configured_params(hkvd, "probe") == ProbeParams()
+    assert configured_params(config, "shares_probe") == ProbeParams(probe_layer=12, probe_stride=8)  # the probe's too
+    assert configured_params(config, "tail") == TailParams()  # another class: its defaults
+    assert configured_params(config, "recency") == SelectionParams()
+    tail = EngineConfig(selection="tail", selection_params={"tail": 3})
+    assert configured_params(tail) == TailParams(tail=3)
+    assert configured_params(tail, "probe") == ProbeParams()
     with pytest.raises(InvalidRequestError, match=r"takes no parameter\(s\) check_layer \(its parameters: probe_layer"):
         configured_params(EngineConfig(selection_params={"check_layer": 2}))
     with pytest.raises(InvalidRequestError, match="takes no parameter"):
-        selection_params("epic", {"probe_layer": 2})
+        selection_params("recency", {"probe_layer": 2})
     with pytest.raises(InvalidRequestError, match="selection_params must be a mapping"):
         EngineConfig(selection_params=[("probe_layer", 2)])
 
@@ -140,9 +142,7 @@ def test_selection_params_belong_to_the_selection_and_those_sharing_its_class():
     [
         ("probe", {"probe_layer": 0}, "probe_layer"),
         ("probe", {"probe_stride": 0}, "probe_stride"),
-        ("focus", {"deviation": "q"}, "deviation"),
-        ("hkvd", {"filter_schedule": [1.5, 2.0]}, "filter_schedule"),
-        ("hkvd", {"check_layer": 0}, "check_layer"),
+        ("probe", {"deviation": "q"}, "deviation"),
     ],
 )
 def test_bad_selection_params_fail_when_the_engine_is_built(tiny_model, tiny_tokenizer, selection, params, message):
@@ -151,13 +151,7 @@ def test_bad_selection_params_fail_when_the_engine_is_built(tiny_model, tiny_tok
 
 
 def test_configured_probe_parameters_reach_the_probe(tiny_model, tiny_tokenizer, monkeypatch):
-    import kvrag.engine.reuse.selection.probe as probe_module
-
-    strides = []
-    real = probe_module.probe_sample
-    monkeypatch.setattr(
-        probe_module, "probe_sample", lambda spans, n, stride: strides.append(stride) or real(spans, n, stride)
-    )
+    strides = probe_strides(monkeypatch)
     chunks = make_docs(4, seed=3)
     settings = dict(selection_params={"probe_layer": 2, "probe_stride": 8}, tree_refresh=False, prefix_cache=False)
     with Engine.from_model(tiny_model, tiny_tokenizer, **settings) as engine:
@@ -168,5 +162,4 @@ def test_configured_probe_parameters_reach_the_probe(tiny_model, tiny_tokenizer,
         uncached, layers = g.stats.prompt_tokens - g.stats.cached_tokens, engine.adapter.n_layers
         work = round(g.stats.compute_fraction * g.stats.prompt_tokens * layers)
         assert work == (uncached + g.stats.recomputed_tokens) * layers + blocks * 2
-        engine.generate(chunks[::-1], PREFIX, SUFFIX, selection="focus", recompute_ratio=0.3, max_new_tokens=1)
-        assert strides == [8, 8]  # focus shares the probe's parameters
+        assert strides == [8]  # (the benchmarks' focus shares them: tests/benchmarks/selections)

@@ -146,7 +146,8 @@ def test_warm_in_similar_order_computes_each_chunk_behind_its_neighbours(tiny_en
 def test_a_chunk_recomputed_whole_becomes_a_variant_for_this_company(tiny_model, tiny_tokenizer):
     """Cache-Craft's variants: a cached chunk that a request recomputes whole (focus) is kept as a
     new variant computed behind this prompt's chunks; the same company next time uses it. (Without
-    the knowledge tree's refresh, which would make the whole sequence exact: tests/engine/test_refresh.py.)"""
+    the knowledge tree's refresh, which would make the whole sequence exact: tests/engine/serving/test_refresh.py.)"""
+    import benchmarks.selections  # noqa: F401  (registers focus, a strategy that recomputes chunks whole)
     from kvrag import Engine
 
     with Engine.from_model(

@@ -58,7 +58,7 @@ REQUESTS = [  # (chunks, request arguments)
     (make_docs(3, seed=32), dict(mode="blend", max_new_tokens=12)),
     (make_docs(2, seed=33), dict(mode="reuse", max_new_tokens=25)),
     (make_docs(2, seed=34), dict(mode="prefix", max_new_tokens=16)),
-    (make_docs(3, seed=35), dict(mode="blend", selection="hkvd", max_new_tokens=30)),
+    (make_docs(3, seed=35), dict(mode="blend", selection="recency", max_new_tokens=30)),
     ([], dict(mode="full", max_new_tokens=18)),
 ]
 

@@ -1,23 +1,19 @@
 """Which cached tokens a ``blend`` prefill recomputes: one registry of selection strategies.
 
 - ``probe`` (default, :mod:`.probe`): 16-token blocks ranked by a deep-layer probe's KV deviation.
-- ``hkvd`` (:mod:`.hkvd`): CacheBlend's high-KV-deviation tokens by gradual filtering from layer 1.
-- ``recency`` (:mod:`.recency`): the cached tokens nearest the question.
-- ``focus`` (:mod:`.focus`): whole chunks the question attends to (Cache-Craft's focused chunks),
-  then the probe's most deviated blocks.
-- ``craft`` (:mod:`.craft`): Cache-Craft's per-chunk budget from the fix overhead, tokens ranked
-  by the attention statistics stored with the variant.
-- ``epic`` (:mod:`.epic`): the first tokens of every cached chunk (EPIC's LegoLink).
-- ``query`` (:mod:`.query`): the blocks the question attends to most over the cached KV, on every
-  layer (ProphetKV's query-driven recompute).
+- ``recency`` (:mod:`.recency`): the cached tokens nearest the question (what ``"auto"`` runs by
+  default on chunks whose KV was computed in another context).
 
 A strategy is a function of a :class:`BlendPass` registered under its name, with its parameters
 class and how it spends ``"auto"`` (:func:`register_selection`), in the strategy's own file: the
 registry is the one list of selections (:func:`registered_selections`); every module of this
 package is imported with it, so a new strategy here is one new file. ``fusion.prefill`` looks a
 strategy up with :func:`get_selection`; the engine checks names and parameters with
-:func:`check_selection` and :func:`configured_params`. Ablations and research baselines (the probe's
-blocks in a random order, oracles) register from ``benchmarks/``.
+:func:`check_selection` and :func:`configured_params`. The wheel keeps the strategies a default or
+a documented quality runs; research baselines (CacheBlend's ``hkvd``, Cache-Craft's ``focus`` and
+``craft``, EPIC's ``epic``, ProphetKV's ``query``), ablations and oracles register from
+``benchmarks/`` (``benchmarks.selections``) over the same API: :class:`BlendPass`, the probe's
+:class:`ProbeParams`, :class:`BlockProbe` and :func:`probe_blocks`.
 """
 
 import importlib
@@ -37,8 +33,6 @@ from kvrag.engine.reuse.selection.base import (
     registered_selections,
     selection_params,
 )
-from kvrag.engine.reuse.selection.epic import epic_shares, epic_tokens
-from kvrag.engine.reuse.selection.hkvd import HKVDParams, HKVDSelector, keep_schedule
 from kvrag.engine.reuse.selection.probe import BlockProbe, ProbeParams, probe_blocks, probe_sample
 from kvrag.engine.reuse.selection.recency import recency_window
 
@@ -55,16 +49,11 @@ __all__ = [
     "selection_params",
     "configured_params",
     "auto_kind",
-    "HKVDParams",
-    "HKVDSelector",
-    "keep_schedule",
     "ProbeParams",
     "BlockProbe",
     "probe_sample",
     "probe_blocks",
     "recency_window",
-    "epic_shares",
-    "epic_tokens",
 ]
 
 # Every module of this package is imported: a strategy registers itself at the end of its own file,

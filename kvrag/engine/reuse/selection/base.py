@@ -10,8 +10,9 @@ The registry is the one list of selections: a strategy is added in one file, by 
 it spends ``recompute_ratio="auto"``. Everything else reads the registry: the engine checks
 ``EngineConfig.selection`` (and its ``selection_params``) when it is built and each request's
 ``selection=`` when it arrives; the integrations and the server pass the name through as a string.
-The product's strategies register when :mod:`kvrag.engine.reuse.selection` is imported; ablations and
-research baselines register from ``benchmarks/``.
+The product's strategies (``probe``, ``recency``) register when :mod:`kvrag.engine.reuse.selection`
+is imported; research baselines, ablations and oracles register from ``benchmarks/``
+(``benchmarks.selections``) when the benchmarks are imported, through this same API.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def check_deviation(value) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SelectionParams:
-    """The parameters of a selection strategy; this base class has none (``recency``, ``epic``, ``craft``).
+    """The parameters of a selection strategy; this base class has none (``recency``).
 
     A strategy with parameters registers a frozen slotted subclass whose fields have defaults and
     whose ``__post_init__`` raises :class:`~kvrag.errors.InvalidRequestError` on a bad value, so a
@@ -251,7 +252,8 @@ def register_selection(
         name: the name requests and ``EngineConfig.selection`` use.
         strategy: runs a blend prefill (:data:`Strategy`).
         params: its parameters class (``EngineConfig.selection_params`` are checked by it);
-            strategies that measure the same way share one (``focus`` takes the probe's).
+            strategies that measure the same way share one (the benchmarks' ``focus`` and
+            ``random`` take the probe's).
         auto: how it spends ``recompute_ratio="auto"`` (one of :data:`AUTO_KINDS`); ``None``: it
             takes a fixed share (``config.auto_ratio``).
         replace: allow registering a name again (a harness re-running in one process).
@@ -330,8 +332,9 @@ def configured_params(config: EngineConfig, name: str | None = None) -> Selectio
     """The parameters selection ``name`` (default ``config.selection``) runs with under ``config``.
 
     ``config.selection_params`` belong to ``config.selection``, and to every selection registered with
-    the same parameters class (``probe``, ``focus`` and ``random`` share the probe's): a request that
-    switches among those keeps the configured probe. Any other selection runs with its defaults.
+    the same parameters class (``probe`` and the benchmarks' ``focus`` and ``random`` share the
+    probe's): a request that switches among those keeps the configured probe. Any other selection
+    runs with its defaults.
     Not yet resolved for a model (:meth:`SelectionParams.resolved`).
 
     Raises:

@@ -7,15 +7,15 @@ On SmolLM2 the deviation that changes the answer can stay hidden at layer 1 and 
 on, where CacheBlend's layer-1 ranking does not see it (docs/journal/selection.md, *Why the probe*).
 
 The probe also measures how much the question attends to each cached chunk on the probe layer
-(its rows run with the probe, on the cached KV): :mod:`.focus` spends the budget on the chunks
-the question reads. Both run the prefill in three passes that compute nothing twice but the
-question's first layers:
+(its rows run with the probe, on the cached KV), for a strategy that spends the budget on the
+chunks the question reads (the benchmarks' ``focus``). Both run the prefill in three passes that
+compute nothing twice but the question's first layers:
 
 1. The uncached rows before the last cached chunk ("early": what follows them depends on them),
    the uncached rows after it (the question, "late") and the sample (every block's middle token),
    layers [0, L); then the sample and the question alone on layer L, where :class:`BlockProbe`
    compares the sample's fresh KV with the cached KV and the question's attention over the chunks.
-2. The blocks chosen (:func:`probe_blocks` or the focus policy) and the late rows, layers [0, L).
+2. The blocks chosen (:func:`probe_blocks` or another strategy's ``choose``) and the late rows, layers [0, L).
 3. Both row sets, joined in position order, layers [L, end).
 
 Against one pass over all of them, the early rows' first L layers see the cached (not the
@@ -41,7 +41,7 @@ __all__ = ["ProbeParams", "BlockProbe", "block_spans", "probe_sample", "probe_bl
 
 @dataclass(frozen=True, slots=True)
 class ProbeParams(SelectionParams):
-    """The probe's parameters (``probe``, ``focus``, and the benchmarks' ``random``).
+    """The probe's parameters (``probe``, and the benchmarks' ``focus`` and ``random``).
 
     The names are those of ``EngineConfig.selection_params`` and of the benchmarks' method specs
     (``probe@0.15+probe_layer=12``); the calibrated ``auto`` threshold belongs to one setting of them

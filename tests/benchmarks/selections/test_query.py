@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-import kvrag.engine.reuse.selection.query as query_module
+import benchmarks.selections.query as query_module
+from benchmarks.selections.query import block_scores, fused_attention, question_blocks
 from kvrag import InvalidRequestError
 from kvrag.engine.reuse.selection import ProbeParams, params_class, selection_params
-from kvrag.engine.reuse.selection.query import block_scores, fused_attention, question_blocks
 from tests.helpers import PREFIX, SUFFIX, last_logits, make_docs
 
 

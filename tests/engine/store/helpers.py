@@ -1,4 +1,4 @@
-"""Records, keys and subprocess jobs for the store tests (run as ``python -m tests.store.helpers``)."""
+"""Records, keys and subprocess jobs for the store tests (run as ``python -m tests.engine.store.helpers``)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import json
 import os
 import struct
 import sys
+from pathlib import Path
 
 import torch
 
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(Path(__file__).resolve().parents[3])  # the repository: tests/engine/store/helpers.py
 
 
 def record(i: int, tokens: int = 40, layers: int = 4, heads: int = 2, dim: int = 8, stats: bool = False) -> KVRecord:
@@ -98,7 +99,7 @@ def run_helper(job: str, *args, timeout: float = 300):
     """Run one of this module's jobs in a fresh process (its ``CompletedProcess``, checked)."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "tests.store.helpers", job, *map(str, args)]
+    cmd = [sys.executable, "-m", "tests.engine.store.helpers", job, *map(str, args)]
     out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return out

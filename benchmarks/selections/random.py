@@ -1,10 +1,4 @@
-"""Selections the benchmarks register for themselves: ablations, not product choices.
-
-kvrag's selection registry (:mod:`kvrag.engine.reuse.selection`) is the one list of selections;
-what only the benchmarks compare against registers here, when :mod:`benchmarks.methods` is imported,
-and so exists only in a process that runs them.
-
-``selection="random"``: the probe's blocks, picked at random (an ablation, not a method to use).
+"""``selection="random"``: the probe's blocks, picked at random (an ablation, not a method to use).
 
 It runs the probe's three passes (:func:`~kvrag.engine.reuse.selection.probe.three_passes`) and spends
 the same budget on the same 16-token blocks, in a random order instead of the probed deviation's,

@@ -9,7 +9,7 @@ chunk to attend to, so their KV leans most on whatever the chunk was computed be
 
 Here the budget is the engine's: ``ceil(ratio * cached tokens)``, split evenly over the cached
 chunks, each spending its share on its own first tokens (:func:`epic_tokens`). One pass over
-those rows and the uncached ones, as :mod:`.recency` does.
+those rows and the uncached ones, as :mod:`kvrag.engine.reuse.selection.recency` does.
 """
 
 from __future__ import annotations

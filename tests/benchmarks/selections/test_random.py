@@ -1,11 +1,11 @@
-"""The selections the benchmarks register for themselves (``random``), and the research harnesses'."""
+"""``selection="random"``: the benchmarks' ablation, the probe's blocks in a random order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import benchmarks.selections as random_module
+import benchmarks.selections.random as random_module
 import kvrag.engine.reuse.selection.probe as probe_module
 from benchmarks.selections import random_order
 from kvrag import Engine
@@ -15,14 +15,6 @@ from tests.helpers import PREFIX, SUFFIX, make_docs
 
 def test_random_is_registered_by_the_benchmarks_with_the_probes_parameters():
     assert "random" in registered_selections() and params_class("random") is ProbeParams
-
-
-def test_the_research_harnesses_register_through_the_registry():
-    import benchmarks.research.key_temperature as key_temperature
-    import benchmarks.research.oracle_selection as oracle_selection
-
-    assert set(oracle_selection.ORACLES) | set(key_temperature.SCALES) <= set(registered_selections())
-    assert params_class("otok8") is ProbeParams  # the oracle reads the probe's layer and block size
 
 
 def test_random_spends_the_probes_budget_on_other_blocks_the_same_each_time(tiny_model, tiny_tokenizer, monkeypatch):

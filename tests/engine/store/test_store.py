@@ -15,7 +15,7 @@ from kvrag.engine.store import DamagedEntryError, DiskStore, MemoryStore, Tiered
 from kvrag.engine.store.policy import LRUPolicy, PGDSFPolicy
 from kvrag.engine.store.prefetch import LoadingController, ThroughputMeter
 from kvrag.engine.store.profile import CostProfile
-from tests.store.helpers import Payload, entry_path, key, record, same, token_ids
+from tests.engine.store.helpers import Payload, entry_path, key, record, same, token_ids
 
 
 def tiered(tmp_path, memory=1 << 20, disk=1 << 22, policy="lru", **kw) -> TieredStore:

@@ -9,10 +9,11 @@ attention the user's question pays them, fused over layers, in two stages:
    run through the layers up to ``query_layers`` (three quarters of the depth) with the cached chunk
    KV in place and nothing recomputed; on each of those layers from 1 on, the attention the
    question's rows pay every cached position is measured (softmax over the cached chunk keys, summed
-   over heads and rows: :class:`~.probe.BlockProbe`'s). Each layer's is normalised to 1 and the
-   layers are averaged, so deep layers, where the answer is read, weigh as much as early ones. That
-   pass computes a few percent of a full prefill's rows; it costs ~0.24 s of CPU here (~60 ms of it
-   placing cached KV that the recompute needs anyway) against the probe's ~0.15 s sample pass.
+   over heads and rows: :class:`~kvrag.engine.reuse.selection.probe.BlockProbe`'s). Each layer's is
+   normalised to 1 and the layers are averaged, so deep layers, where the answer is read, weigh as
+   much as early ones. That pass computes a few percent of a full prefill's rows; it costs ~0.24 s
+   of CPU here (~60 ms of it placing cached KV that the recompute needs anyway) against the probe's
+   ~0.15 s sample pass.
 2. **The recompute.** Each ``probe_stride``-token block of the cached chunks scores the fused
    attention on its tokens; blocks are recomputed whole in that order until the budget is spent, in
    one pass with the uncached rows (which the first stage computed over the stale KV: they are
@@ -77,12 +78,12 @@ class QuestionMeter:
     """The first stage's selector: on layers 1..``last`` the attention the ``question`` rows pay the
     cached ``keys`` [K] (:attr:`by_layer`); it ends the pass on ``last``, before that layer's attention.
 
-    :class:`~.probe.BlockProbe`'s measure (softmax of the scaled scores over the cached keys only,
-    summed over heads and rows), bit for bit, with what it spent for nothing left out: the cached keys
-    are read in place when they are one run of positions (the chunks side by side, the usual
-    prompt) instead of being gathered into a copy on every layer; the question's rows are not
-    gathered when they are all the pass's rows; the upcast scores are scaled in place; ``nan_to_num``
-    runs only on a sliding-window layer, the one where a row can see none of the keys.
+    :class:`~kvrag.engine.reuse.selection.probe.BlockProbe`'s measure (softmax of the scaled scores over
+    the cached keys only, summed over heads and rows), bit for bit, with what it spent for nothing
+    left out: the cached keys are read in place when they are one run of positions (the chunks side
+    by side, the usual prompt) instead of being gathered into a copy on every layer; the question's
+    rows are not gathered when they are all the pass's rows; the upcast scores are scaled in place;
+    ``nan_to_num`` runs only on a sliding-window layer, the one where a row can see none of the keys.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """Fuzzing the store decoder: damaged entries are a miss or a verified hit, never an error, never
 a wrong tensor.
 
-Entries are encoded, then damaged at random (:func:`tests.store.helpers.damage`: truncated,
+Entries are encoded, then damaged at random (:func:`tests.engine.store.helpers.damage`: truncated,
 extended, bits flipped, byte ranges overwritten, a header spliced onto another entry's body,
 random bytes behind a valid magic) and read back through :mod:`kvrag.engine.store.serial` and through the disk tier.
 """
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvrag.engine.store import serial
 from kvrag.engine.store.base import DamagedEntryError
 from kvrag.engine.store.disk import DiskStore
-from tests.store.helpers import DAMAGE, damage, entry_path, key, record, same, token_ids
+from tests.engine.store.helpers import DAMAGE, damage, entry_path, key, record, same, token_ids
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -16,8 +16,8 @@ import torch
 from kvrag import Engine, SamplingParams
 from kvrag.engine.store import serial
 from kvrag.engine.store.remote import KEY_PREFIX, RemoteStore, RemoteUnavailableError
+from tests.engine.store.helpers import Payload, engine_job, key, record, run_engine_job, same, token_ids
 from tests.helpers import make_docs
-from tests.store.helpers import Payload, engine_job, key, record, run_engine_job, same, token_ids
 
 PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"
 SUFFIX = "question: where was the king born?<|im_end|>\n<|im_start|>assistant\n"

@@ -12,7 +12,7 @@ from kvrag.engine.store.base import KVRecord
 from kvrag.engine.store.budget import FALLBACK_BYTES, MachineMemory, machine_memory, memory_budget
 from kvrag.engine.store.codec import CodedRecord
 from kvrag.errors import InvalidRequestError
-from tests.store.helpers import key, record
+from tests.engine.store.helpers import key, record
 
 GiB = 1024**3
 SMOL = dict(layers=30, heads=3, dim=64)  # SmolLM2-135M's KV: 30 layers x 3 KV heads x 64 dims

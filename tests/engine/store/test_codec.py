@@ -13,8 +13,8 @@ from kvrag.engine.store import DiskStore, KVRecord, MemoryStore, TieredStore, bu
 from kvrag.engine.store.codec import AtRest, CodedRecord, Int8Codec, PlainCodec
 from kvrag.engine.store.remote import RemoteStore
 from kvrag.errors import InvalidRequestError
+from tests.engine.store.helpers import key, record, token_ids
 from tests.helpers import make_docs
-from tests.store.helpers import key, record, token_ids
 
 TINY = torch.finfo(torch.float16).tiny  # the smallest step kept (scales are normal fp16 numbers)
 PREFIX = "<|im_start|>system\nanswer from the documents<|im_end|>\n<|im_start|>user\n"

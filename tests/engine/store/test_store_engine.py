@@ -21,8 +21,7 @@ import pytest
 from kvrag import Engine, SamplingParams
 from kvrag.engine.store import serial
 from kvrag.engine.store.disk import SafeDisk
-from tests.helpers import make_docs
-from tests.store.helpers import (
+from tests.engine.store.helpers import (
     ROOT,
     Payload,
     engine_job,
@@ -35,6 +34,7 @@ from tests.store.helpers import (
     subprocess_env,
     token_ids,
 )
+from tests.helpers import make_docs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -189,7 +189,7 @@ def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
 
     directory = str(tmp_path / "kv")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.store.helpers", "writer", directory, "0", "400", "3000"],
+        [sys.executable, "-m", "tests.engine.store.helpers", "writer", directory, "0", "400", "3000"],
         cwd=ROOT,
         env=subprocess_env(),
         stdout=subprocess.PIPE,
@@ -218,13 +218,13 @@ def test_kill_9_during_writes_leaves_nothing_that_reads_back_wrong(tmp_path):
 def test_processes_share_one_directory(tmp_path):
     """Two child processes and this one put and get overlapping keys in one small directory."""
     from kvrag.engine.store.disk import DiskStore
-    from tests.store.helpers import _mixed
+    from tests.engine.store.helpers import _mixed
 
     directory = str(tmp_path / "kv")
     DiskStore(directory, 200_000).close()  # create it before the race
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.store.helpers", "mixed", directory, str(seed), "300"],
+            [sys.executable, "-m", "tests.engine.store.helpers", "mixed", directory, str(seed), "300"],
             cwd=ROOT,
             env=subprocess_env(),
             stdout=subprocess.PIPE,
@@ -247,7 +247,7 @@ def test_restart_a_fresh_process_gets_every_chunk_from_disk(tiny_model, tiny_tok
     """Process A (this one) warms 20 chunks into a disk tier; process B starts empty and gets all 20
     from disk, answering as A did."""
     model_dir, job = engine_job(tiny_model, tiny_tokenizer, tmp_path, PREFIX, SUFFIX)
-    from tests.store.helpers import _engine
+    from tests.engine.store.helpers import _engine
 
     _engine(str(model_dir), str(tmp_path / "cache"), str(job), str(tmp_path / "a.json"), warm=True)
     run_engine_job(model_dir, tmp_path / "cache", job, tmp_path / "b.json", "cold")
