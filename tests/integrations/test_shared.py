@@ -18,7 +18,7 @@ pytest.importorskip("pydantic")  # the LLM fields are pydantic models (both inte
 import kvrag.engine
 from kvrag.config import MODES, EngineConfig
 from kvrag.engine import Engine, Generation, GenerationStats, GenerationStream
-from kvrag.engine.serving.requests import RequestArgs
+from kvrag.engine.options import RequestOptions
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import (
     CALL_ARGUMENTS,
@@ -91,7 +91,7 @@ def test_every_argument_names_an_engine_keyword():
     # every request keyword but the prompt itself, the sampling object (its fields are here one by
     # one), the tenant (a server's business, not a per-call argument) and the chunk order (the
     # retriever wrappers' order=: documents are ordered before the prompt is rendered)
-    request_keywords = set(RequestArgs.__annotations__) - {"prompt", "sampling", "namespace", "chunk_order"}
+    request_keywords = set(RequestOptions.names()) - {"namespace", "chunk_order"}
     assert set(CALL_ARGUMENTS.values()) == request_keywords | {"model"}
     assert CALL_ARGUMENTS["max_tokens"] == CALL_ARGUMENTS["max_new_tokens"] == "max_new_tokens"
 

@@ -244,9 +244,9 @@ def test_a_later_turn_of_a_conversation_keeps_retrieval_order(engine):
     asked = []
     real = engine.requests.build
 
-    def spy(**kwargs):
-        asked.append(list(kwargs["chunks"]))
-        return real(**kwargs)
+    def spy(chunks, *args):
+        asked.append(list(chunks))
+        return real(chunks, *args)
 
     engine.requests.build = spy
     engine.generate(docs, "", SUFFIX, conversation_id="c", chunk_order="frequency", dedup=False)
