@@ -21,6 +21,7 @@ from kvrag.config.values import (
     KV_CODECS,
     MODES,
     OTHER_CONTEXT_RATIO,
+    WEIGHT_FORMATS,
     check_quality,
     check_ratio,
     check_remote_url,
@@ -69,6 +70,9 @@ class ComputeSettings(Checked):
         tune_malloc: a CPU engine on Linux/glibc raises malloc's mmap and trim thresholds for the process,
             so a prefill's temporaries reuse freed memory (:mod:`kvrag.engine.model.host`).
         max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
+        weights: the decode step's weights: ``"plain"`` (the compute dtype's), ``"int8"`` or ``"int4"``
+            (weight-only quantized: a step streams 2x or 4x fewer bytes; prefill keeps the plain ones),
+            or ``"auto"``: ``"plain"`` (:mod:`kvrag.engine.model.quantized`; figures: docs/results.md).
     """
 
     model: str | None = setting(None)  # checked when the engine loads it
@@ -77,6 +81,7 @@ class ComputeSettings(Checked):
     num_threads: int | None = setting(None, integer(1, also=(None,)))
     tune_malloc: bool = setting(True, flag())
     max_context: int | None = setting(None, integer(2, also=(None,)))
+    weights: str = setting("auto", one_of(WEIGHT_FORMATS, also=(AUTO,)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +95,8 @@ class ReuseSettings(Checked):
             ``"auto"``: each request recomputes what it needs, at most ``auto_max_ratio``.
         quality: the dial of ``"auto"``: ``"fast"``, ``"balanced"`` or ``"faithful"``, the share each blended
             chunk recomputes by the context its KV was computed in (:data:`~kvrag.config.QUALITY_SHARES`).
-        selection: which cached tokens ``blend`` recomputes, a registered name: ``probe`` (default),
-            ``focus``, ``hkvd``, ``recency``, ``epic``, ``craft``, ``query`` (:mod:`kvrag.engine.reuse.selection`).
+        selection: which cached tokens ``blend`` recomputes, a registered name: ``probe`` (default) or
+            ``recency`` (:mod:`kvrag.engine.reuse.selection`; ``benchmarks/`` registers research ones).
         selection_params: the selection's parameters by name (``None``: its defaults), checked by its
             parameters class when the engine is built (``probe``: ``probe_layer``, ``probe_stride``, ``deviation``).
 

@@ -13,6 +13,7 @@ __all__ = [
     "CHUNK_CONTEXTS",
     "KV_CODECS",
     "DTYPE_NAMES",
+    "WEIGHT_FORMATS",
     "AUTO",
     "QUALITIES",
     "QUALITY_SHARES",
@@ -36,6 +37,8 @@ CHUNK_CONTEXTS = ("neighbor", "sink")
 KV_CODECS = ("plain", "int8")
 #: Dtypes of weights and KV, by name (their torch dtypes: :mod:`kvrag.engine.model.dtypes`).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+#: Weight formats of the decode step: the compute dtype's own (``plain``), or weight-only 8 or 4 bits.
+WEIGHT_FORMATS = ("plain", "int8", "int4")
 #: ``recompute_ratio="auto"``: each request recomputes what it needs (see :class:`~kvrag.config.ReuseSettings`).
 AUTO = "auto"
 

@@ -12,7 +12,7 @@ from kvrag.engine.model.bundled import BUNDLED, find_bundled
 
 __all__ = ["get_engine", "drop_engines"]
 
-_engines: dict[tuple, Engine] = {}
+_engines: dict[EngineConfig, Engine] = {}
 _engines_lock = threading.Lock()
 
 
@@ -28,7 +28,7 @@ def get_engine(model: str | None = None, **config) -> Engine:
         model = None if bundled is BUNDLED[0] else bundled.name
     cfg = EngineConfig().replace(**config)  # an old setting's name says where it went
     cfg = cfg.replace(model=model) if model is not None else cfg
-    key = tuple((name, repr(value)) for name, value in cfg.flat().items())
+    key = cfg  # immutable, hashed and compared by value
     engine = _engines.get(key)
     if engine is not None:
         return engine

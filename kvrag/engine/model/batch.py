@@ -31,10 +31,11 @@ import torch
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.dtypes import decode_rows_upcast
 from kvrag.engine.model.packed import DecodeWeights
+from kvrag.engine.model.quantized import QUANTIZED_FORMATS, QuantizedWeights
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.kernels import attention
 
-__all__ = ["DecodeRow", "Decoder", "decode_step"]
+__all__ = ["DecodeRow", "Decoder", "decode_step", "float32_kv", "release_float32"]
 
 
 @dataclass(slots=True)
@@ -49,22 +50,35 @@ class DecodeRow:
 class Decoder:
     """Decode steps of up to ``group`` rows per pass (the engine's ``decode_group``).
 
-    Built once per engine: on a CPU it packs the decode weights
-    (:meth:`DecodeWeights.build`, a fraction of a second; :attr:`description` says which path and
-    why) and every step uses them; elsewhere every step is :func:`decode_step`.
+    Built once per engine: on a CPU it packs the decode weights (:meth:`DecodeWeights.build`, a
+    fraction of a second; :attr:`description` says which path and why) and every step uses them;
+    elsewhere every step is :func:`decode_step`. ``weights="int8"`` or ``"int4"`` quantizes them
+    instead (:mod:`kvrag.engine.model.quantized`, where the kernels are there: else the packed
+    path, and the description says why); those products keep rows apart, so a step runs its rows
+    only, never padded.
     """
 
-    def __init__(self, adapter: ModelAdapter, group: int, upcast: bool | None = None) -> None:
+    def __init__(self, adapter: ModelAdapter, group: int, upcast: bool | None = None, weights: str = "plain") -> None:
         self.adapter = adapter
         self.group = group
         t0 = time.perf_counter()
-        self.weights, why = DecodeWeights.build(adapter, group)
+        self.weights: DecodeWeights | QuantizedWeights | None = None
+        refused = ""
+        if weights in QUANTIZED_FORMATS:
+            self.weights, why = QuantizedWeights.build(adapter, weights)
+            refused = "" if self.weights is not None else f"{weights} refused: {why}; "
+        if self.weights is None:
+            self.weights, why = DecodeWeights.build(adapter, group)
+            why = refused + why
         self.build_s = time.perf_counter() - t0
+        #: rows never padded: the products keep rows apart (quantized weights)
+        self.unpadded = getattr(self.weights, "row_invariant", False)
         #: rows attend in float32 (:func:`~kvrag.engine.model.dtypes.decode_rows_upcast` unless given)
         self.upcast = decode_rows_upcast(adapter.device, adapter.dtype) if upcast is None else upcast
         #: which decode path runs, and why (``Engine.info().decode``)
+        kind = "quantized" if self.unpadded else "packed"
         self.description = (
-            f"packed: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
+            f"{kind}: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
         )
         if self.upcast and adapter.dtype != torch.float32:
             self.description += "; each row's attention in float32 (the CPU has no AMX: faster so)"
@@ -73,10 +87,12 @@ class Decoder:
         """Append one token to each sequence and return the next-token logits [len(rows), V] (float32)."""
         if self.weights is None:
             return decode_step(self.adapter, rows, self.group, self.upcast)
-        out = [
-            _packed_group(self.adapter, self.weights, rows[first : first + self.group], self.group, self.upcast)
-            for first in range(0, len(rows), self.group)
-        ]
+        out = []
+        for first in range(0, len(rows), self.group):
+            part = rows[first : first + self.group]
+            out.append(
+                _packed_group(self.adapter, self.weights, part, len(part) if self.unpadded else self.group, self.upcast)
+            )
         return torch.cat(out) if out else torch.empty(0, 0)
 
 
@@ -126,8 +142,8 @@ def _attend(
         bk, bv = r.buf.k[layer], r.buf.v[layer]  # [Hkv, capacity, D]
         if share:
             if id(r.buf) not in converted:
-                keys = max(x.pos for x in rows if x.buf is r.buf) + 1
-                converted[id(r.buf)] = (bk[:, :keys].float(), bv[:, :keys].float())
+                mine = [x.pos for x in rows if x.buf is r.buf]
+                converted[id(r.buf)] = float32_kv(r.buf, layer, max(mine) + 1, min(mine))
             bk, bv = converted[id(r.buf)]
         end = r.pos + 1
         out[:, i : i + 1] = attention(  # the row's position from the host: no wait for the device
@@ -140,6 +156,34 @@ def _attend(
             span=(r.pos, r.pos),
             upcast=upcast,
         )
+
+
+def float32_kv(buf: KVBuffer, layer: int, keys: int, written: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 K and V [Hkv, keys, D] of ``layer``'s positions [0, keys) of ``buf``, from a float32
+    copy the buffer keeps while it decodes: a step converts only the positions it wrote (from
+    ``written`` on) and those the copy did not hold yet, not the whole prefix again (the same values:
+    a conversion is exact). The copy (twice the buffer's bytes) ends when the buffer stops decoding
+    (:func:`release_float32`) or grows."""
+    mirror = buf.float32
+    if mirror is None or mirror[0].shape[2] != buf.capacity:
+        shape = (buf.k.shape[0], buf.k.shape[1], buf.capacity, buf.k.shape[3])
+        mirror = buf.float32 = (
+            buf.k.new_empty(shape, dtype=torch.float32),
+            buf.v.new_empty(shape, dtype=torch.float32),
+            [0] * shape[0],
+        )
+    k32, v32, held = mirror
+    start = min(held[layer], written)
+    if start < keys:
+        k32[layer, :, start:keys] = buf.k[layer, :, start:keys]
+        v32[layer, :, start:keys] = buf.v[layer, :, start:keys]
+    held[layer] = keys
+    return k32[layer, :, :keys], v32[layer, :, :keys]
+
+
+def release_float32(buf: KVBuffer) -> None:
+    """Drop the float32 copy :func:`float32_kv` keeps (a sequence that stopped decoding)."""
+    buf.float32 = None
 
 
 def _finish(rows: Sequence[DecodeRow]) -> None:
@@ -165,7 +209,11 @@ def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int, 
 
 @torch.inference_mode()
 def _packed_group(
-    adapter: ModelAdapter, weights: DecodeWeights, rows: Sequence[DecodeRow], group: int, upcast: bool
+    adapter: ModelAdapter,
+    weights: DecodeWeights | QuantizedWeights,
+    rows: Sequence[DecodeRow],
+    group: int,
+    upcast: bool,
 ) -> torch.Tensor:
     """:func:`_decode_group` through the packed weights: the same products and elementwise ops in
     the same order (so, in bfloat16, the same bits), with Q/K/V and gate/up as one product each and

@@ -41,7 +41,7 @@ from kvrag.engine.model.adapter import ModelAdapter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackedLinear", "PackedLayer", "DecodeWeights", "FLOAT32_TOLERANCE"]
+__all__ = ["PackedLinear", "PackedLayer", "DecodeWeights", "FLOAT32_TOLERANCE", "cat_bias"]
 
 #: In float32, a packed product may differ from ``F.linear``'s by this share of the largest output
 #: (rounding of another summation order is ~1e-6 of it; a wrong packing is of the order of 1).
@@ -72,7 +72,8 @@ class PackedLayer:
     down: PackedLinear
 
 
-def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
+def cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
+    """The biases of fused products, concatenated (None: none has one)."""
     if all(b is None for b in biases):
         return None
     if any(b is None for b in biases):  # a family with a bias on some projections only: not fused here
@@ -136,7 +137,7 @@ class DecodeWeights:
         for w in adapter.layers:
             layers.append(
                 PackedLayer(
-                    qkv=PackedLinear(torch.cat((w.wq, w.wk, w.wv)), _cat_bias(w.bq, w.bk, w.bv), rows),
+                    qkv=PackedLinear(torch.cat((w.wq, w.wk, w.wv)), cat_bias(w.bq, w.bk, w.bv), rows),
                     o=PackedLinear(w.wo, w.bo, rows),
                     gate_up=PackedLinear(torch.cat((w.w_gate, w.w_up)), None, rows),
                     down=PackedLinear(w.w_down, None, rows),

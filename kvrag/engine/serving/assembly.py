@@ -164,7 +164,8 @@ def assemble(
                           context_window=context_window)  # fmt: skip
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
                       context_window=context_window)  # fmt: skip
-    decoding = Decoding(Decoder(adapter, config.decode_group), conversations, config.draft_tokens,
+    decoder = Decoder(adapter, config.decode_group, weights="plain" if config.weights == "auto" else config.weights)
+    decoding = Decoding(decoder, conversations, config.draft_tokens,
                         drafts_given=drafts_given)  # fmt: skip
     worker.drive(start=prefiller.start, step=decoding.step, finish=decoding.finish)
     parts = Parts(

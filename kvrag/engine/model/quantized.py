@@ -1,0 +1,154 @@
+"""Decode-step weights in 8 or 4 bits: weight-only quantized linear layers for a CPU.
+
+A decode step reads every weight of the model once per token, so on a CPU its time is the bytes it
+streams. :class:`Int8Linear` keeps a weight as int8 with one bfloat16 scale per output channel
+(symmetric: ``w ≈ scale * q``); :class:`Int4Linear` as 4-bit codes in groups along the input with a
+scale and a zero per group (``w ≈ scale * (q - 8) + zero``, gpt-fast's layout). Their products are
+torch's own CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), with bfloat16
+activations. Both compute each output row from its own input row only (checked when the weights are
+built: :meth:`QuantizedWeights.build`), so a decode step runs exactly its rows, never padded rows:
+a row's result does not depend on what else runs, which is what padding bought the plain path.
+
+Prefill keeps the compute dtype's weights (a prefill is compute-bound, where the plain products
+win); only decode steps read these. They are built from the loaded weights (any source: a GGUF's
+dequantized weights, a Hugging Face checkpoint), so they are a second rounding of a quantized GGUF;
+the fidelity this costs is measured against the plain decode (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvrag.engine.model.adapter import ModelAdapter
+from kvrag.engine.model.packed import PackedLayer, cat_bias
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Int8Linear", "Int4Linear", "QuantizedWeights", "QUANTIZED_FORMATS", "INT4_GROUP"]
+
+#: Weight formats of the decode step besides the compute dtype's own.
+QUANTIZED_FORMATS = ("int8", "int4")
+
+#: Input features per 4-bit group (its own scale and zero).
+INT4_GROUP = 32
+
+
+class Int8Linear:
+    """``x @ W.T + b`` with ``W`` as int8 codes and a bfloat16 scale per output channel."""
+
+    __slots__ = ("codes", "scales", "bias", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [N, K]
+        self.scales = scales.to(torch.bfloat16)  # [N]
+        self.bias = bias
+        self.out_features = int(weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+class Int4Linear:
+    """``x @ W.T + b`` with ``W`` in 4-bit codes, :data:`INT4_GROUP` inputs per scale and zero."""
+
+    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "group")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
+        n, k = weight.shape
+        if k % group:
+            raise ValueError(f"4-bit groups of {group} do not divide {k} input features")
+        w = weight.float().reshape(n, k // group, group)
+        low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        codes = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        zero = low + 8 * scale  # w = scale * (q - 8) + zero
+        self.scales_zeros = (
+            torch.stack((scale.reshape(n, -1), zero.reshape(n, -1)), dim=-1).transpose(0, 1).contiguous()
+        ).to(torch.bfloat16)  # [K / group, N, 2]
+        self.bias = bias
+        self.out_features = int(n)
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def _quantizable(adapter: ModelAdapter, fmt: str) -> str | None:
+    """Why the decode weights cannot be ``fmt`` here, or None."""
+    if fmt not in QUANTIZED_FORMATS:
+        return f"unknown weight format {fmt!r}"
+    if adapter.device.type != "cpu":
+        return f"device {adapter.device.type} (the weight-only kernels here are torch's CPU ones)"
+    if adapter.dtype != torch.bfloat16:
+        return f"{str(adapter.dtype).removeprefix('torch.')} compute (the kernels take bfloat16 activations)"
+    op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+    if not hasattr(torch.ops.aten, op):
+        return f"this torch has no {op}"
+    return None
+
+
+class QuantizedWeights:
+    """Every layer's linear weights (Q/K/V and gate/up fused) and the LM head in ``fmt``; the same
+    interface as :class:`~kvrag.engine.model.packed.DecodeWeights`, and rows never padded."""
+
+    row_invariant = True  # a row's output depends on its own input row only (checked in build)
+
+    def __init__(self, layers: list[PackedLayer], lm_head, fmt: str) -> None:
+        self.layers, self.lm_head, self.format = layers, lm_head, fmt
+
+    @property
+    def nbytes(self) -> int:
+        linears = [x for p in self.layers for x in (p.qkv, p.o, p.gate_up, p.down)]
+        return sum(x.nbytes for x in linears) + self.lm_head.nbytes
+
+    @classmethod
+    def build(cls, adapter: ModelAdapter, fmt: str) -> tuple[QuantizedWeights | None, str]:
+        """The decode weights in ``fmt`` (``int8`` or ``int4``), or ``None`` and why not."""
+        why = _quantizable(adapter, fmt)
+        if why is not None:
+            return None, why
+        make = Int8Linear if fmt == "int8" else Int4Linear
+        try:
+            with torch.inference_mode():
+                layers = [
+                    PackedLayer(
+                        qkv=make(torch.cat((w.wq, w.wk, w.wv)), cat_bias(w.bq, w.bk, w.bv)),
+                        o=make(w.wo, w.bo),
+                        gate_up=make(torch.cat((w.w_gate, w.w_up)), None),
+                        down=make(w.w_down, None),
+                    )
+                    for w in adapter.layers
+                ]
+                weights = cls(layers, make(adapter.lm_head_weight, None), fmt)
+                bad = weights._mixes_rows(adapter)
+        except (RuntimeError, ValueError) as e:  # an op missing or refusing these shapes
+            log.debug("kvrag: decode weights not quantized", exc_info=True)
+            return None, f"{fmt} failed ({type(e).__name__}: {e})"
+        if bad is not None:
+            return None, f"{fmt}: a row's product depends on the other rows ({bad})"
+        return weights, f"{fmt} weight-only, Q/K/V and gate/up fused ({weights.nbytes / 2**20:.0f} MiB)"
+
+    def _mixes_rows(self, adapter: ModelAdapter) -> str | None:
+        """The first product whose row 0 differs between 1 row and 8 rows (each of the shapes once)."""
+        gen = torch.Generator().manual_seed(0)
+        first = self.layers[0]
+        for name, linear in (("q/k/v", first.qkv), ("gate/up", first.gate_up), ("LM head", self.lm_head)):
+            x = torch.randn(8, adapter.hidden_size, generator=gen).to(adapter.dtype)
+            if not torch.equal(linear(x[:1]), linear(x)[:1]):
+                return name
+        return None
