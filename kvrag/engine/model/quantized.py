@@ -41,10 +41,13 @@ class Int8Linear:
     __slots__ = ("codes", "scales", "bias", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [N, K]
-        self.scales = scales.to(torch.bfloat16)  # [N]
+        codes, scales = [], []
+        for w in _row_chunks(weight):  # float32 temporaries of a chunk of rows at a time
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            codes.append(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            scales.append(scale)
+        self.codes = torch.cat(codes)  # [N, K]
+        self.scales = torch.cat(scales).to(torch.bfloat16)  # [N]
         self.bias = bias
         self.out_features = int(weight.shape[0])
 
@@ -64,17 +67,20 @@ class Int4Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
         n, k = weight.shape
-        if k % group:
-            raise ValueError(f"4-bit groups of {group} do not divide {k} input features")
-        w = weight.float().reshape(n, k // group, group)
-        low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=1e-8)
-        codes = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        zero = low + 8 * scale  # w = scale * (q - 8) + zero
-        self.scales_zeros = (
-            torch.stack((scale.reshape(n, -1), zero.reshape(n, -1)), dim=-1).transpose(0, 1).contiguous()
-        ).to(torch.bfloat16)  # [K / group, N, 2]
+        if k % group or n % 16:
+            raise ValueError(f"4-bit packing needs inputs in groups of {group} and outputs by 16, got [{n}, {k}]")
+        packed, scales, zeros = [], [], []
+        for w in _row_chunks(weight):  # float32 temporaries of a chunk of rows at a time
+            w = w.reshape(w.shape[0], k // group, group)
+            low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+            scale = ((high - low) / 15).clamp(min=1e-8)
+            codes = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).reshape(-1, k)
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))  # rows pack alone
+            scales.append(scale.squeeze(-1))
+            zeros.append((low + 8 * scale).squeeze(-1))  # w = scale * (q - 8) + zero
+        self.packed = torch.cat(packed)
+        scale, zero = torch.cat(scales), torch.cat(zeros)  # [N, K / group]
+        self.scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.bias = bias
         self.out_features = int(n)
         self.group = group
@@ -86,6 +92,16 @@ class Int4Linear:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+#: Output rows quantized at a time (bounds the float32 temporaries: ~64 MiB for a 4096-wide weight).
+_CHUNK_ROWS = 4096
+
+
+def _row_chunks(weight: torch.Tensor):
+    """The weight's rows in float32, a chunk of :data:`_CHUNK_ROWS` at a time."""
+    for first in range(0, weight.shape[0], _CHUNK_ROWS):
+        yield weight[first : first + _CHUNK_ROWS].float()
 
 
 def _quantizable(adapter: ModelAdapter, fmt: str) -> str | None:
