@@ -21,8 +21,9 @@ Each tensor is judged on its own (each layer's keys, each layer's values, the lo
 * **bfloat16 / float16**: two computations in a reduced dtype differ by their rounding, which
   grows along the layers (transformers' own bf16 keys are ~3e-3 off its float32 keys on
   SmolLM2's first layer, ~4e-2 on deep ones), so no fixed tolerance separates noise from a bug.
-  The reference is transformers in float32 over a float32 copy of the *same* weights (upcasting
-  is exact, so only the arithmetic differs), made while the gate runs and dropped after. The
+  The reference is transformers in float32 over the *same* weights (upcasting is exact, so only
+  the arithmetic differs), each module brought to float32 just before it runs and back after
+  (:func:`_in_float32`: the round trip is exact, and no float32 copy of the model is held). The
   *floor* is transformers' own error in the engine's dtype against that reference, tensor by
   tensor, on the same ids, in norm (``||a - b|| / ||b||``: the largest element's error is one
   extreme of the noise and jumps between runs, the norm is steady enough to judge a layer
@@ -42,7 +43,7 @@ naming the model and the check; ``full`` and ``prefix`` still work. Nothing fall
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import hashlib
 import inspect
 import json
@@ -181,9 +182,33 @@ def _transformers_run(hf_model, probe: _Probe) -> tuple[list[tuple[torch.Tensor,
     return kv, logits
 
 
-def _float32_copy(hf_model):
-    """A float32 copy of a model in a reduced dtype: the same weights, exact arithmetic's stand-in."""
-    return copy.deepcopy(hf_model).float()
+@contextlib.contextmanager
+def _in_float32(hf_model):
+    """Within the block, ``hf_model`` (in a reduced dtype) computes in float32: each leaf module with
+    weights is brought to float32 just before its forward and back to its dtype right after, so at
+    most one module's weights are in float32 at a time (the LM head, or a layer's MLP) instead of a
+    float32 copy of the whole model. Both conversions are exact (every bf16 or fp16 value is a
+    float32 value), so the weights after the block are the ones before, bit for bit."""
+    kept: dict[torch.nn.Parameter, torch.dtype] = {}  # each weight's own dtype (buffers are left alone)
+
+    def up(module, args) -> None:
+        for p in module.parameters(recurse=False):
+            kept.setdefault(p, p.dtype)
+            p.data = p.data.to(torch.float32)
+
+    def down(module, args=None, out=None) -> None:
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(kept.get(p, p.dtype))
+
+    modules = [m for m in hf_model.modules() if next(m.parameters(recurse=False), None) is not None]
+    hooks = [h for m in modules for h in (m.register_forward_pre_hook(up), m.register_forward_hook(down))]
+    try:
+        yield hf_model
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module in modules:  # a forward interrupted between its hooks
+            down(module)
 
 
 @dataclass(slots=True)
@@ -238,8 +263,8 @@ def _verdict(check: str, comparisons: list[_Comparison], dtype: str) -> tuple[bo
 def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResult:
     """Run both checks (module docstring) on random token ids; the first failure is the verdict.
 
-    In a reduced dtype this holds a float32 copy of the weights (twice their bf16 size, on the
-    model's device) for as long as it runs; it runs once per model and dtype (the verdict is cached).
+    In a reduced dtype the reference runs module by module in float32 over the same weights
+    (:func:`_in_float32`); it runs once per model and dtype (the verdict is cached).
     """
     vocab = int(adapter.embed_weight.shape[0])
     g = torch.Generator().manual_seed(_SEED)
@@ -278,9 +303,8 @@ def self_test(adapter: ModelAdapter, hf_model, sink_ids: list[int]) -> GateResul
         ref_kv, ref_logits = theirs_kv, theirs_logits
         theirs_kv, theirs_logits = [(None, None)] * adapter.n_layers, None
     else:
-        reference = _float32_copy(hf_model)
-        ref_kv, ref_logits = _transformers_run(reference, probe)
-        del reference
+        with _in_float32(hf_model) as reference:
+            ref_kv, ref_logits = _transformers_run(reference, probe)
     name = dtype_name(adapter.dtype) or str(adapter.dtype)
     dt = adapter.dtype
 

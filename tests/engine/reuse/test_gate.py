@@ -12,7 +12,7 @@ import torch
 from kvrag import Engine, SamplingParams, UnsupportedModelError
 from kvrag.engine.model.adapter import ModelAdapter, Rotary
 from kvrag.engine.reuse import gate
-from tests.helpers import PREFIX, SUFFIX, as_dtype
+from tests.helpers import FAMILIES, PREFIX, SUFFIX, as_dtype, make_tiny_model
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -141,3 +141,22 @@ def test_unknown_architectures_list_the_supported_ones():
         check_architecture(AutoConfig.for_model("gemma3_text", final_logit_softcapping=30.0))
     with pytest.raises(UnsupportedModelError, match="activation 'gelu'"):
         check_architecture(AutoConfig.for_model("llama", hidden_act="gelu"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_float32_reference_runs_module_by_module_and_leaves_the_weights_as_they_were(family):
+    """The gate's float32 reference without a float32 copy of the model: each module upcast just
+    before it runs, downcast after: the very logits and KV a float32 copy gives, the weights unchanged."""
+    import copy
+
+    model = as_dtype(make_tiny_model(600, family), "bfloat16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 600, (40,), generator=torch.Generator().manual_seed(3))
+    probe = gate._Probe(ids, torch.cat([ids[:1], ids[10:20]]), 1, 10, 20)
+    copy_kv, copy_logits = gate._transformers_run(copy.deepcopy(model).float(), probe)
+    with gate._in_float32(model) as reference:
+        kv, logits = gate._transformers_run(reference, probe)
+    assert torch.equal(logits, copy_logits)
+    assert all(torch.equal(a, b) for pair, other in zip(kv, copy_kv) for a, b in zip(pair, other))
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
