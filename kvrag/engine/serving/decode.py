@@ -109,7 +109,7 @@ class Decoding:
 
     def _drafts(self, seqs: list[RunningSequence]) -> list[list[int]]:
         """Each sequence's drafts for this step: greedy ones only, in the rows the pass pads anyway,
-        never past its token budget, and at most ``draft_tokens`` for the whole step (a draft row's
+        never past its token limit, and at most ``draft_tokens`` for the whole step (a draft row's
         attention slows every sequence of the step).
 
         How many: once the engine has timed passes of different sizes (:class:`StepCost`), as many as
@@ -122,7 +122,7 @@ class Decoding:
         free = min((-len(seqs)) % self.decoder.group, most)  # a step checks at most `most` drafts in all
         caps = []  # per sequence, the most drafts it may check (0: none, e.g. a sampled request)
         for seq in seqs:
-            k = min(most, free, seq.budget - len(seq.generated) - 1)
+            k = min(most, free, seq.max_tokens - len(seq.generated) - 1)
             k = k if k > 0 and seq.req.sampling.temperature == 0 else 0
             if k and seq.drafter is None:  # made at the first step, not before the first token
                 seq.drafter = PromptLookup([*seq.req.ids.tolist(), *seq.generated])

@@ -96,13 +96,13 @@ class Prefiller:
         """Prefill the request and sample its first token (a speculative one's lookups are looks)."""
         n = req.num_tokens
         sp = req.sampling
-        budget = min(sp.max_new_tokens, self.context_window - n)
-        plan, recompute, res = self.run(req, capacity=n + budget, pause=pause, quiet=req.speculative)
+        max_tokens = min(sp.max_new_tokens, self.context_window - n)
+        plan, budget, res = self.run(req, capacity=n + max_tokens, pause=pause, quiet=req.speculative)
         logits = self.adapter.logits(res.last_hidden)[0]
         generator = seeded_generator(sp)
         token = sample(logits, sp.temperature, sp.top_p, generator)
         ttft = time.perf_counter() - t0
-        stats = generation_stats(plan, recompute, res, self.adapter.n_layers, ttft)
+        stats = generation_stats(plan, budget, res, self.adapter.n_layers, ttft)
         stats.conversation_spans = list(req.conversation_spans or [])
         stats.conversation_tokens = sum(b - a for a, b in stats.conversation_spans)
         stats.deduplicated_chunks = req.deduplicated
@@ -112,7 +112,7 @@ class Prefiller:
             buf=res.buf,
             pos=n,
             token=token,
-            budget=budget,
+            max_tokens=max_tokens,
             text=TextStream(self.tokenizer.tokenizer, sp.stop),
             generator=generator,
             stats=stats,

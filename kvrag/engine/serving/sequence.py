@@ -33,7 +33,7 @@ class RunningSequence:
         draft_width: most drafts its next step checks before the engine has a step cost to plan with
             (adapts to how well its drafts hold: :func:`~kvrag.engine.serving.drafts.next_width`).
         draft_hold: how often its drafts have held lately (the plan's odds once there is a step cost).
-        budget: most tokens it may generate (``max_new_tokens`` within the context window).
+        max_tokens: most tokens it may generate (``max_new_tokens`` within the context window).
         generated: tokens emitted so far.
         text: the detokeniser (stop strings).
         generator: the seeded sampler's generator, if any.
@@ -49,7 +49,7 @@ class RunningSequence:
     buf: KVBuffer
     pos: int
     token: int
-    budget: int
+    max_tokens: int
     text: TextStream
     generator: torch.Generator | None
     stats: GenerationStats
@@ -74,7 +74,7 @@ class RunningSequence:
         return "".join(pieces)
 
     def _emit(self, token: int, eos_ids: set[int]) -> str:
-        if self.done or len(self.generated) >= self.budget:
+        if self.done or len(self.generated) >= self.max_tokens:
             self.done = True
             return ""
         if token in eos_ids:
@@ -84,6 +84,6 @@ class RunningSequence:
         piece = self.text.push(token)
         if self.text.stopped:
             self.finish, self.done = "stop", True
-        elif len(self.generated) >= self.budget:
+        elif len(self.generated) >= self.max_tokens:
             self.done = True
         return piece
