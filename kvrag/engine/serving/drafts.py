@@ -17,11 +17,11 @@ than one when the guesses hold.
 :class:`PromptLookup` keeps, per sequence, where each n-gram (``1..max_ngram`` tokens) last
 ended, so a draft costs a few dictionary lookups, not a scan of the prompt.
 
-How many drafts pay is the machine's: a draft row over a 3.7K-token context costs about a sixth of
-SmolLM2's step on an AMX Xeon and about half on an EPYC without AMX (fitted there: 18.6 ms a pass +
-4.6 ms per 1K keys read), where four drafts a step cost more than they save. So the engine times its
-decode passes (:class:`StepCost`: the products once a pass, each row's keys), keeps each request's
-recent :class:`HoldRate`, and checks the drafts that raise the step's expected tokens per second
+How many drafts pay is the machine's: a draft row's attention over a long context is a small part of
+a step on one CPU and half of it on another, where four drafts a step cost more than they save
+(figures: docs/journal/figures-from-code.md). So the engine times its decode passes
+(:class:`StepCost`: the products once a pass, each row's keys), keeps each request's recent
+:class:`HoldRate`, and checks the drafts that raise the step's expected tokens per second
 (:func:`plan_drafts`).
 """
 
@@ -98,9 +98,8 @@ def next_width(width: int, drafted: int, confirmed: int, most: int) -> int:
     kept ``confirmed``: half as many after a miss at the first draft, twice as many (at most
     ``most``) after all held, as many otherwise.
 
-    A draft row costs its attention over the whole context (about 6.5 ms a row at 3.7K tokens for
-    SmolLM2 here, against ~41 ms for the step), so a sequence whose guesses keep failing checks one
-    at a time, and one that copies checks the most.
+    A draft row costs its attention over the whole context, so a sequence whose guesses keep failing
+    checks one at a time, and one that copies checks the most.
     """
     if drafted and confirmed == drafted:
         return min(max(1, width) * 2, most)

@@ -18,9 +18,9 @@ The thread alternates two kinds of work:
 The thread starts with the first ticket and, once nothing waits or runs, waits :data:`LINGER_S` for
 more before it exits (a new one starts with the next ticket): an engine that is idle, or dropped
 without ``close()``, keeps no thread for long, and ``close()`` ends it at once (:meth:`Worker.stop`).
-It lingers because a new thread's first parallel torch op starts its OpenMP pool, which took
-0.2-15 ms (median ~1-8 ms) on a 2-core VM against 0.06 ms on a thread that kept its pool: the cost
-every request of an app paid, its condense and answer calls apiece (``kvrag.engine.model.host``).
+It lingers because a new thread's first parallel torch op starts its OpenMP pool, milliseconds that
+a thread keeping its pool does not pay, and that every request of an app would pay, its condense and
+answer calls apiece (``kvrag.engine.model.host``; figures: docs/journal/figures-from-code.md).
 """
 
 from __future__ import annotations
