@@ -8,7 +8,8 @@ Per question (its first ``--top-k`` passages): a **first ask** in retrieval orde
 kvrag's 0-hit path; it stores the passages' KV as requests do), the **reordered** ask (the passages
 shuffled: kvrag blends the cached KV, computed in another order), kvrag's **full prefill** of it
 (the reference), the **exact repeat** (the reordered prompt again), and a **decode probe** (the same
-passages, asked for a longer answer: tokens per second after a RAG prompt). llama.cpp gets the same
+passages, asked for a longer answer, ``--decode-tokens`` of it whatever the end token: tokens per
+second after a RAG prompt). llama.cpp gets the same
 prompt strings on a server with its prompt cache and ``--cache-reuse`` on, erased before each first
 ask. Answers are scored as the papers do: F1 and exact match against the gold answers; kvrag's blend
 also by answer drift against its full prefill (the full answer teacher-forced, mean |Δ log p|).
@@ -104,7 +105,11 @@ def run(a: argparse.Namespace) -> dict:
             engine.flush()
             row["kvrag_full"] = ask(again, mode="full")
             row["kvrag_exact"] = ask(again)
-            probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens)
+            eos, engine._worker.eos_ids = engine._worker.eos_ids, set()  # the probe decodes all its tokens
+            try:
+                probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens)
+            finally:
+                engine._worker.eos_ids = eos
             row["kvrag_decode"] = {
                 "tokens": len(probe.token_ids),
                 "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
@@ -120,7 +125,7 @@ def run(a: argparse.Namespace) -> dict:
                 c = server.complete(prompt, max_tokens=a.max_new_tokens)
                 row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
                                         "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
-            c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens)
+            c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
             row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
             for key in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered"):
                 row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)

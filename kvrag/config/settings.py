@@ -72,7 +72,8 @@ class ComputeSettings(Checked):
         max_context: context window in tokens; ``None``: the model's ``max_position_embeddings``.
         weights: the decode step's weights: ``"plain"`` (the compute dtype's), ``"int8"`` or ``"int4"``
             (weight-only quantized: a step streams 2x or 4x fewer bytes; prefill keeps the plain ones),
-            or ``"auto"``: ``"plain"`` (:mod:`kvrag.engine.model.quantized`; figures: docs/results.md).
+            or ``"auto"``: ``"int4"`` for a model that came quantized (a GGUF), else ``"plain"``
+            (:func:`kvrag.engine.model.quantized.decode_weights`; figures: docs/results.md).
     """
 
     model: str | None = setting(None)  # checked when the engine loads it

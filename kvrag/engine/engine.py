@@ -68,6 +68,7 @@ class Engine:
         name: str = "",
         store: KVStore | None = None,
         compute_dtype: DtypeChoice | None = None,
+        quantized_source: bool = False,
     ) -> None:
         check_engine_config(config)
         self.hf_model, self.tokenizer, self.weights_digest = hf_model, tokenizer, weights_digest
@@ -112,6 +113,7 @@ class Engine:
             model_name=self.model_name,
             threads=self.threads,
             drafts_given=drafts_given,
+            quantized_source=quantized_source,
         )
         # the parts a request goes through (docs/how-it-works.md), by the names tests and tools use
         self.prompt_tokenizer, self.documents, self.variants, self.planner, self.chunk_computer = (
@@ -156,6 +158,7 @@ class Engine:
                 name=loaded.name,
                 store=store,
                 compute_dtype=loaded.dtype,
+                quantized_source=loaded.quantized,
             )
 
         return on_own_thread(build, threads=config.num_threads)

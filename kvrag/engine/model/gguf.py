@@ -37,6 +37,10 @@ SHARD_BYTES = 512 << 20
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
+#: GGML tensor types that are plain floats (everything else is a quantized format).
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:
     """What a GGUF file says of its model, read without its tensors.
@@ -50,6 +54,7 @@ class GGUFHeader:
         tensors: number of tensors; ``tensor_bytes``: their bytes in the file (quantized).
         parameters: weights in all tensors.
         chat_template: the file carries a chat template.
+        quantized: its matrices are stored quantized (not as 16- or 32-bit floats).
     """
 
     path: Path
@@ -66,6 +71,7 @@ class GGUFHeader:
     tensor_bytes: int
     parameters: int
     chat_template: bool
+    quantized: bool
 
     def bytes_in(self, dtype: torch.dtype) -> int:
         """The weights' bytes once converted to ``dtype``."""
@@ -120,6 +126,7 @@ def read_header(path: str | Path) -> GGUFHeader:
         tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors),
         parameters=sum(int(t.n_elements) for t in reader.tensors),
         chat_template="tokenizer.chat_template" in reader.fields,
+        quantized=any(len(t.shape) == 2 and t.tensor_type.name not in _FLOAT_TYPES for t in reader.tensors),
     )
 
 

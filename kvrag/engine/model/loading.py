@@ -62,6 +62,7 @@ class LoadedModel:
     source: str
     weights_digest: str
     dtype: DtypeChoice
+    quantized: bool = False  # the source stored its matrices quantized (a GGUF's Q4_K, Q8_0, ...)
 
 
 def bundled_gguf_path(cache_dir: Path | None = None) -> Path:
@@ -138,7 +139,7 @@ def _dir_digest(path: Path, cache_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path, str]:
+def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path, str, bool]:
     """Convert a GGUF file once into ``<cache_dir>/models/<sha>-<dtype>-v<n>/`` (safetensors in the
     compute dtype, tokenizer, config); the header is checked first, so an unsupported model costs
     nothing (:mod:`kvrag.engine.model.gguf`)."""
@@ -147,10 +148,10 @@ def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path
     dtype_name = str(dtype).removeprefix("torch.")
     target = cache_dir / "models" / f"{digest[:32]}-{dtype_name}-v{gguf_file.CONVERTER_VERSION}"
     if (target / "kvrag-convert.json").is_file():
-        return target, digest
+        return target, digest, header.quantized
     with _convert_lock:
         if (target / "kvrag-convert.json").is_file():
-            return target, digest
+            return target, digest, header.quantized
         size = header.bytes_in(dtype)
         log.warning(
             "kvrag: converting %s once to %s (%.1f GiB of weights); cached in %s",
@@ -174,7 +175,7 @@ def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return target, digest
+        return target, digest, header.quantized
 
 
 @contextlib.contextmanager
@@ -210,8 +211,9 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
 
     choice = resolve_dtype(dtype, device)
     path, name = _resolve(model, cache_dir)
+    quantized = False
     if path.is_file():  # GGUF
-        directory, digest = _convert_gguf(path, cache_dir, choice.torch)
+        directory, digest, quantized = _convert_gguf(path, cache_dir, choice.torch)
     else:
         directory, digest = path, _dir_digest(path, cache_dir)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -221,7 +223,7 @@ def load_model(model: str | os.PathLike | None, dtype: str, device: str, cache_d
     )
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    return LoadedModel(hf_model, tokenizer, name, str(path), digest, choice)
+    return LoadedModel(hf_model, tokenizer, name, str(path), digest, choice, quantized)
 
 
 def check_device(config, device: torch.device):

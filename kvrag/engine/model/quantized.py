@@ -26,13 +26,24 @@ from kvrag.engine.model.packed import PackedLayer, cat_bias
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Int8Linear", "Int4Linear", "QuantizedWeights", "QUANTIZED_FORMATS", "INT4_GROUP"]
+__all__ = ["Int8Linear", "Int4Linear", "QuantizedWeights", "QUANTIZED_FORMATS", "INT4_GROUP", "decode_weights"]
 
 #: Weight formats of the decode step besides the compute dtype's own.
 QUANTIZED_FORMATS = ("int8", "int4")
 
 #: Input features per 4-bit group (its own scale and zero).
 INT4_GROUP = 32
+
+
+def decode_weights(setting: str, quantized_source: bool) -> str:
+    """The decode step's weight format for ``EngineConfig.weights``: as set, or for ``"auto"`` ``int4``
+    where the model came quantized (a GGUF's Q4_K, Q8_0, ...: its weights lie on a coarse grid
+    already, so 4-bit decode weights cost little; measured: docs/results.md), else ``plain`` (a
+    float checkpoint's weights are not quantized behind the user's back). Where the 4-bit kernels
+    do not run, the decoder keeps the packed step and says why."""
+    if setting != "auto":
+        return setting
+    return "int4" if quantized_source else "plain"
 
 
 class Int8Linear:

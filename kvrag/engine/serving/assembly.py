@@ -14,6 +14,7 @@ import torch
 from kvrag.config import EngineConfig
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder
+from kvrag.engine.model.quantized import decode_weights
 from kvrag.engine.reuse.access import AccessTable
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label
 from kvrag.engine.reuse.conversations import Conversations
@@ -110,9 +111,11 @@ def assemble(
     model_name: str,
     threads: int,
     drafts_given: bool,
+    quantized_source: bool = False,
 ) -> Parts:
     """Build and wire the parts of an engine over ``adapter`` and ``store``; its engine thread computes
-    with ``threads`` torch threads, whatever the caller's threads set later."""
+    with ``threads`` torch threads, whatever the caller's threads set later. ``quantized_source``: the
+    weights came quantized (the decode step's ``weights="auto"``)."""
     prompt_tokenizer = PromptTokenizer(tokenizer)
     kv_shape = (adapter.n_layers, adapter.n_kv_heads, adapter.head_dim)
     variants = StoredVariants(store, VariantIndex(config.max_variants), kv_shape)
@@ -164,7 +167,7 @@ def assemble(
                           context_window=context_window)  # fmt: skip
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
                       context_window=context_window)  # fmt: skip
-    decoder = Decoder(adapter, config.decode_group, weights="plain" if config.weights == "auto" else config.weights)
+    decoder = Decoder(adapter, config.decode_group, weights=decode_weights(config.weights, quantized_source))
     decoding = Decoding(decoder, conversations, config.draft_tokens,
                         drafts_given=drafts_given)  # fmt: skip
     worker.drive(start=prefiller.start, step=decoding.step, finish=decoding.finish)

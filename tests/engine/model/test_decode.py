@@ -183,11 +183,23 @@ def test_the_bundled_model_decodes_packed_as_the_plain_step(smol_engine):
     why = packed_module._packable(smol_engine.adapter)
     if why is not None:
         pytest.skip(f"no packed decode here: {why}")
-    assert smol_engine.info().decode.startswith("packed")
+    decoder = Decoder(smol_engine.adapter, smol_engine.config.decode_group, weights="plain")
+    assert decoder.description.startswith("packed")
     if smol_engine.adapter.dtype == torch.float32:
-        decode_close(smol_engine.adapter, smol_engine.decoding.decoder, steps=3)
+        decode_close(smol_engine.adapter, decoder, steps=3)
     else:
-        decode_both(smol_engine.adapter, smol_engine.decoding.decoder, steps=3)
+        decode_both(smol_engine.adapter, decoder, steps=3)
+
+
+@pytest.mark.model
+def test_the_bundled_gguf_decodes_in_4_bits_by_default_where_the_kernels_run(smol_engine):
+    """``weights="auto"``: the bundled model came quantized (its GGUF is Q4_1), so decode steps read 4-bit
+    weights where torch's kernels for them run (a CPU in bf16), else the packed step says why not."""
+    decode = smol_engine.info().decode
+    if smol_engine.adapter.dtype == torch.bfloat16:
+        assert decode.startswith(("quantized: int4", "packed: int4 refused")), decode
+    else:
+        assert decode.startswith(("packed: int4 refused", "plain: int4 refused")), decode
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

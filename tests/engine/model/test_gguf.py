@@ -100,7 +100,7 @@ def test_the_header_says_what_the_file_holds_without_reading_its_tensors(tiny_gg
         KV_HEADS,
         len(make_tokenizer()),
     )
-    assert h.chat_template and h.tensors == 2 + 12 * LAYERS + 1
+    assert h.chat_template and h.quantized and h.tensors == 2 + 12 * LAYERS + 1
     assert h.bytes_in(torch.bfloat16) == 2 * h.parameters and "qwen2, 2 layers" in h.describe()
 
 
@@ -124,7 +124,8 @@ def test_the_conversion_is_transformers_dequantization_tensor_by_tensor(tiny_ggu
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    directory, _ = loading._convert_gguf(tiny_gguf, tmp_path, dtype)
+    directory, _, quantized = loading._convert_gguf(tiny_gguf, tmp_path, dtype)
+    assert quantized  # its matrices are Q8_0
     ours = {}
     for shard in sorted(directory.glob("model-*.safetensors")):
         ours.update(load_file(str(shard)))
@@ -137,7 +138,7 @@ def test_the_conversion_is_transformers_dequantization_tensor_by_tensor(tiny_ggu
         assert ours[name].dtype == dtype and torch.equal(ours[name], tensor.to(dtype)), name
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(ours)
-    again, _ = loading._convert_gguf(tiny_gguf, tmp_path, dtype)  # cached: the same folder, not redone
+    again, _, _ = loading._convert_gguf(tiny_gguf, tmp_path, dtype)  # cached: the same folder, not redone
     assert again == directory
 
 
