@@ -74,7 +74,7 @@ class EngineConfig:
     then the advanced settings, whose defaults fit most uses (the figures behind them: docs/results.md).
 
     - ``compute`` (:class:`~kvrag.config.ComputeSettings`), the model and where it computes: ``model``,
-      ``dtype``, ``device``, ``num_threads``, ``tune_malloc``, ``max_context``.
+      ``dtype``, ``weights``, ``device``, ``num_threads``, ``tune_malloc``, ``max_context``.
     - ``reuse`` (:class:`~kvrag.config.ReuseSettings`), how a prefill reuses cached KV: ``mode``,
       ``recompute_ratio``, ``quality``, ``selection``, ``selection_params``; advanced: ``auto_max_ratio``,
       ``auto_threshold``, ``auto_ratio``, ``other_context_selection``, ``other_context_ratio``,
