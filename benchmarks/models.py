@@ -40,11 +40,15 @@ DECODE_HINT = "Explain the answer in three sentences, citing the passages."
 
 
 def measure_load(model: str, cache_dir: str, settings: dict) -> dict:
-    """Load ``model`` in a child process: its seconds to a ready engine and its peak RSS (bytes)."""
+    """Load ``model`` in a child process: its seconds to a ready engine, its peak RSS (bytes) then, and
+    its peak RSS after one short request (the weights kvrag maps from its conversion cache are read
+    in on first use, as llama.cpp's mapped GGUF is)."""
     code = (
-        "import json, sys, time; t0 = time.perf_counter(); from kvrag import Engine; "
+        "import json, resource, sys, time; t0 = time.perf_counter(); from kvrag import Engine; "
         f"e = Engine.from_pretrained({model!r}, cache_dir={cache_dir!r}, **json.loads(sys.argv[1])); "
-        "print(json.dumps({'seconds': time.perf_counter() - t0, 'decode': e.info().decode}))"
+        "s = time.perf_counter() - t0; rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024; "
+        "e.generate([' '.join(['passage text'] * 200)], 'Read this.', ' Question?', max_new_tokens=4); "
+        "print(json.dumps({'seconds': s, 'peak_rss_loaded_bytes': rss, 'decode': e.info().decode}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(settings)], stdout=subprocess.PIPE, text=True)
     out = proc.stdout.read()

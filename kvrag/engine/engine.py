@@ -14,7 +14,7 @@ from kvrag.config import EngineConfig
 from kvrag.engine.model import loading
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.dtypes import DtypeChoice, weights_dtype
-from kvrag.engine.model.host import on_own_thread, tune_malloc
+from kvrag.engine.model.host import loading_memory, on_own_thread, tune_malloc
 from kvrag.engine.model.sampling import SamplingParams
 from kvrag.engine.options import RequestOptions
 from kvrag.engine.reuse.access import AccessStats
@@ -93,28 +93,29 @@ class Engine:
         self.context_window = min(window, config.max_context) if config.max_context else window
         sink = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
-        # blend/reuse only where placement and ratio 1.0 are proven exact for these weights (cached)
-        self.gate = load_gate(
-            adapter, hf_model, self.sink_ids, fingerprint=self.fingerprint, cache_dir=config.resolved_cache_dir()
-        )
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
         #: torch intra-op threads of the engine thread: ``num_threads``, else torch's count when the engine was built
         self.threads = config.num_threads or torch.get_num_threads()
-        self.parts = parts = assemble(
-            config,
-            adapter,
-            tokenizer,
-            self.store,
-            self.gate,
-            fingerprint=self.fingerprint,
-            sink_ids=self.sink_ids,
-            eos_ids=self.eos_ids,
-            context_window=self.context_window,
-            model_name=self.model_name,
-            threads=self.threads,
-            drafts_given=drafts_given,
-            quantized_source=quantized_source,
-        )
+        with loading_memory():  # the self-test's and the decode weights' temporaries go back when freed
+            # blend/reuse only where placement and ratio 1.0 are proven exact for these weights (cached)
+            self.gate = load_gate(
+                adapter, hf_model, self.sink_ids, fingerprint=self.fingerprint, cache_dir=config.resolved_cache_dir()
+            )
+            self.parts = parts = assemble(
+                config,
+                adapter,
+                tokenizer,
+                self.store,
+                self.gate,
+                fingerprint=self.fingerprint,
+                sink_ids=self.sink_ids,
+                eos_ids=self.eos_ids,
+                context_window=self.context_window,
+                model_name=self.model_name,
+                threads=self.threads,
+                drafts_given=drafts_given,
+                quantized_source=quantized_source,
+            )
         # the parts a request goes through (docs/how-it-works.md), by the names tests and tools use
         self.prompt_tokenizer, self.documents, self.variants, self.planner, self.chunk_computer = (
             parts.prompt_tokenizer, parts.documents, parts.variants, parts.planner, parts.chunk_computer,

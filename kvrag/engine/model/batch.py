@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -55,17 +56,25 @@ class Decoder:
     elsewhere every step is :func:`decode_step`. ``weights="int8"`` or ``"int4"`` quantizes them
     instead (:mod:`kvrag.engine.model.quantized`, where the kernels are there: else the packed
     path, and the description says why); those products keep rows apart, so a step runs its rows
-    only, never padded.
+    only, never padded. ``cache``: a file the quantized weights are read from, or kept in once
+    built (:func:`~kvrag.engine.model.quantized.cache_file`).
     """
 
-    def __init__(self, adapter: ModelAdapter, group: int, upcast: bool | None = None, weights: str = "plain") -> None:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        group: int,
+        upcast: bool | None = None,
+        weights: str = "plain",
+        cache: Path | None = None,
+    ) -> None:
         self.adapter = adapter
         self.group = group
         t0 = time.perf_counter()
         self.weights: DecodeWeights | QuantizedWeights | None = None
         refused = ""
         if weights in QUANTIZED_FORMATS:
-            self.weights, why = QuantizedWeights.build(adapter, weights)
+            self.weights, why = QuantizedWeights.build(adapter, weights, cache)
             refused = "" if self.weights is not None else f"{weights} refused: {why}; "
         if self.weights is None:
             self.weights, why = DecodeWeights.build(adapter, group)

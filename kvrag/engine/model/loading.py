@@ -142,16 +142,19 @@ def _dir_digest(path: Path, cache_dir: Path) -> str:
 def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path, str, bool]:
     """Convert a GGUF file once into ``<cache_dir>/models/<sha>-<dtype>-v<n>/`` (safetensors in the
     compute dtype, tokenizer, config); the header is checked first, so an unsupported model costs
-    nothing (:mod:`kvrag.engine.model.gguf`)."""
-    header = gguf_file.check_header(gguf_file.read_header(gguf))
+    nothing (:mod:`kvrag.engine.model.gguf`). A converted file's header is not read again (parsing a
+    150K-token vocabulary costs seconds): what the load needs of it was recorded with the conversion."""
     digest = _file_digest(gguf, cache_dir)
     dtype_name = str(dtype).removeprefix("torch.")
     target = cache_dir / "models" / f"{digest[:32]}-{dtype_name}-v{gguf_file.CONVERTER_VERSION}"
-    if (target / "kvrag-convert.json").is_file():
-        return target, digest, header.quantized
+    done = _converted(target, gguf)
+    if done is not None:
+        return target, digest, done
+    header = gguf_file.check_header(gguf_file.read_header(gguf))
     with _convert_lock:
-        if (target / "kvrag-convert.json").is_file():
-            return target, digest, header.quantized
+        done = _converted(target, gguf)
+        if done is not None:
+            return target, digest, done
         size = header.bytes_in(dtype)
         log.warning(
             "kvrag: converting %s once to %s (%.1f GiB of weights); cached in %s",
@@ -165,9 +168,8 @@ def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path
         try:
             with _progress(header.tensor_bytes, f"kvrag: converting {gguf.name}") as step:
                 gguf_file.convert(header, tmp, dtype, progress=step)
-            (tmp / "kvrag-convert.json").write_text(
-                json.dumps({"source": gguf.name, "sha256": digest, "dtype": dtype_name, "header": header.describe()})
-            )
+            record = {"source": gguf.name, "sha256": digest, "dtype": dtype_name, "header": header.describe()}
+            (tmp / "kvrag-convert.json").write_text(json.dumps({**record, "quantized": header.quantized}))
             try:
                 os.replace(tmp, target)
             except OSError:  # another process won the race: its copy is as good as ours
@@ -176,6 +178,17 @@ def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return target, digest, header.quantized
+
+
+def _converted(target: Path, gguf: Path) -> bool | None:
+    """Whether the converted model in ``target`` came from quantized weights; None: no finished conversion.
+    A record written before it noted that: the header says (read again, once per load)."""
+    try:
+        record = json.loads((target / "kvrag-convert.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quantized = record.get("quantized") if isinstance(record, dict) else None
+    return quantized if isinstance(quantized, bool) else gguf_file.read_header(gguf).quantized
 
 
 @contextlib.contextmanager

@@ -187,18 +187,21 @@ def _in_float32(hf_model):
     """Within the block, ``hf_model`` (in a reduced dtype) computes in float32: each leaf module with
     weights is brought to float32 just before its forward and back to its dtype right after, so at
     most one module's weights are in float32 at a time (the LM head, or a layer's MLP) instead of a
-    float32 copy of the whole model. Both conversions are exact (every bf16 or fp16 value is a
-    float32 value), so the weights after the block are the ones before, bit for bit."""
-    kept: dict[torch.nn.Parameter, torch.dtype] = {}  # each weight's own dtype (buffers are left alone)
+    float32 copy of the whole model. The conversion up is exact (every bf16 or fp16 value is a
+    float32 value), and after its forward a module gets its own tensors back (not a conversion
+    down: a fresh copy of every weight, while the engine still holds the originals), so the weights
+    after the block are the ones before, the same storage."""
+    kept: dict[torch.nn.Parameter, torch.Tensor] = {}  # each weight's own tensor while it is in float32
 
     def up(module, args) -> None:
         for p in module.parameters(recurse=False):
-            kept.setdefault(p, p.dtype)
-            p.data = p.data.to(torch.float32)
+            own = kept.setdefault(p, p.data)
+            p.data = own.to(torch.float32)
 
     def down(module, args=None, out=None) -> None:
         for p in module.parameters(recurse=False):
-            p.data = p.data.to(kept.get(p, p.dtype))
+            if p in kept:
+                p.data = kept.pop(p)
 
     modules = [m for m in hf_model.modules() if next(m.parameters(recurse=False), None) is not None]
     hooks = [h for m in modules for h in (m.register_forward_pre_hook(up), m.register_forward_hook(down))]

@@ -14,7 +14,7 @@ import torch
 from kvrag.config import EngineConfig
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder
-from kvrag.engine.model.quantized import decode_weights
+from kvrag.engine.model.quantized import cache_file, decode_weights
 from kvrag.engine.reuse.access import AccessTable
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label
 from kvrag.engine.reuse.conversations import Conversations
@@ -167,7 +167,10 @@ def assemble(
                           context_window=context_window)  # fmt: skip
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
                       context_window=context_window)  # fmt: skip
-    decoder = Decoder(adapter, config.decode_group, weights=decode_weights(config.weights, quantized_source))
+    fmt = decode_weights(config.weights, quantized_source)
+    # a GGUF's decode weights are kept beside its conversion (quantizing a 1.5B model takes seconds)
+    cache = cache_file(config.resolved_cache_dir(), fingerprint, fmt) if quantized_source else None
+    decoder = Decoder(adapter, config.decode_group, weights=fmt, cache=cache)
     decoding = Decoding(decoder, conversations, config.draft_tokens,
                         drafts_given=drafts_given)  # fmt: skip
     worker.drive(start=prefiller.start, step=decoding.step, finish=decoding.finish)

@@ -119,7 +119,7 @@ def test_an_unsupported_architecture_is_refused_before_any_conversion(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_conversion_is_transformers_dequantization_tensor_by_tensor(tiny_gguf, tmp_path, dtype):
+def test_the_conversion_is_transformers_dequantization_tensor_by_tensor(tiny_gguf, tmp_path, dtype, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -138,8 +138,10 @@ def test_the_conversion_is_transformers_dequantization_tensor_by_tensor(tiny_ggu
         assert ours[name].dtype == dtype and torch.equal(ours[name], tensor.to(dtype)), name
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(ours)
-    again, _, _ = loading._convert_gguf(tiny_gguf, tmp_path, dtype)  # cached: the same folder, not redone
-    assert again == directory
+    read = []
+    monkeypatch.setattr(loading.gguf_file, "read_header", lambda path: read.append(path))
+    again, _, quantized = loading._convert_gguf(tiny_gguf, tmp_path, dtype)  # cached: the same folder, not redone
+    assert again == directory and quantized and not read  # nor the header read again: the record says
 
 
 def test_a_converted_gguf_runs_in_the_engine_and_blends_exactly_at_ratio_one(tiny_gguf, tmp_path):

@@ -102,3 +102,34 @@ def test_the_engine_takes_the_setting_and_says_which_step_runs(tiny_tokenizer):
         assert engine.generate(prompt="Hello there, how are you?", max_new_tokens=4).stats.completion_tokens == 4
     with pytest.raises(InvalidRequestError, match="weights must be 'auto' or one of"):
         EngineConfig(weights="int3")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased Q/K/V, kept outside the cache
+def test_cached_decode_weights_are_the_built_ones_and_a_damaged_file_is_built_again(family, fmt, tmp_path):
+    from kvrag.engine.model.quantized import cache_file
+
+    adapter = bf16_adapter(family)
+    cache = cache_file(tmp_path, "f" * 64, fmt)
+    built = Decoder(adapter, 8, weights=fmt, cache=cache)
+    if not built.unpadded:
+        pytest.skip(f"no {fmt} decode here: {built.description}")
+    assert (
+        cache.is_file()
+        and built.description.startswith(f"quantized: {fmt} weight-only")
+        and "quantized)" in built.description
+    )
+    read = Decoder(adapter, 8, weights=fmt, cache=cache)
+    assert "read from the cache" in read.description
+    for a, b in zip(built.weights.layers + [built.weights.lm_head], read.weights.layers + [read.weights.lm_head]):
+        for part in ("qkv", "o", "gate_up", "down") if hasattr(a, "qkv") else ("",):
+            x, y = (getattr(a, part), getattr(b, part)) if part else (a, b)
+            assert x.tensors().keys() == y.tensors().keys()
+            assert all(torch.equal(x.tensors()[k], y.tensors()[k]) for k in x.tensors())
+            assert (x.bias is None) == (y.bias is None) and (x.bias is None or torch.equal(x.bias, y.bias))
+    torch.manual_seed(2)
+    prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
+    assert torch.equal(built.step(rows_for(adapter, prompts, 1)), read.step(rows_for(adapter, prompts, 1)))
+    cache.write_bytes(b"not safetensors")
+    again = Decoder(adapter, 8, weights=fmt, cache=cache)
+    assert "quantized)" in again.description and cache.stat().st_size > 100  # built and kept again

@@ -146,11 +146,14 @@ def test_unknown_architectures_list_the_supported_ones():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_float32_reference_runs_module_by_module_and_leaves_the_weights_as_they_were(family):
     """The gate's float32 reference without a float32 copy of the model: each module upcast just
-    before it runs, downcast after: the very logits and KV a float32 copy gives, the weights unchanged."""
+    before it runs, given its own tensors back after: the very logits and KV a float32 copy gives, the
+    weights unchanged and in the same storage (a copy per weight would double the model's memory while
+    the engine holds the originals)."""
     import copy
 
     model = as_dtype(make_tiny_model(600, family), "bfloat16")
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = {k: v.data_ptr() for k, v in model.state_dict().items()}
     ids = torch.randint(0, 600, (40,), generator=torch.Generator().manual_seed(3))
     probe = gate._Probe(ids, torch.cat([ids[:1], ids[10:20]]), 1, 10, 20)
     copy_kv, copy_logits = gate._transformers_run(copy.deepcopy(model).float(), probe)
@@ -160,3 +163,4 @@ def test_the_float32_reference_runs_module_by_module_and_leaves_the_weights_as_t
     assert all(torch.equal(a, b) for pair, other in zip(kv, copy_kv) for a, b in zip(pair, other))
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert {k: v.data_ptr() for k, v in after.items()} == storage
