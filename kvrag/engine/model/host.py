@@ -14,7 +14,7 @@ and already did, once glibc's own threshold had grown). Only on Linux with glibc
 computing on the CPU; a threshold the user set (``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``, or the ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``) is left as set.
 ``EngineConfig.tune_malloc=False`` turns it off. While an engine is built (:func:`loading_memory`: the
-load-time self-test, the decode weights) blocks above 1 MiB come from mmap instead, so a build's
+load-time self-test, the decode weights) blocks above 16 MiB come from mmap instead, so a build's
 temporaries go back to the kernel when freed, not into holes between the weights built beside them
 (measured: the 1.5B Qwen's first load peaked at 8.2 GiB of RSS without it).
 
