@@ -73,7 +73,8 @@ class ComputeSettings(Checked):
         weights: the decode step's weights: ``"plain"`` (the compute dtype's), ``"int8"`` or ``"int4"``
             (weight-only quantized: a step streams 2x or 4x fewer bytes; prefill keeps the plain ones),
             or ``"auto"``: ``"int4"`` for a model that came quantized (a GGUF), else ``"plain"``
-            (:func:`kvrag.engine.model.quantized.decode_weights`; figures: docs/results.md).
+            (:func:`kvrag.engine.model.quantized.decode_weights`; figures: docs/results.md). A GGUF's
+            quantized decode weights are kept under ``cache_dir`` beside its conversion (0.6-0.9x the file).
     """
 
     model: str | None = setting(None)  # checked when the engine loads it

@@ -278,5 +278,5 @@ def _write(cache: Path, weights: QuantizedWeights) -> None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    except OSError:
+    except Exception:  # a full or read-only disk, or safetensors' own error: only the next load's time is lost
         log.warning("kvrag: could not keep the decode weights in %s", cache, exc_info=True)
