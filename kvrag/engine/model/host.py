@@ -16,7 +16,7 @@ computing on the CPU; a threshold the user set (``MALLOC_MMAP_THRESHOLD_``,
 ``EngineConfig.tune_malloc=False`` turns it off. While an engine is built (:func:`loading_memory`: the
 load-time self-test, the decode weights) blocks above 16 MiB come from mmap instead, so a build's
 temporaries go back to the kernel when freed, not into holes between the weights built beside them
-(measured: the 1.5B Qwen's first load peaked at 8.2 GiB of RSS without it).
+(what it saves: docs/journal/real-models.md).
 
 **OpenMP.** PyTorch's CPU ops run on GNU OpenMP (libgomp), which gives every thread that runs a
 parallel op its own pool of worker threads, kept until that thread ends. While the pooled threads of

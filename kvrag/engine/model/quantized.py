@@ -181,8 +181,8 @@ class QuantizedWeights:
         """The decode weights in ``fmt`` (``int8`` or ``int4``), or ``None`` and why not.
 
         ``cache``: a file (:func:`cache_file`) they are read from when it exists, else written to
-        once built (quantizing the 1.5B Qwen's weights takes ~13 s on 2 cores; reading them back
-        under a second): the same tensors either way."""
+        once built (reading them back takes a fraction of quantizing them again: docs/journal/real-models.md):
+        the same tensors either way."""
         why = _quantizable(adapter, fmt)
         if why is not None:
             return None, why

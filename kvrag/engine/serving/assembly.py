@@ -168,7 +168,7 @@ def assemble(
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
                       context_window=context_window)  # fmt: skip
     fmt = decode_weights(config.weights, quantized_source)
-    # a GGUF's decode weights are kept beside its conversion (quantizing a 1.5B model takes seconds)
+    # a GGUF's decode weights are kept beside its conversion (read back instead of quantized again)
     cache = cache_file(config.resolved_cache_dir(), fingerprint, fmt) if quantized_source else None
     decoder = Decoder(adapter, config.decode_group, weights=fmt, cache=cache)
     decoding = Decoding(decoder, conversations, config.draft_tokens,
