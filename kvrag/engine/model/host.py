@@ -58,6 +58,7 @@ _TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
 
 _lock = threading.Lock()
 _done: str | None = None  # what the first call did, for every later one
+_libc = None  # glibc, once _tune set its thresholds (loading_memory moves them for a while)
 
 
 def tune_malloc(enabled: bool = True) -> str:
@@ -84,12 +85,10 @@ def loading_memory():
     temporaries (float32 copies of weights, quantization chunks) sit between long-lived tensors.
     Only where :func:`tune_malloc` set the thresholds (it restores them after); else nothing."""
     with _lock:
-        tuned = _done is not None and _done.startswith("glibc malloc: mmap above")
-    if not tuned:
+        libc = _libc
+    if libc is None:
         yield
         return
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     libc.mallopt(_M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
     try:
         yield
@@ -109,6 +108,7 @@ def glibc() -> bool:
 
 
 def _tune() -> str:
+    global _libc
     if not glibc():
         return "the platform's allocator, unchanged (not Linux with glibc)"
     named = [name for name in _ENV if name in os.environ]
@@ -116,12 +116,14 @@ def _tune() -> str:
     if named:
         return f"glibc malloc as the environment sets it ({', '.join(named)})"
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
     except (OSError, AttributeError):
         return "glibc malloc, unchanged (mallopt not found)"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "glibc malloc, unchanged (mallopt refused the thresholds)"
+    _libc = libc
     return (
         f"glibc malloc: mmap above {MMAP_THRESHOLD >> 20} MiB, trim past {TRIM_THRESHOLD >> 20} MiB free"
         " (a prefill's temporaries reuse memory instead of faulting in fresh pages)"

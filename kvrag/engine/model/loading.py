@@ -182,13 +182,19 @@ def _convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> tuple[Path
 
 def _converted(target: Path, gguf: Path) -> bool | None:
     """Whether the converted model in ``target`` came from quantized weights; None: no finished conversion.
-    A record written before it noted that: the header says (read again, once per load)."""
+    A record written before it noted that: the header says, once (the record keeps the answer)."""
+    path = target / "kvrag-convert.json"
     try:
-        record = json.loads((target / "kvrag-convert.json").read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    quantized = record.get("quantized") if isinstance(record, dict) else None
-    return quantized if isinstance(quantized, bool) else gguf_file.read_header(gguf).quantized
+    record = record if isinstance(record, dict) else {}
+    quantized = record.get("quantized")
+    if not isinstance(quantized, bool):
+        quantized = gguf_file.read_header(gguf).quantized
+        with contextlib.suppress(OSError):  # a read-only cache reads the header again next time
+            atomic_write_text(path, json.dumps({**record, "quantized": quantized}))
+    return quantized
 
 
 @contextlib.contextmanager

@@ -142,6 +142,11 @@ def test_the_conversion_is_transformers_dequantization_tensor_by_tensor(tiny_ggu
     monkeypatch.setattr(loading.gguf_file, "read_header", lambda path: read.append(path))
     again, _, quantized = loading._convert_gguf(tiny_gguf, tmp_path, dtype)  # cached: the same folder, not redone
     assert again == directory and quantized and not read  # nor the header read again: the record says
+    monkeypatch.undo()
+    record = directory / "kvrag-convert.json"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "quantized"}))
+    assert loading._convert_gguf(tiny_gguf, tmp_path, dtype)[2]  # a record from before the flag: the header says
+    assert json.loads(record.read_text())["quantized"] is True  # once: the record keeps it
 
 
 def test_a_converted_gguf_runs_in_the_engine_and_blends_exactly_at_ratio_one(tiny_gguf, tmp_path):
