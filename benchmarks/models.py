@@ -19,6 +19,7 @@ also by answer drift against its full prefill (the full answer teacher-forced, m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -81,8 +82,10 @@ def run(a: argparse.Namespace) -> dict:
     engine = Engine.from_pretrained(model, cache_dir=cache_dir, num_threads=a.threads, **settings)
     out["engine"] = engine.info().to_dict()
     fmt = PromptFormat(engine.tokenizer)
-    server = LlamaServer(find_server(a.llama_server), Path(model), threads=a.threads, flash_attn=a.flash_attn)
-    with engine, server:
+    server = None
+    if not a.no_llama:
+        server = LlamaServer(find_server(a.llama_server), Path(model), threads=a.threads, flash_attn=a.flash_attn)
+    with engine, server or contextlib.nullcontext():
         for item in items:
             k = min(a.top_k, len(item.passages))
             retrieved = list(range(k))
@@ -109,11 +112,9 @@ def run(a: argparse.Namespace) -> dict:
             engine.flush()
             row["kvrag_full"] = ask(again, mode="full")
             row["kvrag_exact"] = ask(again)
-            eos, engine._worker.eos_ids = engine._worker.eos_ids, set()  # the probe decodes all its tokens
-            try:
-                probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens)
-            finally:
-                engine._worker.eos_ids = eos
+            probe = engine.generate(
+                again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True
+            )
             row["kvrag_decode"] = {
                 "tokens": len(probe.token_ids),
                 "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
@@ -124,6 +125,12 @@ def run(a: argparse.Namespace) -> dict:
                 got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
                 row["blend_drift"] = drift(got, ref)
             engine.flush()
+            if server is None:
+                for key in ("kvrag_full", "kvrag_blend", "kvrag_exact"):
+                    row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
+                out["rows"].append(row)
+                print(_row_line(row), flush=True)
+                continue
             server.erase_cache()
             for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
                 c = server.complete(prompt, max_tokens=a.max_new_tokens)
@@ -140,18 +147,27 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def _row_line(r: dict) -> str:
-    return (
+    kvrag = (
         f"q{r['question']}: kvrag first {r['kvrag_first']['ttft_s']:.2f} s, blend {r['kvrag_blend']['ttft_s']:.2f}, "
-        f"full {r['kvrag_full']['ttft_s']:.2f}, exact {r['kvrag_exact']['ttft_s']:.3f}; llama.cpp first "
-        f"{r['llama_first']['ttft_s']:.2f}, reordered {r['llama_reordered']['ttft_s']:.2f}, exact "
-        f"{r['llama_exact']['ttft_s']:.3f}; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f} vs "
-        f"{r['llama_decode']['tokens_per_s'] or 0:.1f} tok/s; F1 full {r['kvrag_full']['f1']:.2f} blend "
-        f"{r['kvrag_blend']['f1']:.2f} llama {r['llama_reordered']['f1']:.2f}"
+        f"full {r['kvrag_full']['ttft_s']:.2f}, exact {r['kvrag_exact']['ttft_s']:.3f}"
+    )
+    f1 = f"F1 full {r['kvrag_full']['f1']:.2f} blend {r['kvrag_blend']['f1']:.2f}"
+    if "llama_first" not in r:
+        return f"{kvrag}; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f} tok/s; {f1}"
+    return (
+        f"{kvrag}; llama.cpp first {r['llama_first']['ttft_s']:.2f}, reordered {r['llama_reordered']['ttft_s']:.2f}, "
+        f"exact {r['llama_exact']['ttft_s']:.3f}; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f} vs "
+        f"{r['llama_decode']['tokens_per_s'] or 0:.1f} tok/s; {f1} llama {r['llama_reordered']['f1']:.2f}"
     )
 
 
 def summarize(rows: list[dict]) -> dict:
     """Medians of each stage's TTFT, paired ratios, decode rates, F1/EM means, identical answers."""
+
+    llama = all("llama_first" in r for r in rows)
+    stages = ("kvrag_first", "kvrag_blend", "kvrag_full", "kvrag_exact")
+    if llama:
+        stages += ("llama_first", "llama_reordered", "llama_exact")
 
     def med(values):
         values = [v for v in values if v is not None]
@@ -162,42 +178,32 @@ def summarize(rows: list[dict]) -> dict:
 
     s = {
         "questions": len(rows),
-        "ttft_s": {
-            k: med([r[k]["ttft_s"] for r in rows])
-            for k in (
-                "kvrag_first",
-                "kvrag_blend",
-                "kvrag_full",
-                "kvrag_exact",
-                "llama_first",
-                "llama_reordered",
-                "llama_exact",
-            )
-        },  # fmt: skip
+        "ttft_s": {k: med([r[k]["ttft_s"] for r in rows]) for k in stages},
         "paired": {
             "blend_over_full": ratio("kvrag_blend", "kvrag_full"),
             "first_over_full": ratio("kvrag_first", "kvrag_full"),
             "exact_over_full": ratio("kvrag_exact", "kvrag_full"),
-            "first_over_llama_first": ratio("kvrag_first", "llama_first"),
-            "blend_over_llama_reordered": ratio("kvrag_blend", "llama_reordered"),
-            "exact_over_llama_exact": ratio("kvrag_exact", "llama_exact"),
         },
-        "decode_tokens_per_s": {
-            "kvrag": med([r["kvrag_decode"]["tokens_per_s"] for r in rows]),
-            "llama": med([r["llama_decode"]["tokens_per_s"] for r in rows]),
-        },
+        "decode_tokens_per_s": {"kvrag": med([r["kvrag_decode"]["tokens_per_s"] for r in rows])},
         "quality": {
             k: {
                 "f1": statistics.fmean(r[k]["f1"] for r in rows),
                 "em": sum(r[k]["em"] for r in rows) / len(rows),
             }
-            for k in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered")
+            for k in stages[1:4] + (("llama_reordered",) if llama else ())
         },
         "identical_to_full": {
             k: sum(r[k]["tokens"] == r["kvrag_full"]["tokens"] for r in rows) for k in ("kvrag_blend", "kvrag_exact")
         },
         "blend_drift": med([r.get("blend_drift") for r in rows]),
     }
+    if llama:
+        s["paired"] |= {
+            "first_over_llama_first": ratio("kvrag_first", "llama_first"),
+            "blend_over_llama_reordered": ratio("kvrag_blend", "llama_reordered"),
+            "exact_over_llama_exact": ratio("kvrag_exact", "llama_exact"),
+        }
+        s["decode_tokens_per_s"]["llama"] = med([r["llama_decode"]["tokens_per_s"] for r in rows])
     return s
 
 
@@ -215,6 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", default="", help='EngineConfig settings as JSON, e.g. \'{"weights": "int4"}\'')
     p.add_argument("--cache-dir", default="", help="kvrag's cache directory (default: the user's)")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: $LLAMA_SERVER)")
+    p.add_argument("--no-llama", action="store_true", help="kvrag only (its full prefill the reference)")
     p.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"))
     p.add_argument("--load", action="store_true", help="also measure loading, first time and from the cache")
     p.add_argument("--load-cache-dir", default="", help="an empty cache directory for --load's first time")

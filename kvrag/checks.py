@@ -108,12 +108,12 @@ def share(*, also: tuple = ()) -> Check:
     return number(0.0, 1.0, also=also)
 
 
-def flag() -> Check:
+def flag(*, also: tuple = ()) -> Check:
     """``True`` or ``False`` (not 0 or 1: a setting that is a switch says so)."""
 
     def check(name: str, value: Any) -> Any:
-        if not isinstance(value, bool):
-            raise _fail(name, "True or False", value)
+        if not isinstance(value, bool) and not _accepts(value, also):
+            raise _fail(name, _describe("True or False", also), value)
         return value
 
     return check

@@ -57,9 +57,11 @@ def test_default_sampling_is_one_field_with_the_defaults_of_before():
         EngineConfig(sampling=SamplingParams(top_p=0.0))
     # a request's own fields override the engine's one by one
     engine_defaults = EngineConfig(sampling=SamplingParams(max_new_tokens=5, stop=["END"])).sampling
-    assert SamplingParams(temperature=0.5).resolved(engine_defaults) == SamplingParams(5, 0.5, 1.0, ("END",), None)
+    assert SamplingParams(temperature=0.5).resolved(engine_defaults) == SamplingParams(
+        5, 0.5, 1.0, ("END",), None, False
+    )
     assert SamplingParams(stop=[]).resolved(engine_defaults).stop == ()
-    assert SamplingParams().resolved(DEFAULT_SAMPLING) == SamplingParams(64, 0.0, 1.0, (), None)
+    assert SamplingParams().resolved(DEFAULT_SAMPLING) == SamplingParams(64, 0.0, 1.0, (), None, False)
 
 
 def test_engine_default_sampling_and_a_per_request_override(tiny_model, tiny_tokenizer):

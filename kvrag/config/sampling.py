@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvrag.checks import Checked, integer, is_int, number, setting
+from kvrag.checks import Checked, flag, integer, is_int, number, setting
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["SamplingParams", "DEFAULT_SAMPLING", "SAMPLING_FIELDS", "engine_sampling"]
@@ -44,6 +44,8 @@ class SamplingParams(Checked):
         top_p: nucleus sampling threshold in (0, 1], used when ``temperature`` > 0.
         stop: stop strings (one string or several); the text is cut before the first one found.
         seed: sampling seed (``None``: nondeterministic when sampling).
+        ignore_eos: decode ``max_new_tokens`` whatever end-of-sequence token comes (a benchmark's
+            fixed-length answers, as vLLM's and llama.cpp's ``ignore_eos``); stop strings still stop.
     """
 
     max_new_tokens: int | None = setting(None, integer(0, also=(None,)))
@@ -51,6 +53,7 @@ class SamplingParams(Checked):
     top_p: float | None = setting(None, number(0.0, 1.0, open_low=True, also=(None,)))
     stop: str | tuple[str, ...] | list[str] | None = setting(None, _stop)
     seed: int | None = setting(None, _seed)
+    ignore_eos: bool | None = setting(None, flag(also=(None,)))
 
     def resolved(self, defaults: SamplingParams) -> SamplingParams:
         """Every ``None`` field taken from ``defaults`` (the engine's ``config.sampling``); ``stop`` a tuple."""
@@ -60,6 +63,7 @@ class SamplingParams(Checked):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             stop=(defaults.stop if self.stop is None else self.stop) or (),
             seed=defaults.seed if self.seed is None else self.seed,
+            ignore_eos=bool(defaults.ignore_eos if self.ignore_eos is None else self.ignore_eos),
         )
 
     @classmethod
@@ -78,7 +82,7 @@ class SamplingParams(Checked):
         return dataclasses.replace(self, **changes)
 
 
-#: The engine's default decoding (``EngineConfig.sampling``): 64 tokens, greedy.
+#: The engine's default decoding (``EngineConfig.sampling``): 64 tokens, greedy (``ignore_eos`` None: stops at one).
 DEFAULT_SAMPLING = SamplingParams(max_new_tokens=64, temperature=0.0, top_p=1.0, seed=None)
 #: The fields of :class:`SamplingParams`, in order.
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

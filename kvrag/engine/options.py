@@ -28,6 +28,7 @@ OPTION_DOCS: Mapping[str, str] = MappingProxyType(
         "top_p": "Nucleus sampling threshold in (0, 1]; None = the engine's default.",
         "stop": "Stop strings; the output is cut before the first one found.",
         "seed": "Sampling seed (None: nondeterministic when sampling).",
+        "ignore_eos": "Decode max_new_tokens whatever end-of-sequence token comes (fixed-length answers).",
         "mode": f"Prefill mode, one of {', '.join(MODES)}; None = the engine's default (blend). full reuses nothing.",
         "recompute_ratio": "Share of cached chunk tokens blend recomputes (0..1), or 'auto' (each request "
         "recomputes what it needs); None = the engine's default (auto).",
@@ -43,7 +44,7 @@ OPTION_DOCS: Mapping[str, str] = MappingProxyType(
 )
 
 #: The options that are :class:`~kvrag.SamplingParams` fields.
-SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "ignore_eos")
 #: The options that say how a prompt's cached KV is reused.
 REUSE_OPTIONS = ("mode", "recompute_ratio", "selection", "quality", "conversation_id", "dedup")
 
@@ -63,6 +64,7 @@ class RequestOptions:
     top_p: float | None = None
     stop: str | tuple[str, ...] | None = None
     seed: int | None = None
+    ignore_eos: bool | None = None
     mode: str | None = None
     recompute_ratio: float | str | None = None
     selection: str | None = None

@@ -404,7 +404,9 @@ def test_exact_prefix_reuse_is_exact(family_engine, docs):
     second = family_engine.generate(docs, PREFIX, SUFFIX, mode="prefix", max_new_tokens=10)
     full = family_engine.generate(docs, PREFIX, SUFFIX, mode="full", max_new_tokens=10)
     assert first.stats.prefix_tokens == 0
-    assert second.stats.prefix_tokens >= second.stats.prompt_tokens - family_engine.config.prefix_block_tokens
+    # the prefix up to the last chunk, the tail after it (with the last hidden state): nothing computed
+    assert second.stats.prefix_tokens >= family_engine.count_tokens(PREFIX) + sum(map(family_engine.count_tokens, docs))
+    assert second.stats.exact_tokens == second.stats.prompt_tokens and second.stats.computed_tokens == 0
     assert second.token_ids == full.token_ids == first.token_ids
     torch.testing.assert_close(
         last_logits(family_engine, docs, "prefix"), last_logits(family_engine, docs, "full"), rtol=1e-4, atol=1e-4

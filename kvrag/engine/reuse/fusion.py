@@ -22,6 +22,8 @@ from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, PrefillOptions, get_selection, selection_params
 from kvrag.engine.types import ChunkInfo, GenerationStats
 
+TAIL = -1  # the tail's capture among the chunk captures (segment indices are >= 0)
+
 __all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
 
 
@@ -36,6 +38,19 @@ class PrefillResult:
     chunk_captures: dict[int, KVCapture]  # segment index -> KV the request computed for that chunk
     taps: dict[int, Tap] = field(default_factory=dict)  # segment index -> the tap holding its sampled queries
     measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
+    tail: KVCapture | None = None  # the prompt's tail computed exactly, kept with ``last_hidden``
+
+
+def _held(adapter: ModelAdapter, plan: Plan, capacity: int) -> PrefillResult:
+    """A prompt held whole (its tail with its last hidden state): its KV placed, nothing computed."""
+    n = plan.num_tokens
+    buf = KVBuffer(adapter, capacity)
+    source = SpanSource(adapter, plan.cached_spans(), adapter.rope(torch.arange(n, device=adapter.device)), n)
+    for layer in range(adapter.n_layers):
+        source.fill(layer, buf)
+    buf.length = n
+    last = plan.tail[1].stats["last_hidden"].to(adapter.device, adapter.dtype)
+    return PrefillResult(buf, last, Trace(), 0, 0, None, {})
 
 
 def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
@@ -55,6 +70,8 @@ def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tup
             capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
     chunk_caps = {}
     cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
+    if options.capture_tail and plan.tail is None and not plan.chunk_records:  # the tail is computed exactly
+        chunk_caps[TAIL] = KVCapture(adapter, plan.tail_start(), plan.num_tokens)
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
         seg = plan.segments[i]
         if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
@@ -78,6 +95,8 @@ def prefill(
     (:mod:`kvrag.engine.reuse.selection`), which recomputes within ``budget``. ``pause`` reaches
     every layer pass (:func:`~kvrag.engine.model.runner.forward`).
     """
+    if plan.tail is not None:
+        return _held(adapter, plan, capacity)
     n = plan.num_tokens
     buf = KVBuffer(adapter, capacity)
     trace = Trace()
@@ -85,6 +104,7 @@ def prefill(
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
     capture, chunk_caps = _captures(adapter, plan, options)
     captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
+    tail = chunk_caps.pop(TAIL, None)
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     taps = [tap] if tap is not None else []
@@ -93,7 +113,7 @@ def prefill(
         h, _ = forward(
             adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True, pause=pause
         )
-        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap))
+        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap), tail=tail)
 
     source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos), n)
     candidates = span_mask(n, plan.blended_spans(), adapter.device)  # [N] blended chunk KV: may be recomputed
@@ -131,7 +151,7 @@ def prefill(
         )
     computed = int(pos.numel())
     recomputed = int(candidates[pos].sum())
-    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, kept_taps, measured)
+    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, kept_taps, measured, tail)
 
 
 def extend(

@@ -65,6 +65,10 @@ class Plan:
     chunk_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of blended hits
     exact_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of exact variants
     chunks: list[ChunkUse] = field(default_factory=list)
+    #: the prompt's tail (what follows its last chunk) held exactly with its last token's hidden state:
+    #: (start, record), also in ``exact_records``; nothing of the prompt is computed
+    tail: tuple[int, KVRecord] | None = None
+    tail_digest: str | None = None  # what names the tail's KV: every token before it (None: no tail)
     path: str = field(init=False)
     reason: str = ""
 
@@ -89,7 +93,7 @@ class Plan:
             raise ValueError(f"a plan falls back to 'full' or 'prefix', not {path!r}")
         self.chunk_records = []
         if path == "full":
-            self.prefix_len, self.prefix_records, self.exact_records = 0, [], []
+            self.prefix_len, self.prefix_records, self.exact_records, self.tail = 0, [], [], None
         for use in self.chunks:
             if use.hit and (path == "full" or use.source in ("store", "conversation")):
                 use.hit, use.source, use.tier, use.fix = False, "computed", "", None
@@ -152,6 +156,11 @@ class Plan:
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
 
+    def tail_start(self) -> int:
+        """Where the prompt's tail starts: the end of its last chunk (the number of tokens when the
+        prompt has no chunk or ends with one: no tail)."""
+        return max((s.end for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
+
 
 class Planner:
     """Decides, for a prompt's segments, what is reused from the cache and what is computed.
@@ -206,7 +215,10 @@ class Planner:
         Otherwise the exact prefix comes from the prefix cache (``use_prefix``); past it, ``blend``
         and ``reuse`` take each chunk's best stored variant (an exact one is placed as is,
         ``source="tree"``; another is blended, ``source="store"``). The prompt's last token is never
-        reused: its logits start decoding.
+        reused: its logits start decoding, except where the prompt's **tail** (what follows its last
+        chunk, the question) is held exactly, behind exactly the tokens before it, with the hidden
+        state of its last token: a prompt seen before whose every other token is exact computes
+        nothing (the exact prefix then stops at the tail, where its record starts).
 
         ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
         its prefill computes exactly what a full prefill does (the knowledge tree's refresh). Its
@@ -223,10 +235,11 @@ class Planner:
                     key = self.chunk_key(s.ids, namespace)
                     plan.chunks.append(ChunkUse(i, s.start, len(s.ids), key, False, "computed"))
             return plan
-        limit = plan.num_tokens - 1  # the last token is always computed: its logits start decoding
+        limit = plan.num_tokens - 1  # the last token is computed (its logits start decoding) unless the tail is held
+        tail_start = plan.tail_start()
         if use_prefix:
             plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(
-                plan.ids, plan.boundaries, limit, namespace=namespace, quiet=quiet
+                plan.ids, plan.boundaries, min(limit, tail_start), namespace=namespace, quiet=quiet
             )
             # a record of another shape (only a forged one) ends the prefix where it starts
             bad = next((i for i, (_, r) in enumerate(plan.prefix_records) if r.kv_shape != self.kv_shape), None)
@@ -267,4 +280,24 @@ class Planner:
                 plan.chunk_records.append((s.start, rec))
             if not quiet:  # a refresh or a speculation is not a use
                 self.variants.used(info, use.fix)
+        if use_prefix and tail_start < plan.num_tokens:
+            plan.tail_digest = exact.at(tail_start)
+            if self._exact_to(plan, tail_start):
+                tokens = plan.ids[tail_start:]
+                rec = self.prefix_cache.lookup_tail(plan.tail_digest, tokens, namespace=namespace, quiet=quiet)
+                if rec is not None and rec.kv_shape == self.kv_shape:
+                    plan.tail = (tail_start, rec)
+                    plan.exact_records.append(plan.tail)
         return plan
+
+    @staticmethod
+    def _exact_to(plan: Plan, end: int) -> bool:
+        """Whether positions [0, end) all get exact KV from the cache (nothing computed, nothing blended)."""
+        if plan.chunk_records:
+            return False
+        at = plan.prefix_len
+        for start, rec in sorted(plan.exact_records, key=lambda sr: sr[0]):
+            if start > at:
+                return False
+            at = max(at, start + rec.num_tokens)
+        return at >= end

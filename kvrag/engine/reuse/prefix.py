@@ -6,6 +6,11 @@ the previous key with the block's tokens, so a key stands for the whole prefix u
 too, at segment boundaries, so a system prompt whose length is not a multiple of the block size is
 still reused whole. Records hold keys without RoPE, like chunk records, and are placed back at the
 same positions, so the reused KV is exactly what was computed.
+
+A prompt's **tail** (what follows its last document chunk: the question, the assistant header) is
+kept apart, named by every token before it, with the hidden state of the prompt's last token: a
+prompt asked again whose every other token is held exactly (prefix blocks, exact chunk variants)
+computes nothing at all, and its first token comes from the same hidden state as the first time.
 """
 
 from __future__ import annotations
@@ -109,6 +114,47 @@ class PrefixCache:
             key = StoreKey(namespace, self._child(parent, tokens))
             written += self._put(key, parent, tokens, k, v, pos - start)
         return written
+
+    def tail_key(self, before: str, tokens: list[int], namespace: str) -> StoreKey:
+        """Where a tail's KV is stored: behind the tokens whose digest is ``before``
+        (:class:`~kvrag.engine.reuse.variants.ExactDigest`), in a tenant's chain."""
+        h = hashlib.sha256(b"kvrag-tail\0" + bytes.fromhex(self._root(namespace)) + before.encode())
+        h.update(token_bytes(tokens))
+        return StoreKey(namespace, h.hexdigest())
+
+    def lookup_tail(self, before: str, tokens: list[int], *, namespace: str, quiet: bool = False) -> KVRecord | None:
+        """The tail ``tokens`` held behind ``before`` with its last hidden state, or None."""
+        fetch = self.store.peek if quiet else self.store.get
+        rec = fetch(self.tail_key(before, tokens, namespace), tokens)
+        if rec is None or rec.kind != "tail" or "last_hidden" not in rec.stats:
+            return None
+        return rec
+
+    def insert_tail(
+        self,
+        before: str,
+        tokens: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        last_hidden: torch.Tensor,
+        *,
+        namespace: str,
+    ) -> int:
+        """Keep a tail's pre-RoPE KV ``k``/``v`` [L, Hkv, T, D], computed exactly behind ``before``, and
+        the prompt's last hidden state [1, E]. Returns the number of new records (0 or 1)."""
+        key = self.tail_key(before, tokens, namespace)
+        if self.store.contains(key):
+            return 0
+        rec = KVRecord(
+            token_ids=torch.tensor(tokens),
+            k=k,
+            v=v,
+            kind="tail",
+            context="exact",
+            meta={"before": before},
+            stats={"last_hidden": last_hidden.float()},
+        )
+        return int(self.store.put(key, rec))
 
     def _put(self, key: StoreKey, parent: str, tokens: list[int], k, v, offset: int) -> int:
         if self.store.contains(key):

@@ -172,10 +172,13 @@ class Prefiller:
     def _options(self, plan: Plan, budget: Budget, use_prefix: bool) -> PrefillOptions:
         """What the prefill of ``plan`` captures besides computing: prefix mode keeps the whole exact
         prompt (as vLLM does); the other modes keep the text before the first chunk (system prompt,
-        instructions), which every request repeats; and the chunks write-back wants."""
+        instructions), which every request repeats; and the chunks write-back wants. Every mode keeps
+        the prompt's tail when it computes the whole prompt exactly, with its last hidden state: the
+        same prompt again computes nothing."""
         capture_end = 0
         if use_prefix:
             capture_end = plan.exact_end() if plan.mode == "prefix" else min(plan.exact_end(), plan.first_chunk_start())
+            capture_end = min(capture_end, plan.tail_start())  # the tail is kept apart (Plan.tail)
         return PrefillOptions.from_config(
             self.config,
             self.adapter.n_layers,
@@ -183,6 +186,7 @@ class Prefiller:
             capture_end=capture_end,
             capture_chunks=self.writeback.captures(plan),
             keep_recomputed=self.writeback.keeps_recomputed(plan),
+            capture_tail=use_prefix and plan.tail_digest is not None,
         )
 
     def score(self, req: Request, continuation: list[int], t0: float, pause: Pause | None) -> ScoreResult:

@@ -376,7 +376,7 @@ class Worker:
         """Emit the sequence's new token; finish it if it is done."""
         job: StreamJob = ticket.payload
         seq = job.seq
-        piece = seq.accept(self.eos_ids)
+        piece = seq.accept(frozenset() if seq.req.sampling.ignore_eos else self.eos_ids)
         if piece:
             job.out.put((_PIECE, piece))
         if not seq.done:

@@ -199,6 +199,7 @@ class WriteBack:
                     prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
                 )
             )
+        self._keep_tail(plan, res)
         exact_end = plan.exact_end()
         spans = [ContextSpan(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
         ranges = [(s.start, s.end) for s in spans]  # the first chunk measured measures them all (one pass)
@@ -243,6 +244,17 @@ class WriteBack:
         if run:
             self._stored(plan.namespace, run)
 
+    def _keep_tail(self, plan: Plan, res) -> None:
+        """Keep the prompt's tail computed exactly, with its last hidden state (``Plan.tail``)."""
+        tail = res.tail
+        if tail is None or plan.tail_digest is None:
+            return
+        before, tokens, namespace = plan.tail_digest, plan.ids[tail.start :], plan.namespace
+        hidden = res.last_hidden.detach().clone()
+        self._writer.submit(
+            lambda: self.planner.prefix_cache.insert_tail(before, tokens, tail.k, tail.v, hidden, namespace=namespace)
+        )
+
     # -- the knowledge tree's refresh -----------------------------------------------------------------
 
     def _schedule_refresh(self, plan: Plan, written_exact: set[int]) -> None:
@@ -267,7 +279,8 @@ class WriteBack:
         if not targets:
             return
         path = (plan.namespace, targets[-1].key, targets[-1].digest)  # the last chunk's digest names the path
-        segments = plan.segments[: targets[-1].index + 1]
+        # the whole prompt: its tail (after the last chunk) is kept too, so the same prompt again computes nothing
+        segments = plan.segments if plan.tail_digest is not None else plan.segments[: targets[-1].index + 1]
         with self._refresh_cond:
             if self._closing or path in self._refreshing:
                 return
@@ -313,7 +326,10 @@ class WriteBack:
             if not targets:
                 return
             options = PrefillOptions.from_config(
-                self.config, self.computer.adapter.n_layers, capture_chunks=tuple(u.index for u in targets)
+                self.config,
+                self.computer.adapter.n_layers,
+                capture_chunks=tuple(u.index for u in targets),
+                capture_tail=plan.tail_digest is not None,
             )
             try:
                 res = prefill(self.computer.adapter, plan, plan.num_tokens, options=options, pause=pause)
@@ -322,6 +338,7 @@ class WriteBack:
                 self.refresh_counts["preempted" if again else "dropped"] += 1
                 return
             self.refresh_counts["runs"] += 1
+            self._keep_tail(plan, res)
             texts = {
                 u.index: [plan.segments[c.index].text for c in plan.chunks[: n + 1]] for n, u in enumerate(plan.chunks)
             }

@@ -324,3 +324,19 @@ def test_release_ends_an_idle_engine_thread_now(tiny_engine):
     thread.join(10)
     assert not thread.is_alive() and tiny_engine._worker._thread is None
     assert tiny_engine.generate(chunks=make_docs(2), suffix=SUFFIX).token_ids  # the next work, on a new thread
+
+
+def test_ignore_eos_decodes_every_token_past_an_end_token(tiny_engine, docs):
+    """With an end token in its way, a request stops there; ``ignore_eos`` decodes all its tokens
+    (the same ones the model picks), and a stop string still stops it."""
+    free = tiny_engine.generate(docs[:2], "q:", " a:", max_new_tokens=6)
+    assert len(free.token_ids) == 6
+    end = free.token_ids[1]
+    eos, tiny_engine._worker.eos_ids = tiny_engine._worker.eos_ids, {end}
+    try:
+        stopped = tiny_engine.generate(docs[:2], "q:", " a:", max_new_tokens=6)
+        assert stopped.token_ids == free.token_ids[: free.token_ids.index(end)] and stopped.finish_reason == "stop"
+        every = tiny_engine.generate(docs[:2], "q:", " a:", max_new_tokens=6, ignore_eos=True)
+        assert every.token_ids == free.token_ids and every.finish_reason == "length"
+    finally:
+        tiny_engine._worker.eos_ids = eos

@@ -98,6 +98,8 @@ class PrefillOptions:
         capture_chunks: segment indices of missed chunks whose KV, computed whole in this prompt,
             is kept (write-back of their real context).
         keep_recomputed: keep cached chunks a strategy recomputes whole as new variants.
+        capture_tail: keep the prompt's tail (after its last chunk) when the whole prompt is computed
+            exactly (:attr:`PrefillResult.tail`; the planner's ``Plan.tail``).
     """
 
     params: SelectionParams | None = None
@@ -105,6 +107,7 @@ class PrefillOptions:
     capture_block: int = 16
     capture_chunks: tuple[int, ...] = ()
     keep_recomputed: bool = False
+    capture_tail: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig, n_layers: int, selection: str | None = None, **fields) -> PrefillOptions:
