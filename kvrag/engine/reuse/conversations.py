@@ -300,6 +300,7 @@ class Conversations:
                     use.hit, use.source = False, "computed"
             spans.append((0, prefix))
         if plan.mode not in ("blend", "reuse"):
+            plan.check_tail()
             return spans
         covered = sorted(
             [(0, plan.prefix_len)] + [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
@@ -314,6 +315,7 @@ class Conversations:
             end = use.start + use.length
             if not use.hit and any(a <= use.start and end <= b for a, b in spans[first_run:]):
                 use.hit, use.found, use.source = True, True, "conversation"
+        plan.check_tail()
         return spans
 
     def record(

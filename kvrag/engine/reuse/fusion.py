@@ -42,15 +42,19 @@ class PrefillResult:
 
 
 def _held(adapter: ModelAdapter, plan: Plan, capacity: int) -> PrefillResult:
-    """A prompt held whole (its tail with its last hidden state): its KV placed, nothing computed."""
+    """A prompt held whole, its tail with its last hidden state: its KV placed, nothing computed."""
     n = plan.num_tokens
     buf = KVBuffer(adapter, capacity)
     source = SpanSource(adapter, plan.cached_spans(), adapter.rope(torch.arange(n, device=adapter.device)), n)
     for layer in range(adapter.n_layers):
         source.fill(layer, buf)
     buf.length = n
-    last = plan.tail[1].stats["last_hidden"].to(adapter.device, adapter.dtype)
-    return PrefillResult(buf, last, Trace(), 0, 0, None, {})
+    return PrefillResult(buf, _tail_hidden(adapter, plan), Trace(), 0, 0, None, {})
+
+
+def _tail_hidden(adapter: ModelAdapter, plan: Plan) -> torch.Tensor:
+    """The prompt's last hidden state [1, E], kept with its tail."""
+    return plan.tail[1].stats["last_hidden"].to(adapter.device, adapter.dtype)
 
 
 def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
@@ -95,9 +99,9 @@ def prefill(
     (:mod:`kvrag.engine.reuse.selection`), which recomputes within ``budget``. ``pause`` reaches
     every layer pass (:func:`~kvrag.engine.model.runner.forward`).
     """
-    if plan.tail is not None:
-        return _held(adapter, plan, capacity)
     n = plan.num_tokens
+    if plan.tail is not None and plan.exact_tokens == n:
+        return _held(adapter, plan, capacity)
     buf = KVBuffer(adapter, capacity)
     trace = Trace()
     all_pos = torch.arange(n, device=adapter.device)
@@ -151,7 +155,8 @@ def prefill(
         )
     computed = int(pos.numel())
     recomputed = int(candidates[pos].sum())
-    return PrefillResult(buf, h[-1:], trace, recomputed, computed, capture, chunk_caps, kept_taps, measured, tail)
+    last = h[-1:] if plan.tail is None else _tail_hidden(adapter, plan)  # the tail's rows were not computed
+    return PrefillResult(buf, last, trace, recomputed, computed, capture, chunk_caps, kept_taps, measured, tail)
 
 
 def extend(

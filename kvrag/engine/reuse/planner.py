@@ -66,7 +66,7 @@ class Plan:
     exact_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of exact variants
     chunks: list[ChunkUse] = field(default_factory=list)
     #: the prompt's tail (what follows its last chunk) held exactly with its last token's hidden state:
-    #: (start, record), also in ``exact_records``; nothing of the prompt is computed
+    #: (start, record), also in ``exact_records``; only text between chunks not cached is computed
     tail: tuple[int, KVRecord] | None = None
     tail_digest: str | None = None  # what names the tail's KV: every token before it (None: no tail)
     path: str = field(init=False)
@@ -153,6 +153,14 @@ class Plan:
             return own
         return sum(u.length * (own if (u.overlap or 0.0) >= threshold else other) for u in blended) / total
 
+    def check_tail(self) -> None:
+        """Drop the held tail unless what comes before it still gets exact KV (a conversation's turn
+        put blended runs of its own KV in the plan since, or its prefix reaches into the tail): its
+        positions are computed then."""
+        if self.tail is not None and (self.chunk_records or self.tail not in self.exact_records):
+            self.exact_records = [sr for sr in self.exact_records if sr is not self.tail]
+            self.tail = None
+
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
 
@@ -217,8 +225,9 @@ class Planner:
         ``source="tree"``; another is blended, ``source="store"``). The prompt's last token is never
         reused: its logits start decoding, except where the prompt's **tail** (what follows its last
         chunk, the question) is held exactly, behind exactly the tokens before it, with the hidden
-        state of its last token: a prompt seen before whose every other token is exact computes
-        nothing (the exact prefix then stops at the tail, where its record starts).
+        state of its last token: a prompt seen before whose KV before the tail is exact (reused
+        exactly, or text between chunks computed) computes nothing more (the exact prefix stops at
+        the tail, where its record starts).
 
         ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
         its prefill computes exactly what a full prefill does (the knowledge tree's refresh). Its
@@ -282,22 +291,10 @@ class Planner:
                 self.variants.used(info, use.fix)
         if use_prefix and tail_start < plan.num_tokens:
             plan.tail_digest = exact.at(tail_start)
-            if self._exact_to(plan, tail_start):
+            if not plan.chunk_records:  # what comes before the tail is exact: cached so, or computed
                 tokens = plan.ids[tail_start:]
                 rec = self.prefix_cache.lookup_tail(plan.tail_digest, tokens, namespace=namespace, quiet=quiet)
                 if rec is not None and rec.kv_shape == self.kv_shape:
                     plan.tail = (tail_start, rec)
                     plan.exact_records.append(plan.tail)
         return plan
-
-    @staticmethod
-    def _exact_to(plan: Plan, end: int) -> bool:
-        """Whether positions [0, end) all get exact KV from the cache (nothing computed, nothing blended)."""
-        if plan.chunk_records:
-            return False
-        at = plan.prefix_len
-        for start, rec in sorted(plan.exact_records, key=lambda sr: sr[0]):
-            if start > at:
-                return False
-            at = max(at, start + rec.num_tokens)
-        return at >= end

@@ -9,8 +9,9 @@ same positions, so the reused KV is exactly what was computed.
 
 A prompt's **tail** (what follows its last document chunk: the question, the assistant header) is
 kept apart, named by every token before it, with the hidden state of the prompt's last token: a
-prompt asked again whose every other token is held exactly (prefix blocks, exact chunk variants)
-computes nothing at all, and its first token comes from the same hidden state as the first time.
+prompt asked again whose KV before the tail is exact (prefix blocks, exact chunk variants, text
+between chunks computed again) computes nothing more, and its first token comes from the same
+hidden state as the first time.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ class PrefixCache:
 
     def lookup_tail(self, before: str, tokens: list[int], *, namespace: str, quiet: bool = False) -> KVRecord | None:
         """The tail ``tokens`` held behind ``before`` with its last hidden state, or None."""
-        fetch = self.store.peek if quiet else self.store.get
-        rec = fetch(self.tail_key(before, tokens, namespace), tokens)
+        key = self.tail_key(before, tokens, namespace)
+        if not self.store.contains(key):  # a request's tail is new more often than not: no miss counted
+            return None
+        rec = (self.store.peek if quiet else self.store.get)(key, tokens)
         if rec is None or rec.kind != "tail" or "last_hidden" not in rec.stats:
             return None
         return rec

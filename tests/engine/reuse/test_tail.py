@@ -78,3 +78,48 @@ def test_the_tail_survives_the_disk_tier(tiny_model, tiny_tokenizer, tmp_path):
     with make(tiny_model, tiny_tokenizer, cache_dir=str(tmp_path), disk_tier=True, loading_controller=False) as engine:
         again = ask(engine, docs)
         assert again.stats.computed_tokens == 0 and again.token_ids == first.token_ids
+
+
+def test_text_between_chunks_is_computed_again_and_the_tail_still_held(tiny_model, tiny_tokenizer):
+    """A prompt with text between its documents (registered, found in ``prompt=``): that text is
+    computed again (exactly, behind exact KV), the tail is not."""
+    engine = make(tiny_model, tiny_tokenizer)
+    with engine:
+        docs = make_docs(3, seed=65)
+        engine.register(docs)
+        prompt = PREFIX + "\n--\n".join(docs) + "\n" + SUFFIX
+        first = engine.generate(prompt=prompt)
+        engine.flush()
+        again = engine.generate(prompt=prompt)
+        engine.flush()
+        tail = again.stats.prompt_tokens - engine.count_tokens("\n" + SUFFIX)
+        assert 0 < again.stats.computed_tokens <= 2 * engine.count_tokens("\n--\n") < tail
+        assert again.token_ids == first.token_ids == engine.generate(prompt=prompt, mode="full").token_ids
+
+
+def test_a_held_tail_gives_way_to_a_conversations_own_kv(tiny_model, tiny_tokenizer):
+    """A prompt whose tail is held, asked as the next turn of a conversation: the turn's exact
+    prefix reaches past the tail's start, so the tail is not used (its rows are computed behind the
+    turn's KV), and the answer is the full prefill's."""
+    engine = make(tiny_model, tiny_tokenizer)
+    with engine:
+        docs = make_docs(2, seed=66)
+        engine.register(docs)
+        system = {"role": "system", "content": "answer from the documents:\n" + "".join(docs)}
+        p1 = engine.apply_chat_template([system, {"role": "user", "content": "where was the king born?"}])
+        g1 = engine.generate(prompt=p1, conversation_id="c")
+        engine.flush()
+        p2 = engine.apply_chat_template(
+            [
+                system,
+                {"role": "user", "content": "where was the king born?"},
+                {"role": "assistant", "content": g1.text},
+                {"role": "user", "content": "and the queen?"},
+            ]
+        )
+        engine.generate(prompt=p2)  # no conversation: its tail kept
+        engine.flush()
+        assert engine.generate(prompt=p2).stats.computed_tokens == 0
+        turn = engine.generate(prompt=p2, conversation_id="c")
+        assert turn.stats.conversation_tokens > 0 and turn.stats.computed_tokens > 0
+        assert turn.token_ids == engine.generate(prompt=p2, mode="full").token_ids
