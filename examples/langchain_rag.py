@@ -116,13 +116,13 @@ def main() -> None:
         engine.flush()  # the first sight of a document stores its KV in the background; let it land
         print(f"  ROUGE-L(kvrag, full) = {rouge_l(answers[(question, 'kvrag')], full_answer):.2f}{scored}")
     # Q2's documents were blended from KV computed for Q1; while the engine was idle (the flush above
-    # waited for it) it computed Q2's document sequence exactly: the same documents come back exact.
+    # waited for it) it computed Q2's prompt exactly: the same prompt comes back exact, nothing computed.
     print(f"\nQ2 again (another user asks it): {q2}")
     msg = chains["kvrag"].invoke(q2)
     meta = msg.response_metadata
     print(
         f"  {'kvrag':12s} TTFT {meta['ttft_s']:6.3f} s | {meta['exact_tokens']}/{meta['prompt_tokens']} prompt "
-        f"tokens reused exactly (knowledge tree), {meta['recomputed_tokens']} recomputed"
+        f"tokens reused exactly (knowledge tree, the question's tail), {meta['recomputed_tokens']} recomputed"
     )
     print(f"  {'':12s} {' '.join(msg.content.split())}")
     print(
