@@ -5,11 +5,12 @@ against llama.cpp on the same GGUF, paired per question in one run.
         --skip 0 --n 20 --llama-server /path/to/llama-server --out DIR
 
 Per question (its first ``--top-k`` passages): a **first ask** in retrieval order (nothing cached:
-kvrag's 0-hit path; it stores the passages' KV as requests do), the **reordered** ask (the passages
-shuffled: kvrag blends the cached KV, computed in another order), kvrag's **full prefill** of it
-(the reference), the **exact repeat** (the reordered prompt again), and a **decode probe** (the same
-passages, asked for a longer answer, ``--decode-tokens`` of it whatever the end token: tokens per
-second after a RAG prompt). llama.cpp gets the same
+kvrag's 0-hit path; it stores the passages' KV as requests do), kvrag's **full prefill** of the
+reordered prompt (the reference; it stores nothing), the **reordered** ask (the passages shuffled:
+kvrag blends the cached KV, computed in another order; its drift is scored before the idle-time
+refresh computes that prompt exactly), the **exact repeat** (the reordered prompt again), and a
+**decode probe** (the same passages, asked for a longer answer, ``--decode-tokens`` of it whatever the
+end token: tokens per second after a RAG prompt). llama.cpp gets the same
 prompt strings on a server with its prompt cache and ``--cache-reuse`` on, erased before each first
 ask. Answers are scored as the papers do: F1 and exact match against the gold answers; kvrag's blend
 also by answer drift against its full prefill (the full answer teacher-forced, mean |Δ log p|).
@@ -108,9 +109,14 @@ def run(a: argparse.Namespace) -> dict:
 
             row["kvrag_first"] = ask(first)
             engine.flush()
+            row["kvrag_full"] = ask(again, mode="full")  # stores nothing: the blend below finds what the first ask left
             row["kvrag_blend"] = ask(again)
+            full_text = row["kvrag_full"]["text"]
+            if full_text.strip():  # the blend's drift, before the idle-time refresh makes this prompt exact
+                ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
+                got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
+                row["blend_drift"] = drift(got, ref)
             engine.flush()
-            row["kvrag_full"] = ask(again, mode="full")
             row["kvrag_exact"] = ask(again)
             probe = engine.generate(
                 again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True
@@ -119,11 +125,6 @@ def run(a: argparse.Namespace) -> dict:
                 "tokens": len(probe.token_ids),
                 "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
             }
-            full_text = row["kvrag_full"]["text"]
-            if full_text.strip():
-                ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
-                got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
-                row["blend_drift"] = drift(got, ref)
             engine.flush()
             if server is None:
                 for key in ("kvrag_full", "kvrag_blend", "kvrag_exact"):
