@@ -126,21 +126,17 @@ def run(a: argparse.Namespace) -> dict:
                 "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
             }
             engine.flush()
-            if server is None:
-                for key in ("kvrag_full", "kvrag_blend", "kvrag_exact"):
-                    row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
-                out["rows"].append(row)
-                print(_row_line(row), flush=True)
-                continue
-            server.erase_cache()
-            for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
-                c = server.complete(prompt, max_tokens=a.max_new_tokens)
-                row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
-                                        "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
-            c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
-            row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+            if server is not None:
+                server.erase_cache()
+                for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
+                    c = server.complete(prompt, max_tokens=a.max_new_tokens)
+                    row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
+                                            "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
+                c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
+                row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
             for key in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered"):
-                row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
+                if key in row:
+                    row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
             out["rows"].append(row)
             print(_row_line(row), flush=True)
     out["summary"] = summarize(out["rows"])
@@ -191,7 +187,7 @@ def summarize(rows: list[dict]) -> dict:
                 "f1": statistics.fmean(r[k]["f1"] for r in rows),
                 "em": sum(r[k]["em"] for r in rows) / len(rows),
             }
-            for k in stages[1:4] + (("llama_reordered",) if llama else ())
+            for k in ("kvrag_blend", "kvrag_full", "kvrag_exact") + (("llama_reordered",) if llama else ())
         },
         "identical_to_full": {
             k: sum(r[k]["tokens"] == r["kvrag_full"]["tokens"] for r in rows) for k in ("kvrag_blend", "kvrag_exact")

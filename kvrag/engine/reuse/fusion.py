@@ -22,8 +22,6 @@ from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, PrefillOptions, get_selection, selection_params
 from kvrag.engine.types import ChunkInfo, GenerationStats
 
-TAIL = -1  # the tail's capture among the chunk captures (segment indices are >= 0)
-
 __all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
 
 
@@ -57,8 +55,11 @@ def _tail_hidden(adapter: ModelAdapter, plan: Plan) -> torch.Tensor:
     return plan.tail[1].stats["last_hidden"].to(adapter.device, adapter.dtype)
 
 
-def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tuple[KVCapture | None, dict]:
-    """The prefix-cache capture (its reused partial block copied in) and the missed chunks' captures.
+def _captures(
+    adapter: ModelAdapter, plan: Plan, options: PrefillOptions
+) -> tuple[KVCapture | None, dict, KVCapture | None]:
+    """The prefix-cache capture (its reused partial block copied in), the missed chunks' captures, and
+    the tail's (computed exactly: nothing blended before it).
 
     One capture per range: merging them into one cost more (measured: a capture past glibc's mmap
     threshold, ~32 MB, is mapped afresh and page-faults on every request; chunk-sized ones reuse
@@ -74,13 +75,14 @@ def _captures(adapter: ModelAdapter, plan: Plan, options: PrefillOptions) -> tup
             capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
     chunk_caps = {}
     cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
-    if options.capture_tail and plan.tail is None and not plan.chunk_records:  # the tail is computed exactly
-        chunk_caps[TAIL] = KVCapture(adapter, plan.tail_start(), plan.num_tokens)
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
         seg = plan.segments[i]
         if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
             chunk_caps[i] = KVCapture(adapter, seg.start, seg.end)
-    return capture, chunk_caps
+    tail = None
+    if options.capture_tail and plan.tail is None and not plan.chunk_records:
+        tail = KVCapture(adapter, plan.tail_start(), plan.num_tokens)
+    return capture, chunk_caps, tail
 
 
 def prefill(
@@ -106,9 +108,8 @@ def prefill(
     trace = Trace()
     all_pos = torch.arange(n, device=adapter.device)
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
-    capture, chunk_caps = _captures(adapter, plan, options)
-    captures = ([capture] if capture is not None else []) + list(chunk_caps.values())
-    tail = chunk_caps.pop(TAIL, None)
+    capture, chunk_caps, tail = _captures(adapter, plan, options)
+    captures = [c for c in (capture, *chunk_caps.values(), tail) if c is not None]
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     taps = [tap] if tap is not None else []

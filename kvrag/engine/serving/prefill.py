@@ -186,7 +186,7 @@ class Prefiller:
             capture_end=capture_end,
             capture_chunks=self.writeback.captures(plan),
             keep_recomputed=self.writeback.keeps_recomputed(plan),
-            capture_tail=use_prefix and plan.tail_digest is not None,
+            capture_tail=plan.tail_digest is not None,  # set by the planner only where the prefix cache is used
         )
 
     def score(self, req: Request, continuation: list[int], t0: float, pause: Pause | None) -> ScoreResult:
