@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kvrag.config import ComputeSettings, EngineConfig, ReuseSettings, ServingSettings, StoreSettings
+from kvrag.config import ComputeSettings, Constraint, EngineConfig, ReuseSettings, ServingSettings, StoreSettings
 from kvrag.engine import (
     CacheLookup,
     ChunkInfo,
@@ -34,6 +34,7 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "Engine",
+    "Constraint",
     "EngineConfig",
     "ComputeSettings",
     "ReuseSettings",

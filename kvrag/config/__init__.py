@@ -8,14 +8,16 @@ eviction policies) are plain strings here, checked against their registries when
 
 - :mod:`.settings`: the four groups, a field, its default and its check on one line.
 - :mod:`.engine_config`: :class:`EngineConfig` (set and read flat or by group), :func:`parse_overrides`.
-- :mod:`.sampling`: :class:`SamplingParams`. :mod:`.values`: the names each choice accepts.
+- :mod:`.sampling`: :class:`SamplingParams`; :mod:`.constraints`: :class:`Constraint` (its ``constraint``).
+- :mod:`.values`: the names each choice accepts.
 """
 
 # every public name of the package's modules, from their own __all__ (one list each)
-from kvrag.config import engine_config, sampling, settings, values
+from kvrag.config import constraints, engine_config, sampling, settings, values
+from kvrag.config.constraints import *  # noqa: F403
 from kvrag.config.engine_config import *  # noqa: F403
 from kvrag.config.sampling import *  # noqa: F403
 from kvrag.config.settings import *  # noqa: F403
 from kvrag.config.values import *  # noqa: F403
 
-__all__ = [*engine_config.__all__, *settings.__all__, *sampling.__all__, *values.__all__]
+__all__ = [*constraints.__all__, *engine_config.__all__, *settings.__all__, *sampling.__all__, *values.__all__]

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvrag.checks import Checked, flag, integer, is_int, number, setting
+from kvrag.config.constraints import Constraint
 from kvrag.errors import InvalidRequestError
 
 __all__ = ["SamplingParams", "DEFAULT_SAMPLING", "SAMPLING_FIELDS", "engine_sampling"]
@@ -25,6 +26,15 @@ def _seed(name: str, seed):
     if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**64):
         raise InvalidRequestError(f"{name} must be an integer in [-2**63, 2**64) (torch's range), got {seed!r}")
     return seed
+
+
+def _constraint(name: str, constraint):
+    if constraint is not None and not isinstance(constraint, Constraint):
+        raise InvalidRequestError(
+            f"{name} must be a kvrag.Constraint (Constraint.json_schema(...), .regex(...), ...), "
+            f"got {type(constraint).__name__}"
+        )
+    return constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +56,8 @@ class SamplingParams(Checked):
         seed: sampling seed (``None``: nondeterministic when sampling).
         ignore_eos: decode ``max_new_tokens`` whatever end-of-sequence token comes (a benchmark's
             fixed-length answers, as vLLM's and llama.cpp's ``ignore_eos``); stop strings still stop.
+        constraint: what the output must look like (:class:`~kvrag.config.Constraint`: a JSON schema, a
+            regex, a grammar); ``None``: free text.
     """
 
     max_new_tokens: int | None = setting(None, integer(0, also=(None,)))
@@ -54,6 +66,7 @@ class SamplingParams(Checked):
     stop: str | tuple[str, ...] | list[str] | None = setting(None, _stop)
     seed: int | None = setting(None, _seed)
     ignore_eos: bool | None = setting(None, flag(also=(None,)))
+    constraint: Constraint | None = setting(None, _constraint)
 
     def resolved(self, defaults: SamplingParams) -> SamplingParams:
         """Every ``None`` field taken from ``defaults`` (the engine's ``config.sampling``); ``stop`` a tuple."""
@@ -64,6 +77,7 @@ class SamplingParams(Checked):
             stop=(defaults.stop if self.stop is None else self.stop) or (),
             seed=defaults.seed if self.seed is None else self.seed,
             ignore_eos=bool(defaults.ignore_eos if self.ignore_eos is None else self.ignore_eos),
+            constraint=defaults.constraint if self.constraint is None else self.constraint,
         )
 
     @classmethod

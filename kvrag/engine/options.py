@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from kvrag.config import MODES, QUALITIES, SamplingParams, check_quality, check_ratio
+from kvrag.config import MODES, QUALITIES, Constraint, SamplingParams, check_quality, check_ratio
 from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.errors import InvalidRequestError
 
@@ -29,6 +29,8 @@ OPTION_DOCS: Mapping[str, str] = MappingProxyType(
         "stop": "Stop strings; the output is cut before the first one found.",
         "seed": "Sampling seed (None: nondeterministic when sampling).",
         "ignore_eos": "Decode max_new_tokens whatever end-of-sequence token comes (fixed-length answers).",
+        "constraint": "What the output must look like: a kvrag.Constraint (a JSON schema, any JSON object, a regex "
+        "or a grammar), enforced token by token; None = free text.",
         "mode": f"Prefill mode, one of {', '.join(MODES)}; None = the engine's default (blend). full reuses nothing.",
         "recompute_ratio": "Share of cached chunk tokens blend recomputes (0..1), or 'auto' (each request "
         "recomputes what it needs); None = the engine's default (auto).",
@@ -44,7 +46,7 @@ OPTION_DOCS: Mapping[str, str] = MappingProxyType(
 )
 
 #: The options that are :class:`~kvrag.SamplingParams` fields.
-SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "ignore_eos")
+SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "ignore_eos", "constraint")
 #: The options that say how a prompt's cached KV is reused.
 REUSE_OPTIONS = ("mode", "recompute_ratio", "selection", "quality", "conversation_id", "dedup")
 
@@ -65,6 +67,7 @@ class RequestOptions:
     stop: str | tuple[str, ...] | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
+    constraint: Constraint | None = None
     mode: str | None = None
     recompute_ratio: float | str | None = None
     selection: str | None = None
