@@ -122,3 +122,10 @@ def test_speculations_are_scoped_to_their_tenant_and_shared_fairly(engine, monke
     assert engine.speculations.cancel_key("k", namespace="b") and b.state == "cancelled"
     gate.set()
     assert all(h.wait(10) for h in a[2:])
+
+
+def test_a_full_table_never_drops_the_entry_being_added():
+    reg = DocumentFinder(max_entries=1, min_chars=8, anchor=8)
+    reg.register(["a's only document"], namespace="a")
+    reg.register(["b's only document"], namespace="b")  # a tie after the insert: b holds nothing to give
+    assert reg.holds("b's only document", "b") and not reg.holds("a's only document", "a") and len(reg) == 1

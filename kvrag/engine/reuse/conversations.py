@@ -404,8 +404,8 @@ class Conversations:
                 main = state
             else:  # a side call: the main turn stays
                 side = state
+            while len(self._live) >= self.max_live:  # room first: the new turn is never the one to go
+                tenant = fair_victim(self._held, key[0], 1)
+                self._pop(next(k for k in self._live if k[0] == tenant))  # its least recently used
             self._live[key] = [main, side]
             self._held[key[0]] += 1
-            while len(self._live) > self.max_live:
-                tenant = fair_victim(self._held, key[0])
-                self._pop(next(k for k in self._live if k[0] == tenant))  # its least recently used

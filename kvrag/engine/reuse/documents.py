@@ -214,24 +214,26 @@ class DocumentFinder:
                 if len(text) < self.min_chars:
                     continue
                 tenant = self._tenants.get(namespace)
+                new = tenant is None or cid not in tenant.texts
+                if not new:
+                    tenant.texts.move_to_end(cid)
+                while new and self._total and self._total >= self.max_entries:  # room first: never the new text
+                    victim = fair_victim(self._held, namespace, 1)
+                    self._forget(victim, next(iter(self._tenants[victim].texts)))
+                tenant = self._tenants.get(namespace)
                 if tenant is None:
                     tenant = self._tenants[namespace] = _Tenant()
                 h = _hash(text[: self.anchor])
                 bucket = tenant.by_anchor.get(h)
                 if bucket is None:
                     bucket = tenant.by_anchor[h] = _Bucket(self.anchor)
-                if cid in tenant.texts:
-                    tenant.texts.move_to_end(cid)
-                else:
+                if new:
                     tenant.texts[cid] = text
                     self._held[namespace] += 1
                     self._total += 1
                 forgotten = bucket.add(text)
                 if forgotten is not None:
                     self._forget(namespace, content_id(forgotten), indexed=False)
-                while self._total > self.max_entries:
-                    victim = fair_victim(self._held, namespace)
-                    self._forget(victim, next(iter(self._tenants[victim].texts)))
         return ids
 
     def _forget(self, namespace: str, cid: str, *, indexed: bool = True) -> None:

@@ -166,10 +166,10 @@ class Speculations:
                 self._by_key[slot] = handle
             self._live[id(handle)] = handle
             evicted = None
-            if len(self._live) > MAX_LIVE:
-                held = Counter(h.namespace for h in self._live.values() if h is not old)
-                tenant = fair_victim(held, namespace)
-                evicted = next(h for h in self._live.values() if h.namespace == tenant and h is not old)
+            others = [h for h in self._live.values() if h is not old and h is not handle]
+            if len(others) >= MAX_LIVE:  # the new one never goes: the tenant holding the most gives way
+                tenant = fair_victim(Counter(h.namespace for h in others), namespace, 1)
+                evicted = next(h for h in others if h.namespace == tenant)
         for stale in (old, evicted):
             if stale is not None and stale is not handle:
                 self.cancel(stale)
