@@ -69,9 +69,9 @@ class _Bucket:
 
     __slots__ = ("width", "texts", "children")
 
-    def __init__(self, width: int, texts: tuple[str, ...] = ()) -> None:
+    def __init__(self, width: int) -> None:
         self.width = width
-        self.texts = texts  # least recently registered first
+        self.texts: tuple[str, ...] = ()  # least recently registered first
         self.children: dict[int, _Bucket] | None = None
 
     def add(self, text: str) -> str | None:
