@@ -103,8 +103,11 @@ def test_a_prompt_far_past_the_window_is_refused_before_it_is_scanned(engine, mo
 
     monkeypatch.setattr(engine.documents, "split", scan)
     huge = "word " * (engine.context_window * 2 * engine.prompt_tokenizer.max_token_chars)
-    with pytest.raises(InvalidRequestError, match="context window"):
+    with pytest.raises(InvalidRequestError, match="at least"):  # by its characters alone
         engine.generate(prompt=huge)
+    long = "word " * (2 * engine.context_window)  # each word a token at least: tokenised whole, then refused
+    with pytest.raises(InvalidRequestError, match="tokenised whole"):
+        engine.generate(prompt=long)
 
 
 def test_speculations_are_scoped_to_their_tenant_and_shared_fairly(engine, monkeypatch):

@@ -68,6 +68,10 @@ class PromptTokenizer:
         longest = max(map(len, vocab), default=0)
         return longest or None
 
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` tokenised whole (not memoised: a size check, not a segment)."""
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text on its own (no special tokens added), memoised (thread-safe)."""
         with self._lock:

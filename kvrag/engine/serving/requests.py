@@ -37,7 +37,12 @@ __all__ = [
     "check_chunks",
     "check_namespace",
     "signature",
+    "WHOLE_TEXT_MARGIN",
 ]
+
+#: A prompt string whose whole-text token count reaches this many context windows is refused before
+#: it is split (:meth:`Requests.check_chars`).
+WHOLE_TEXT_MARGIN = 2
 
 
 @dataclass(slots=True, kw_only=True)
@@ -180,22 +185,28 @@ class Requests:
             if chunks or prefix or suffix:
                 raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
             prompt = check_text("prompt", prompt)
-            self.check_chars(len(prompt))
+            self.check_chars(len(prompt), prompt)
             return self.documents.split(prompt, namespace)
         self.check_chars(len(prefix) + len(suffix) + sum(map(len, chunks)))
         return [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
 
-    def check_chars(self, chars: int) -> None:
-        """Refuse a prompt of ``chars`` characters that cannot fit the context window whatever its
-        tokens: it needs at least ``chars / (2 x the longest token's characters)`` tokens (the factor 2
-        covers normalisers that shorten text). O(1): it runs before the prompt is scanned for
-        documents or tokenised."""
+    def check_chars(self, chars: int, text: str | None = None) -> None:
+        """Refuse a prompt of ``chars`` characters that cannot fit the context window, before it is
+        scanned for documents or tokenised part by part.
+
+        O(1) first: it needs at least ``chars / (2 x the longest token's characters)`` tokens (the
+        factor 2 covers normalisers that shorten text). Then a long ``text`` (past 4 characters per
+        token of the window, where the scan costs more) is tokenised whole, once, in the tokenizer's
+        own code: at :data:`WHOLE_TEXT_MARGIN` times the window or more it is refused (its parts,
+        tokenised apart, never come that far below the whole text's count)."""
         per_token = self.tokenizer.max_token_chars
-        if per_token is None:
-            return
-        least = chars // (2 * per_token)
-        if least >= self.context_window:
-            raise ContextLengthError(least, self.context_window, f"at least: {chars} characters")
+        window = self.context_window
+        if per_token is not None and chars // (2 * per_token) >= window:
+            raise ContextLengthError(chars // (2 * per_token), window, f"at least: {chars} characters")
+        if text is not None and chars > 4 * window:
+            n = self.tokenizer.count(text)
+            if n >= WHOLE_TEXT_MARGIN * window:
+                raise ContextLengthError(n, window, "the prompt tokenised whole")
 
     def order_chunks(self, chunks, prompt: str | None, options: RequestOptions) -> tuple[list[str] | None, list[str]]:
         """``chunks`` in the order ``options.chunk_order`` asks for, and the retrieval to count (none
