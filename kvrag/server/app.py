@@ -118,7 +118,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             raise InvalidRequestError(
                 "give speculate alone: a speculation is neither warm work nor a retrieval to count"
             )
-        ids = await asyncio.to_thread(engine.register, body.documents)
+        ids = await asyncio.to_thread(engine.register, body.documents, namespace=namespace)
         if body.speculate is not None:
             key = _speculation_key(namespace, body.speculate)
             handle = await asyncio.to_thread(engine.speculate, body.documents, namespace=namespace, key=key)
@@ -143,7 +143,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     @app.delete("/v1/speculations/{key}")
     async def cancel_speculations(key: str, request: Request) -> dict:
         namespace = server.tenants.namespace(request.headers)
-        cancelled = engine.speculations.cancel_key(_speculation_key(namespace, key))
+        cancelled = engine.speculations.cancel_key(_speculation_key(namespace, key), namespace=namespace)
         return {"id": key, "object": "speculation.deleted", "deleted": cancelled}
 
     @app.delete("/v1/conversations/{conversation_id}")
@@ -214,7 +214,7 @@ class _Server:
 
         def start() -> EngineCall:
             if documents:
-                engine.register(documents)
+                engine.register(documents, namespace=namespace)
             stream = engine.stream(prompt=render(engine), options=options)
             return EngineCall(stream, model_name=self.model_name, conversation_id=options.conversation_id)
 
@@ -242,7 +242,7 @@ class _Server:
 
         def start():
             if documents:
-                engine.register(documents)
+                engine.register(documents, namespace=namespace)
             return engine.speculate_request(
                 prompt=render(engine), key=_speculation_key(namespace, key), options=options
             )

@@ -442,7 +442,7 @@ def test_background_writer_runs_every_job_and_leaves_no_idle_thread():
     the writer's worker exits when the queue is empty, and no job is stranded by that."""
     from kvrag.engine.serving.writeback import BackgroundWriter
 
-    w = BackgroundWriter()
+    w = BackgroundWriter(max_jobs=400)  # every job of the burst taken
     done: list[int] = []
     submitters = [
         threading.Thread(target=lambda i=i: [w.submit(lambda j=j: done.append(j)) for j in range(i, 400, 4)])
