@@ -60,7 +60,7 @@ from kvrag.engine import Engine, RequestOptions
 from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError
 from kvrag.server.errors import error_of
 from kvrag.server.guard import Guard
-from kvrag.server.limits import check_documents, check_messages, check_prompt, check_stop, utf8_size
+from kvrag.server.limits import check_documents, check_id, check_messages, check_prompt, check_stop, utf8_size
 from kvrag.server.metrics import CONTENT_TYPE_LATEST, Metrics, RequestTrack
 from kvrag.server.protocol import (
     ChatRequest,
@@ -127,6 +127,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def documents(body: DocumentsRequest, request: Request) -> dict:
         namespace = request.state.namespace
         check_documents(body.documents, server.limits)
+        check_id(body.speculate, "speculate")
         if body.speculate is not None and (body.warm or body.chunk_order is not None):
             raise InvalidRequestError(
                 "give speculate alone: a speculation is neither warm work nor a retrieval to count"
@@ -155,12 +156,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.delete("/v1/speculations/{key}")
     async def cancel_speculations(key: str, request: Request) -> dict:
+        check_id(key, "key")
         cancelled = engine.speculations.cancel_key(_speculation_key(request.state.namespace, key))
         return {"id": key, "object": "speculation.deleted", "deleted": cancelled}
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def end_conversation(conversation_id: str, request: Request) -> dict:
         namespace = request.state.namespace
+        check_id(conversation_id, "conversation_id")
         ended = await asyncio.to_thread(engine.end_conversation, conversation_id, namespace=namespace)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": ended}
 
@@ -172,9 +175,13 @@ def _chat_render(messages: list[dict[str, str]], body: ChatRequest) -> Callable[
     documents = body.template_documents()
 
     def render(engine: Engine) -> str:
-        extra = {"documents": documents} if documents else {}
         try:
-            prompt = engine.apply_chat_template(messages, **extra)
+            if documents:  # the engine's tokenizer is Hugging Face's: its template takes vLLM's documents
+                prompt = engine.tokenizer.apply_chat_template(
+                    messages, documents=documents, tokenize=False, add_generation_prompt=True
+                )
+            else:
+                prompt = engine.apply_chat_template(messages)
         except Exception as exc:  # the template refuses these messages (e.g. roles that do not alternate)
             raise InvalidRequestError(f"messages: the model's chat template refused them: {exc}") from exc
         for i, d in enumerate(documents):
@@ -229,6 +236,8 @@ class _Server:
         self.check_model(body.model)
         body.check_supported()
         check_stop(body.stop, self.limits)
+        check_id(body.conversation_id, "conversation_id")
+        check_id(body.speculate, "speculate")
         if body.documents is not None and body.kvrag_documents is not None:
             raise InvalidRequestError("give documents or kvrag_documents (the same chunks), not both")
         check_documents(body.chunk_texts(), self.limits)

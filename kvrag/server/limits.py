@@ -7,12 +7,27 @@ engine only ever hashes text it can encode.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from kvrag.errors import InvalidRequestError
 from kvrag.server.settings import LimitError, Limits
 
-__all__ = ["utf8_size", "check_stop", "check_documents", "check_messages", "check_prompt"]
+__all__ = ["check_id", "utf8_size", "check_stop", "check_documents", "check_messages", "check_prompt"]
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: Longest id a client may give (a conversation, a speculation key).
+MAX_ID_CHARS = 256
+
+
+def check_id(value: str | None, param: str) -> None:
+    """A client's id (``conversation_id``, a speculation key): 1 to 256 printable characters, so that no
+    id can spell another tenant's key."""
+    if value is not None and (not value or len(value) > MAX_ID_CHARS or _CONTROL.search(value)):
+        raise InvalidRequestError(f"{param}: an id is 1 to {MAX_ID_CHARS} characters, none of them a control character")
+    if value is not None:
+        utf8_size(value, param)
 
 
 def utf8_size(text: str, where: str) -> int:
