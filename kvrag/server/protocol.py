@@ -114,6 +114,7 @@ class _GenerationRequest(ReuseFields):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    ignore_eos: bool | None = Field(default=None, description=OPTION_DOCS["ignore_eos"])  # vLLM's too
     stream: bool = False
     stream_options: _StreamOptions | None = None
     user: str | None = None
@@ -164,6 +165,7 @@ class _GenerationRequest(ReuseFields):
             top_p=self.top_p,
             stop=self.stop or None,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
             namespace=namespace,
             **{name: getattr(self, name) for name in REUSE_OPTIONS},
         )
