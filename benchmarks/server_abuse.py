@@ -9,7 +9,9 @@
    (announced past ``max_body_bytes``): time from the first byte sent to the answer's status
    line, the status (401 / 413), and the server's RSS before and after ``--attacks`` of each;
 3. 5,000 stop strings of 40 characters: time to the 400;
-4. the honest request's per-token time again while a thread sends those attacks back to back.
+4. the honest request's per-token time again while a thread sends one kind of attack back to back
+   (each kind, then all in turn), and, as a control, while another process only burns a core (the
+   attacker's client costs a small machine that much whatever the server does).
 
 The attacker streams its body until the server answers (a real attacker does not stop), over a raw
 socket so that the time is the server's. Results: a JSON line on stdout and ``results.json`` in ``--out``.
@@ -95,6 +97,7 @@ def stop_strings(url: str) -> tuple[float, int]:
 def per_token(url: str, tokens: int) -> float:
     """Median gap between streamed pieces after the first, of one small request."""
     body = {"prompt": "The history of the river city begins with", "max_tokens": tokens, "stream": True}
+    body["ignore_eos"] = True  # a fixed length (vLLM's extension, kvrag's too)
     stamps = []
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=600) as r:
@@ -102,7 +105,38 @@ def per_token(url: str, tokens: int) -> float:
             if line.startswith("data: ") and line != "data: [DONE]":
                 stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    if not gaps:
+        raise RuntimeError(f"the honest request streamed {len(stamps)} events: too few to time")
     return statistics.median(gaps)
+
+
+def under_attack(url: str, a, attacks: list) -> list[float]:
+    """The honest request's per-token times while one thread sends ``attacks`` back to back."""
+    stop = threading.Event()
+
+    def attacker():
+        while not stop.is_set():
+            for attack in attacks:
+                attack()
+
+    thread = threading.Thread(target=attacker, daemon=True)
+    thread.start()
+    try:
+        return [per_token(url, a.tokens) for _ in range(a.repeats)]
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def under_busy_process(url: str, a) -> list[float]:
+    """The control: per-token times while another process only burns a core (what the attacker's own
+    client costs a small machine, whatever the server does)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        return [per_token(url, a.tokens) for _ in range(a.repeats)]
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,24 +197,14 @@ def main(argv: list[str] | None = None) -> int:
                 "rss_before_mb": round(before / 2**20, 1),
                 "rss_after_mb": round(after / 2**20, 1),
             }
-        stop = threading.Event()
-
-        def attacker():
-            while not stop.is_set():
-                for attack in kinds.values():
-                    attack()
-
-        thread = threading.Thread(target=attacker, daemon=True)
-        thread.start()
-        under_attack = [per_token(url, a.tokens) for _ in range(a.repeats)]
-        stop.set()
-        thread.join(60)
-        out["per_token_s"] = {
-            "baseline_median": statistics.median(baseline),
-            "under_attack_median": statistics.median(under_attack),
-            "ratio": statistics.median(under_attack) / statistics.median(baseline),
-            "baseline": baseline,
-            "under_attack": under_attack,
+        under = {"control: a busy process, no requests": under_busy_process(url, a)}
+        under.update({name: under_attack(url, a, [attack]) for name, attack in kinds.items()})
+        under["all, in turn"] = under_attack(url, a, list(kinds.values()))
+        base = statistics.median(baseline)
+        out["per_token_s"] = {"baseline_median": base, "baseline": baseline}
+        out["per_token_under_attack"] = {
+            name: {"median_s": statistics.median(runs), "ratio": statistics.median(runs) / base, "runs": runs}
+            for name, runs in under.items()
         }
         out["rss_end_mb"] = round(rss_bytes(proc.pid) / 2**20, 1)
     finally:
