@@ -64,9 +64,9 @@ def test_body_size_is_refused_announced_or_streamed(serve_tiny):
 
 
 def test_the_key_is_checked_before_the_body_is_read(serve_tiny):
-    _, url = serve_tiny(KEYS)
+    _, url = serve_tiny(ServerSettings(tenants=KEYS.tenants, limits=Limits(max_body_bytes=1 << 20)))
     headers = {"content-type": "application/json"}
-    for content in (b"{not json", json.dumps({"prompt": "x" * (9 << 20)}).encode()):  # bad JSON; past the body limit
+    for content in (b"{not json", json.dumps({"prompt": "x" * (2 << 20)}).encode()):  # bad JSON; past the body limit
         error = openai_error(httpx.post(f"{url}{TEXT}", content=content, headers=headers, timeout=60), 401)
         assert error["code"] == "invalid_api_key"
     for path in ("/v1/models", "/metrics", "/v1/models/default"):  # behind the key too
