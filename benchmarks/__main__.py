@@ -10,6 +10,7 @@ python -m benchmarks methods                        # the registered method name
 python -m benchmarks store-sim --dataset QA.json --out DIR  # the store's steady state under a Zipf stream, LRU vs PGDSF
 python -m benchmarks craft-replay --dataset QA.json   # CRAFT: prefix vs total hits per chunk order (no model)
 python -m benchmarks registry                       # cost of finding registered passages in a prompt, 100 vs 100,000
+python -m benchmarks saturation                     # 200 requests of new documents at once: bounds held, idle answers
 python -m benchmarks kernels                        # Triton kernels against their references (needs a CUDA GPU)
 python -m benchmarks calibrate --dataset QA.json    # the constants of recompute_ratio="auto" (research)
 python -m benchmarks shared-stream --dataset QA.json --workers 4 --requests 100   # N processes, one server
@@ -318,6 +319,12 @@ def _craft_replay(argv: list[str]) -> int:
     return craft_replay_main(argv)
 
 
+def _saturation(argv: list[str]) -> int:
+    from benchmarks.saturation import main as saturation_main
+
+    return saturation_main(argv)
+
+
 def _registry(argv: list[str]) -> int:
     from benchmarks.registry_lookup import main as registry_main
 
@@ -394,6 +401,7 @@ COMMANDS = {
     "store-sim": _store_sim,
     "craft-replay": _craft_replay,
     "registry": _registry,
+    "saturation": _saturation,
     "kernels": _kernels,
     # several processes on one Redis/Valkey server (benchmarks.multiproc)
     "shared-stream": _shared("shared-stream"),

@@ -9,7 +9,20 @@ from dataclasses import dataclass
 from kvrag.checks import Checked, flag, integer, is_int, number, setting
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "DEFAULT_SAMPLING", "SAMPLING_FIELDS", "engine_sampling"]
+__all__ = [
+    "SamplingParams",
+    "DEFAULT_SAMPLING",
+    "SAMPLING_FIELDS",
+    "engine_sampling",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_CHARS",
+]
+
+#: Most stop strings a request may give (OpenAI takes 4): each costs the decode loop a little per
+#: token, and its setup a little per character (:class:`~kvrag.engine.model.sampling.TextStream`).
+MAX_STOP_STRINGS = 64
+#: Most characters of one stop string.
+MAX_STOP_CHARS = 256
 
 
 def _stop(name: str, stop):
@@ -17,8 +30,18 @@ def _stop(name: str, stop):
         return None
     stops = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {stop!r}")
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {_short(stop)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"{name} takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"{name}: each string has at most {MAX_STOP_CHARS} characters, got one of {longest}")
     return tuple(stops)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _seed(name: str, seed):
@@ -42,7 +65,8 @@ class SamplingParams(Checked):
         max_new_tokens: most tokens generated (an integer >= 0).
         temperature: 0 for greedy decoding; > 0 samples (with ``top_p``).
         top_p: nucleus sampling threshold in (0, 1], used when ``temperature`` > 0.
-        stop: stop strings (one string or several); the text is cut before the first one found.
+        stop: stop strings (one string or several, at most :data:`MAX_STOP_STRINGS` of at most
+            :data:`MAX_STOP_CHARS` characters each); the text is cut before the first one found.
         seed: sampling seed (``None``: nondeterministic when sampling).
         ignore_eos: decode ``max_new_tokens`` whatever end-of-sequence token comes (a benchmark's
             fixed-length answers, as vLLM's and llama.cpp's ``ignore_eos``); stop strings still stop.

@@ -132,8 +132,9 @@ class ReuseSettings(Checked):
             the counts order ``order="frequency"`` and gate ``tree_refresh``.
         promotion_threshold: CRAFT's tau: ``tree_refresh`` keeps the leading chunks whose counts reach
             it; 1 refreshes every sequence (the trade-off: docs/results.md).
-        max_conversations: conversations whose KV is kept between turns, least recently used dropped
-            first; 0 keeps none.
+        max_conversations: conversations whose KV is kept between turns, all tenants together; past
+            it, the least recently used of the tenant holding the most is dropped (docs/tenants.md);
+            0 keeps none.
         conversation_dedup: in a conversation, drop chunks an earlier turn already placed (CRAFT);
             per call ``dedup=``.
         loading_controller: in ``blend``, raise a request's ratio while the extra recompute hides under
@@ -188,7 +189,8 @@ class StoreSettings(Checked):
 
     Attributes:
         memory_budget_bytes: byte budget of the memory tier; ``"auto"``: a quarter of the machine's (or
-            container's) memory, at most half of what is free (:mod:`kvrag.engine.store.budget`).
+            container's) memory, at most half of what is free (:mod:`kvrag.engine.store.budget`). Shared
+            by the tenants by the fair rule (:mod:`kvrag.engine.store.tenants`).
         disk_tier: keep a persistent disk tier under ``cache_dir``, shared by the processes using it; off,
             so that a library does not fill the user's home unasked.
         cache_dir: where converted weights, calibration and the disk tier live; ``None``:

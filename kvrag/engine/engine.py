@@ -185,18 +185,18 @@ class Engine:
         """Tokens of a text on its own."""
         return len(self.prompt_tokenizer.tokenize(check_text("text", text)))
 
-    def register(self, texts: Sequence[str]) -> list[str]:
-        """Record document texts so that prompts given as one string are split at them; their content
-        ids. Texts shorter than 32 characters are not worth caching and are not registered."""
-        return self.documents.register(check_chunks(texts))
+    def register(self, texts: Sequence[str], *, namespace: str | None = None) -> list[str]:
+        """Record document texts for tenant ``namespace`` (its prompts given as one string are split at
+        them); their content ids. Texts shorter than 32 characters are not worth caching: not kept."""
+        return self.documents.register(check_chunks(texts), check_namespace(self.config, namespace))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages (``[{"role", "content"}]``) with the model's own chat template."""
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def split_prompt(self, prompt: str) -> list[tuple[str, str]]:
-        """The prompt as ``(kind, text)`` parts, ``chunk`` where a registered text occurs."""
-        return self.documents.split(check_text("prompt", prompt))
+    def split_prompt(self, prompt: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
+        """The prompt as ``(kind, text)`` parts, ``chunk`` where a text the tenant registered occurs."""
+        return self.documents.split(check_text("prompt", prompt), check_namespace(self.config, namespace))
 
     def record_retrieval(
         self, documents: Sequence[str | Sequence[str]], *, order: str = "retrieval", namespace: str | None = None
@@ -342,8 +342,8 @@ class Engine:
         def job(handle: Speculation, pause: Pause):
             return self.prefiller.begin(req, time.perf_counter(), pause)
 
-        tokens = self.prefiller.ticket(req).compute
-        return self.speculations.start("prompt", key, tokens, job, signature=signature(req), dynamic=dynamic)
+        tokens, start = self.prefiller.ticket(req).compute, self.speculations.start
+        return start("prompt", key, tokens, job, signature=signature(req), dynamic=dynamic, namespace=req.namespace)
 
     def end_conversation(self, conversation_id: str, *, namespace: str | None = None) -> bool:
         """Forget a conversation's kept KV and chunk set; False if it was not live."""

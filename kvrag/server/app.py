@@ -132,7 +132,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             raise InvalidRequestError(
                 "give speculate alone: a speculation is neither warm work nor a retrieval to count"
             )
-        ids = await asyncio.to_thread(engine.register, body.documents)
+        ids = await asyncio.to_thread(engine.register, body.documents, namespace=namespace)
         if body.speculate is not None:
             key = _speculation_key(namespace, body.speculate)
             handle = await asyncio.to_thread(engine.speculate, body.documents, namespace=namespace, key=key)
@@ -157,7 +157,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     @app.delete("/v1/speculations/{key}")
     async def cancel_speculations(key: str, request: Request) -> dict:
         check_id(key, "key")
-        cancelled = engine.speculations.cancel_key(_speculation_key(request.state.namespace, key))
+        namespace = request.state.namespace
+        cancelled = engine.speculations.cancel_key(_speculation_key(namespace, key), namespace=namespace)
         return {"id": key, "object": "speculation.deleted", "deleted": cancelled}
 
     @app.delete("/v1/conversations/{conversation_id}")
@@ -264,7 +265,7 @@ class _Server:
         options = body.engine_options(namespace, window - n if asked is None else asked)
         texts = body.chunk_texts()
         if texts:
-            self.engine.register(texts)
+            self.engine.register(texts, namespace=namespace)
         return prompt, options
 
     async def generate(

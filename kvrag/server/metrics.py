@@ -14,6 +14,9 @@ One registry per app (so several apps in one process, as in tests, never share c
   ``kvrag_store_budget_bytes{tier}``: what the KV store holds now, per tier (``memory``, ``disk``,
   ``remote``; a figure a tier does not keep is left out), and ``kvrag_store_evictions_total{tier}``:
   entries it evicted. Read from the engine's ``store.stats()`` at each scrape.
+- ``kvrag_writeback_queued``, ``kvrag_writeback_queued_bytes``: write-back jobs waiting now and the
+  bytes of KV they hold; ``kvrag_writeback_dropped_total``: jobs dropped because the queue was full
+  (the answers were unaffected). Read from the engine's ``writeback.stats()`` at each scrape.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ _STORE_GAUGES = {
 
 
 class StoreCollector(Collector):
-    """The engine's KV store, per tier, read at each scrape (:meth:`~kvrag.engine.store.base.KVStore.stats`)."""
+    """The engine's KV store, per tier, and its write-back queue, read at each scrape
+    (:meth:`~kvrag.engine.store.base.KVStore.stats`, :meth:`~kvrag.engine.serving.writeback.WriteBack.stats`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -65,6 +69,14 @@ class StoreCollector(Collector):
             if isinstance(figures.get("evictions"), int):
                 evictions.add_metric([tier], figures["evictions"])
         yield evictions
+        wb = self.engine.writeback.stats()
+        yield GaugeMetricFamily("kvrag_writeback_queued", "Write-back jobs waiting now", value=wb["queued"])
+        yield GaugeMetricFamily(
+            "kvrag_writeback_queued_bytes", "Bytes of KV the waiting write-back jobs hold", value=wb["queued_bytes"]
+        )
+        yield CounterMetricFamily(
+            "kvrag_writeback_dropped", "Write-back jobs dropped: the queue was full", value=wb["dropped"]
+        )
 
 
 class Metrics:

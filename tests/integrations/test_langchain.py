@@ -126,7 +126,7 @@ def test_conversation_identity_from_run_config(lc_engine, config):
         lc_engine.end_conversation("s-1")
         msg = call()
         assert msg.response_metadata["conversation_id"] == "s-1"
-        assert "s-1" in lc_engine.conversations
+        assert ("default", "s-1") in lc_engine.conversations
     # inside a chain the model sees the chain's config (LangChain's context variable)
     lc_engine.end_conversation("s-1")
     chain = RunnableLambda(lambda q: [("human", q)]) | llm

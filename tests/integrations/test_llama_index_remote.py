@@ -86,7 +86,8 @@ def test_metadata_and_conversations_come_from_the_server(serve_tiny):
     assert meta.model_name == engine.model_name
     assert KVCachedLLM(base_url=url, max_new_tokens=3).metadata.num_output == 3
     llm.chat([ChatMessage(role="user", content="where was the king born?")])
-    assert "c1" in engine.conversations and llm.end_conversation() is True and "c1" not in engine.conversations
+    key = ("default", "c1")
+    assert key in engine.conversations and llm.end_conversation() is True and key not in engine.conversations
     with pytest.raises(InvalidRequestError, match="no engine"):
         llm.tokenize("the king")
     with pytest.raises(InvalidRequestError, match="base_url"):

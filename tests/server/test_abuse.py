@@ -223,6 +223,10 @@ def test_metrics_report_the_store_per_tier(serve_tiny):
     assert metric(url, "kvrag_store_tokens", tier="memory") == memory["tokens"]
     assert metric(url, "kvrag_store_budget_bytes", tier="memory") == memory["budget_bytes"]
     assert metric(url, "kvrag_store_evictions_total", tier="memory") == memory["evictions"]
+    engine.flush()
+    writeback = engine.writeback.stats()
+    assert metric(url, "kvrag_writeback_queued") == writeback["queued"] == 0
+    assert metric(url, "kvrag_writeback_dropped_total") == writeback["dropped"]
 
 
 def test_ids_with_control_characters_are_refused(serve_tiny):

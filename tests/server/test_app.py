@@ -345,7 +345,7 @@ def test_end_conversation(serve_tiny):
     engine, url = serve_tiny()
     body = {"messages": [{"role": "user", "content": "where was the king born?"}], "conversation_id": "c1"}
     httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-    assert "c1" in engine.conversations
+    assert ("default", "c1") in engine.conversations
     assert httpx.delete(f"{url}/v1/conversations/c1").json()["deleted"] is True
     assert httpx.delete(f"{url}/v1/conversations/c1").json()["deleted"] is False
 

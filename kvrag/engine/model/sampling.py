@@ -6,6 +6,8 @@ holds the defaults and imports without torch); they are re-exported here.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kvrag.config import SamplingParams
@@ -40,36 +42,56 @@ class TextStream:
 
     ``push`` returns the new text that is safe to emit; ``stopped`` tells whether a stop string
     appeared (the text is cut before it).
+
+    Per token it decodes the ids (the whole text, as the tokenizer renders it) and then looks only
+    at the new tail: a stop string that was not in the text before can only begin in its last
+    ``len(new text) + longest stop - 1`` characters, found by one search of a compiled alternation;
+    what to hold back is the longest end of the text that begins a stop string, at most
+    ``longest stop - 1`` set lookups (the stops' proper prefixes, hashed once per request). So a
+    token costs O(new text + longest stop) whatever the number of stop strings.
     """
 
     def __init__(self, tokenizer, stop) -> None:
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = list(dict.fromkeys(s for s in stop if s))
         self.ids: list[int] = []
         self.text = ""  # final text so far (cut at a stop string)
         self.emitted = 0
         self.stopped = False
+        self._longest = max(map(len, self.stop), default=0)
+        self._pattern = re.compile("|".join(map(re.escape, self.stop))) if self.stop else None
+        # hashes of the stops' proper prefixes (a hit is verified: a collision cannot hold text back)
+        self._prefixes = {hash(s[:n]) for s in self.stop for n in range(1, len(s))}
+        self._seen = ""  # the text the last push decoded (no stop string in it)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            full = full[:cut]
+        if self._pattern is not None:
+            # the text before ``same`` is unchanged and held no stop string: one can only begin after
+            # ``same - longest + 1`` (the decode may rewrite earlier text: then look at it all)
+            same = len(self._seen) if full.startswith(self._seen) else 0
+            found = self._pattern.search(full, max(0, same - self._longest + 1))
+            if found is not None:
+                self.stopped = True
+                full = full[: found.start()]
+            self._seen = full
         self.text = full
-        safe = len(full)
-        if not self.stopped:  # hold back a tail that could be the start of a stop string
-            for s in self.stop:
-                for n in range(min(len(s) - 1, len(full)), 0, -1):
-                    if full.endswith(s[:n]):
-                        safe = min(safe, len(full) - n)
-                        break
+        safe = len(full) - (0 if self.stopped else self._held_back(full))
         piece = full[self.emitted : safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return piece
+
+    def _held_back(self, full: str) -> int:
+        """Characters at the end of ``full`` that may still become a stop string: the longest end of
+        it that is a proper prefix of one."""
+        for n in range(min(self._longest - 1, len(full)), 0, -1):
+            tail = full[-n:]
+            if hash(tail) in self._prefixes and any(s.startswith(tail) and len(s) > n for s in self.stop):
+                return n
+        return 0
 
     def flush(self) -> str:
         """Whatever was held back, once generation has ended."""

@@ -39,15 +39,24 @@ with it, alternates the two); a call that continues none is served without the c
 (the prefix and chunk caches still apply) and is kept as the side turn: the main one stays.
 
 ``mode="full"`` and ``blend`` at ratio 1.0 never reuse anything (an exact full prefill); ``prefix``
-mode reuses the exact prefix only. The number of live conversations is bounded (LRU,
-``EngineConfig.max_conversations``); each keeps about ``tokens x kv_bytes_per_token`` bytes of its
+mode reuses the exact prefix only. The number of live conversations is bounded
+(``EngineConfig.max_conversations``); each keeps about ``tokens x kv_bytes_per_token`` bytes of its
 two turns.
+
+**Tenants.** A conversation is keyed by ``(namespace, conversation id)``, a tuple (never a joined
+string), and ids with control characters are refused: no id of one tenant names another's
+conversation. The live conversations are shared by the fair rule
+(:mod:`kvrag.engine.store.tenants`): past the bound, a new conversation ends the least recently used
+one of the tenant holding the most (itself on a tie), so a tenant's new conversations end only its
+own once it holds the most, and with ``N`` tenants one holding at most ``max_conversations / N``
+never loses one to another.
 """
 
 from __future__ import annotations
 
+import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +67,24 @@ from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.reuse.documents import content_id
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.store.base import KVRecord
+from kvrag.engine.store.tenants import fair_victim
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["ConversationState", "Continuation", "Conversations", "match_runs", "check_conversation_id", "MIN_RUN"]
+__all__ = [
+    "ConversationState",
+    "Continuation",
+    "Conversations",
+    "ConversationKey",
+    "match_runs",
+    "check_conversation_id",
+    "check_id",
+    "MIN_RUN",
+]
+
+#: A live conversation's key: ``(namespace, conversation id)``.
+ConversationKey = tuple[str, str]
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 #: Shortest run of equal tokens reused at a shifted position (shorter ones are template fragments
 #: such as ``<|im_end|>\n<|im_start|>user\n`` that may match in the wrong place).
@@ -69,16 +93,24 @@ _ANCHOR = 8
 _MAX_CANDIDATES = 8
 
 
+def check_id(name: str, value: str) -> str:
+    """``value`` if it is a non-empty string without control characters (a tenant's or a
+    conversation's id); :class:`~kvrag.errors.InvalidRequestError` naming ``name`` otherwise."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+    if _CONTROL.search(value):
+        raise InvalidRequestError(f"{name} must not contain control characters, got {value!r}")
+    return value
+
+
 def check_conversation_id(conversation_id) -> str | None:
-    """Validate a conversation id (a non-empty string; ints are accepted and stringified)."""
+    """Validate a conversation id (a non-empty string without control characters; ints are accepted
+    and stringified)."""
     if conversation_id is None:
         return None
     if not (isinstance(conversation_id, str) or is_int(conversation_id)):
         raise InvalidRequestError(f"conversation_id must be a string, got {type(conversation_id).__name__}")
-    cid = str(conversation_id)
-    if not cid:
-        raise InvalidRequestError("conversation_id must be a non-empty string")
-    return cid
+    return check_id("conversation_id", str(conversation_id))
 
 
 @dataclass(slots=True)
@@ -200,56 +232,74 @@ def _subtract(a: int, b: int, covered: list[tuple[int, int]]) -> list[tuple[int,
 
 
 class Conversations:
-    """Live conversations of one engine: bounded LRU map id -> its kept turns (main, side).
+    """Live conversations of one engine: a bounded map ``(namespace, id)`` -> its kept turns (main, side).
 
     Thread-safe. States are replaced whole at the end of each turn and never written into, so a
-    request can read one while another turn of the same conversation finishes.
+    request can read one while another turn of the same conversation finishes. Past ``max_live``
+    the fair rule of the module's docstring ends one.
     """
 
     def __init__(self, adapter: ModelAdapter, max_live: int) -> None:
         self.adapter = adapter
         self.max_live = max_live
-        # id -> [main, side]: the turn calls continue, and the last call that continued none
-        self._live: OrderedDict[str, list[ConversationState | None]] = OrderedDict()
+        # key -> [main, side]: the turn calls continue, and the last call that continued none
+        self._live: OrderedDict[ConversationKey, list[ConversationState | None]] = OrderedDict()
+        self._held: Counter[str] = Counter()  # namespace -> its live conversations
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, conversation_id: str) -> bool:
-        return conversation_id in self._live
+    def __contains__(self, key: ConversationKey) -> bool:
+        return key in self._live
 
-    def kept(self, conversation_id: str) -> list[ConversationState]:
+    def kept(self, key: ConversationKey) -> list[ConversationState]:
         """The conversation's kept turns, the main one first (empty if it is not live)."""
         with self._lock:
-            turns = self._live.get(conversation_id)
+            turns = self._live.get(key)
             if turns is None:
                 return []
-            self._live.move_to_end(conversation_id)
+            self._live.move_to_end(key)
             return [t for t in turns if t is not None]
 
-    def get(self, conversation_id: str) -> ConversationState | None:
+    def get(self, key: ConversationKey) -> ConversationState | None:
         """The conversation's main turn (the last one a call continued), or None."""
         with self._lock:
-            turns = self._live.get(conversation_id)
+            turns = self._live.get(key)
             if turns is None:
                 return None
-            self._live.move_to_end(conversation_id)
+            self._live.move_to_end(key)
             return turns[0] if turns[0] is not None else turns[1]
 
-    def end(self, conversation_id: str) -> bool:
+    def end(self, key: ConversationKey) -> bool:
+        """Forget a conversation; False if it was not live."""
         with self._lock:
-            return self._live.pop(conversation_id, None) is not None
+            return self._pop(key) is not None
 
     def clear(self) -> None:
         with self._lock:
             self._live.clear()
+            self._held.clear()
+
+    def held(self, namespace: str) -> int:
+        """The tenant's live conversations."""
+        with self._lock:
+            return self._held.get(namespace, 0)
+
+    def _pop(self, key: ConversationKey):
+        """Drop a live conversation (the lock held); its turns, or None."""
+        turns = self._live.pop(key, None)
+        if turns is not None:
+            self._held[key[0]] -= 1
+            if self._held[key[0]] <= 0:
+                del self._held[key[0]]
+        return turns
 
     # -- deduplication ---------------------------------------------------------------------------
 
-    def dedup(self, conversation_id: str, parts: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int]:
+    def dedup(self, key: ConversationKey, parts: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int]:
         """Drop chunk parts that an earlier turn placed and whose earlier copy is still in the prompt."""
-        placed = set().union(*(t.chunks for t in self.kept(conversation_id)))
+        placed = set().union(*(t.chunks for t in self.kept(key)))
         if not placed:
             return parts, 0
         out: list[tuple[str, str]] = []
@@ -265,10 +315,10 @@ class Conversations:
 
     # -- reuse -------------------------------------------------------------------------------------
 
-    def follow(self, conversation_id: str, ids: list[int]) -> Continuation | None:
+    def follow(self, key: ConversationKey, ids: list[int]) -> Continuation | None:
         """The kept turn the prompt ``ids`` continues (:meth:`Continuation.continues`; the main turn
         first), or None: the call is a side call, or the conversation has no turn yet."""
-        for state in self.kept(conversation_id):
+        for state in self.kept(key):
             prefix = common_prefix(state.ids, ids, len(ids))
             found = Continuation(state, prefix, match_runs(state.ids, ids, prefix, len(ids)))
             if found.continues(len(ids)):
@@ -320,7 +370,7 @@ class Conversations:
 
     def record(
         self,
-        conversation_id: str,
+        key: ConversationKey,
         ids: list[int],
         buf: KVBuffer,
         chunk_texts: list[str],
@@ -347,13 +397,15 @@ class Conversations:
         chunks.update(content_id(t) for t in chunk_texts)
         state = ConversationState(ids, k, v, chunks, old.turns + 1 if old is not None else 1, min(prompt_len, n))
         with self._lock:
-            main, side = self._live.pop(conversation_id, None) or (None, None)
+            main, side = self._pop(key) or (None, None)
             if old is not None:
                 main, side = state, old
             elif main is None:
                 main = state
             else:  # a side call: the main turn stays
                 side = state
-            self._live[conversation_id] = [main, side]
-            while len(self._live) > self.max_live:
-                self._live.popitem(last=False)
+            while len(self._live) >= self.max_live:  # room first: the new turn is never the one to go
+                tenant = fair_victim(self._held, key[0], 1)
+                self._pop(next(k for k in self._live if k[0] == tenant))  # its least recently used
+            self._live[key] = [main, side]
+            self._held[key[0]] += 1

@@ -9,6 +9,7 @@ lookups only and can be tested without a tokenizer.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,6 +54,19 @@ class PromptTokenizer:
         self.bos_id: int | None = (
             bos if bos is not None and len(with_special) > len(plain) and with_special[0] == bos else None
         )
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """Most characters one token stands for: the longest vocabulary entry (a byte-level entry
+        has a character per byte, at least as many as the text it decodes to); ``None`` where the
+        vocabulary cannot be read. A text of ``n`` characters needs at least ``n / max_token_chars``
+        tokens."""
+        try:
+            vocab = self.tokenizer.get_vocab()
+        except Exception:  # a tokenizer without a readable vocabulary: no bound
+            return None
+        longest = max(map(len, vocab), default=0)
+        return longest or None
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text on its own (no special tokens added), memoised (thread-safe)."""

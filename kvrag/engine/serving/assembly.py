@@ -128,7 +128,8 @@ def assemble(
         kv_shape=kv_shape,
     )
     computer = ChunkComputer(adapter, prompt_tokenizer.tokenize, sink_ids, config.chunk_context, context_window)
-    documents, conversations = DocumentFinder(), Conversations(adapter, config.max_conversations)
+    documents = DocumentFinder(namespace=config.namespace)
+    conversations = Conversations(adapter, config.max_conversations)
     #: CRAFT's chunk-access table: recent retrievals per namespace (frequency order, promotion)
     access = AccessTable(config.chunk_access_window, config.promotion_threshold)
     costs = CostFeedback(store, adapter.n_layers, config.loading_controller, config.cost_model, adapter.device.type)
@@ -162,7 +163,7 @@ def assemble(
         stored=access.stored,
         computed=access.computed,
     )
-    speculations = Speculations(worker, adapter.n_layers)
+    speculations = Speculations(worker, adapter.n_layers, config.namespace)
     prefiller = Prefiller(config, adapter, planner, conversations, costs, writeback, speculations, prompt_tokenizer,
                           context_window=context_window)  # fmt: skip
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,

@@ -19,7 +19,7 @@ from kvrag.config import AUTO, EngineConfig, SamplingParams
 from kvrag.engine.options import SAMPLING_OPTIONS, RequestOptions
 from kvrag.engine.reuse.access import AccessTable, check_chunk_order
 from kvrag.engine.reuse.budget import Budget, OtherContextRule
-from kvrag.engine.reuse.conversations import Conversations, check_conversation_id
+from kvrag.engine.reuse.conversations import ConversationKey, Conversations, check_conversation_id, check_id
 from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.reuse.gate import GateResult
 from kvrag.engine.reuse.segments import PromptTokenizer, Segment
@@ -50,7 +50,7 @@ class Request:
     budget: Budget  # what a blend recomputes (resolved once: resolve_budget)
     sampling: SamplingParams  # resolved: no None fields
     namespace: str = "default"  # the tenant: cache entries and conversations of others are never seen
-    conversation: str | None = None  # the conversation's key (its id, scoped to the namespace)
+    conversation: ConversationKey | None = None  # the conversation's key: (namespace, its id)
     deduplicated: int = 0
     conversation_spans: list | None = None
     follow: Any = None  # the kept turn of the conversation its prompt continues (reuse.conversations.Continuation)
@@ -139,8 +139,8 @@ class Requests:
         """Validate a request and segment its prompt: ``prefix + chunks + suffix`` (``chunks`` in the order
         given) or a whole ``prompt``, with its ``options`` (and ``sampling=`` instead of their sampling fields)."""
         cfg = self.config
-        parts = self.parts(chunks, prefix, suffix, prompt)
         namespace = check_namespace(cfg, options.namespace)
+        parts = self.parts(chunks, prefix, suffix, prompt, namespace)
         conversation = check_conversation_id(options.conversation_id)
         if conversation is not None:
             conversation = self.conversation_key(conversation, namespace)
@@ -167,16 +167,35 @@ class Requests:
             deduplicated=deduplicated,
         )
 
-    def parts(self, chunks, prefix, suffix, prompt) -> list[tuple[str, str]]:
+    def parts(self, chunks, prefix, suffix, prompt, namespace: str | None = None) -> list[tuple[str, str]]:
         """The request as ("text" | "chunk", text) parts: from prefix/chunks/suffix, or from a whole
-        ``prompt`` split at the registered documents."""
+        ``prompt`` split at the documents tenant ``namespace`` (default: the engine's) registered.
+
+        A text far too long for the context window is refused first, before any scan
+        (:meth:`check_chars`)."""
+        namespace = self.config.namespace if namespace is None else namespace
         chunks = check_chunks(chunks)
         prefix, suffix = check_text("prefix", prefix), check_text("suffix", suffix)
         if prompt is not None:
             if chunks or prefix or suffix:
                 raise InvalidRequestError("give either prompt= or prefix/chunks/suffix, not both")
-            return self.documents.split(check_text("prompt", prompt))
+            prompt = check_text("prompt", prompt)
+            self.check_chars(len(prompt))
+            return self.documents.split(prompt, namespace)
+        self.check_chars(len(prefix) + len(suffix) + sum(map(len, chunks)))
         return [("text", prefix)] + [("chunk", c) for c in chunks] + [("text", suffix)]
+
+    def check_chars(self, chars: int) -> None:
+        """Refuse a prompt of ``chars`` characters that cannot fit the context window whatever its
+        tokens: it needs at least ``chars / (2 x the longest token's characters)`` tokens (the factor 2
+        covers normalisers that shorten text). O(1): it runs before the prompt is scanned for
+        documents or tokenised."""
+        per_token = self.tokenizer.max_token_chars
+        if per_token is None:
+            return
+        least = chars // (2 * per_token)
+        if least >= self.context_window:
+            raise ContextLengthError(least, self.context_window, f"at least: {chars} characters")
 
     def order_chunks(self, chunks, prompt: str | None, options: RequestOptions) -> tuple[list[str] | None, list[str]]:
         """``chunks`` in the order ``options.chunk_order`` asks for, and the retrieval to count (none
@@ -199,9 +218,10 @@ class Requests:
             return chunks, chunks
         return [chunks[i] for i in self.access.order(namespace, chunks, order)], chunks
 
-    def conversation_key(self, conversation_id: str, namespace: str) -> str:
-        """A conversation is scoped to its tenant (the default tenant's keys are the ids themselves)."""
-        return conversation_id if namespace == self.config.namespace else f"{namespace}\0{conversation_id}"
+    @staticmethod
+    def conversation_key(conversation_id: str, namespace: str) -> ConversationKey:
+        """A conversation is scoped to its tenant: its key is the tuple ``(namespace, id)``."""
+        return (namespace, conversation_id)
 
 
 def check_engine_config(config: EngineConfig) -> None:
@@ -265,8 +285,8 @@ def check_chunks(chunks) -> list[str]:
 
 
 def check_namespace(cfg: EngineConfig, namespace) -> str:
+    """The request's tenant: ``namespace`` (a non-empty string without control characters), or the
+    engine's when ``None``."""
     if namespace is None:
         return cfg.namespace
-    if not isinstance(namespace, str) or not namespace or "\0" in namespace:
-        raise InvalidRequestError(f"namespace must be a non-empty string, got {namespace!r}")
-    return namespace
+    return check_id("namespace", namespace)

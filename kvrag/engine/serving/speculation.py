@@ -17,6 +17,11 @@ next pause when one arrives or when it is cancelled (a newer list of the same ``
 line 8). That is Theorem 5.1's rule with one prefill at a time: speculate iff the pool is empty
 after a changed stage; a speculation that loses costs only idle engine time.
 
+**Tenants.** A speculation belongs to its tenant (namespace): its key is scoped to it (one tenant
+never replaces or cancels another's), and the :data:`MAX_LIVE` speculations are shared by the fair
+rule (:mod:`kvrag.engine.store.tenants`): past the bound, the tenant holding the most live ones (the
+new one's own on a tie) loses its oldest.
+
 A speculation never counts as a use of the cache: its lookups are looks (no hit counted, no
 eviction rank touched), and a prompt speculation's write-back waits for its adoption (a lost one
 leaves the store as it found it). ``Request.speculative`` marks its request for the layers that
@@ -27,17 +32,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from kvrag.engine.serving.scheduler import Ticket
 from kvrag.engine.serving.worker import Pause, Preempted, Worker
+from kvrag.engine.store.tenants import fair_victim
 
 __all__ = ["Speculation", "Speculations", "MAX_LIVE"]
 
-#: Most speculations held at once (each prompt speculation holds a KV buffer); a new one past that
-#: cancels the oldest.
+#: Most speculations held at once, all tenants together (each prompt speculation holds a KV buffer);
+#: a new one past that cancels the oldest of the tenant holding the most (its own on a tie).
 MAX_LIVE = 8
 
 #: A speculation's states: queued, prefilling, finished (its result held), stopped part-way
@@ -51,7 +57,9 @@ class Speculation:
 
     Attributes:
         kind: ``"chunks"`` or ``"prompt"``.
-        key: the caller's request key (a newer speculation of the same key cancels this one), or None.
+        key: the caller's request key (a newer speculation of the same key and tenant cancels this
+            one), or None.
+        namespace: its tenant.
         tokens: tokens its work computes at most (prompt: the prefill's estimate; chunks: the
             uncached candidates' tokens).
         state: one of :data:`STATES`.
@@ -59,9 +67,12 @@ class Speculation:
         result: what it produced (chunks: how many chunks it kept; prompt: held for its adoption).
     """
 
-    def __init__(self, manager: Speculations, kind: str, key: Hashable | None, tokens: int, signature=None) -> None:
+    def __init__(
+        self, manager: Speculations, kind: str, key: Hashable | None, tokens: int, signature=None, namespace: str = ""
+    ) -> None:
         self._manager = manager
         self.kind, self.key, self.tokens, self.signature = kind, key, tokens, signature
+        self.namespace = namespace
         self.ticket: Ticket | None = None
         self.state = "waiting"
         self.computed = 0
@@ -90,16 +101,19 @@ class Speculation:
 
 
 class Speculations:
-    """The live speculations of one engine: at most one per key, at most :data:`MAX_LIVE` in all.
+    """The live speculations of one engine: at most one per tenant and key, at most :data:`MAX_LIVE`
+    in all (shared by the fair rule).
 
     Args:
         worker: the engine thread.
         layers: the model's layers (the runner pauses twice per layer: a stopped speculation's
             work done is estimated from its pauses).
+        namespace: the tenant of calls that name none (the engine's ``EngineConfig.namespace``).
     """
 
-    def __init__(self, worker: Worker, layers: int) -> None:
+    def __init__(self, worker: Worker, layers: int, namespace: str = "default") -> None:
         self._worker = worker
+        self.namespace = namespace
         self._pauses_per_pass = 2 * max(1, layers)
         self._lock = threading.Lock()
         self._live: OrderedDict[int, Speculation] = OrderedDict()  # id(handle) -> handle, oldest first
@@ -128,14 +142,17 @@ class Speculations:
         *,
         signature=None,
         dynamic: bool = True,
+        namespace: str | None = None,
     ) -> Speculation:
-        """Queue ``job(handle, pause)`` as a speculative ticket (``dynamic=False``: as ordinary work,
-        which never gives way: the always-speculate baseline). A live speculation of the same
-        ``(kind, key)`` is cancelled first."""
-        handle = Speculation(self, kind, key, tokens, signature)
+        """Queue ``job(handle, pause)`` as a speculative ticket of tenant ``namespace`` (``dynamic=False``:
+        as ordinary work, which never gives way: the always-speculate baseline). A live speculation
+        of the same ``(namespace, kind, key)`` is cancelled first."""
+        namespace = self.namespace if namespace is None else namespace
+        handle = Speculation(self, kind, key, tokens, signature, namespace)
+        slot = (namespace, kind, key)
         if tokens <= 0 and kind == "chunks":  # nothing to compute: it replaces the key's old one and is done
             with self._lock:
-                old = self._by_key.pop((kind, key), None) if key is not None else None
+                old = self._by_key.pop(slot, None) if key is not None else None
             if old is not None:
                 self.cancel(old)
             handle.state, handle.result = "done", 0
@@ -144,11 +161,15 @@ class Speculations:
         ticket = Ticket(tokens=tokens, compute=max(1, tokens), bounded=False, speculative=dynamic)
         handle.ticket = ticket
         with self._lock:
-            old = self._by_key.get((kind, key)) if key is not None else None
+            old = self._by_key.get(slot) if key is not None else None
             if key is not None:
-                self._by_key[(kind, key)] = handle
+                self._by_key[slot] = handle
             self._live[id(handle)] = handle
-            evicted = next(iter(self._live.values())) if len(self._live) > MAX_LIVE else None
+            evicted = None
+            others = [h for h in self._live.values() if h is not old and h is not handle]
+            if len(others) >= MAX_LIVE:  # the new one never goes: the tenant holding the most gives way
+                tenant = fair_victim(Counter(h.namespace for h in others), namespace, 1)
+                evicted = next(h for h in others if h.namespace == tenant)
         for stale in (old, evicted):
             if stale is not None and stale is not handle:
                 self.cancel(stale)
@@ -258,10 +279,12 @@ class Speculations:
         self.counts["adopted"] += 1
         return result
 
-    def cancel_key(self, key: Hashable) -> bool:
-        """Cancel the live speculations (chunk and prompt) of ``key``; False if it had none."""
+    def cancel_key(self, key: Hashable, namespace: str | None = None) -> bool:
+        """Cancel tenant ``namespace``'s live speculations (chunk and prompt) of ``key``; False if it had none."""
+        namespace = self.namespace if namespace is None else namespace
         with self._lock:
-            handles = [h for kind in ("chunks", "prompt") if (h := self._by_key.get((kind, key))) is not None]
+            slots = [(namespace, kind, key) for kind in ("chunks", "prompt")]
+            handles = [h for slot in slots if (h := self._by_key.get(slot)) is not None]
         for handle in handles:
             self.cancel(handle)
         return bool(handles)
@@ -279,5 +302,6 @@ class Speculations:
     def _forget(self, handle: Speculation) -> None:
         """Drop a handle from the live tables (the lock held)."""
         self._live.pop(id(handle), None)
-        if handle.key is not None and self._by_key.get((handle.kind, handle.key)) is handle:
-            del self._by_key[(handle.kind, handle.key)]
+        slot = (handle.namespace, handle.kind, handle.key)
+        if handle.key is not None and self._by_key.get(slot) is handle:
+            del self._by_key[slot]

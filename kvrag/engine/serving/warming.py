@@ -118,7 +118,7 @@ class Warming:
             )
             return computed
 
-        return self.speculations.start("chunks", key, missing, job, dynamic=dynamic)
+        return self.speculations.start("chunks", key, missing, job, dynamic=dynamic, namespace=namespace)
 
     def _window_tokens(self) -> int:
         return min(self.config.warm_window_tokens, self.context_window)

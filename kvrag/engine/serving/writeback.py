@@ -18,6 +18,14 @@ requests keep. At most
 :data:`MAX_REFRESHES` wait at once; past that a new one is dropped (counted), never queued without
 bound.
 
+**Bounded.** The jobs waiting in the background thread's queue are at most
+:data:`MAX_QUEUED_JOBS` and hold at most :data:`MAX_QUEUED_BYTES` of KV: past either, a new job is
+dropped and counted (``WriteBack.stats()["dropped"]``); the request's answer is unaffected, a
+dropped job costs only a future hit. A job holds only the KV it stores (the chunk's, the prefix
+blocks', the tail's captures); a chunk measured for Cache-Craft's statistics holds, with the
+request's other measured chunks, one copy of the keys up to its last sampled query, not the
+request's KV buffer.
+
 CRAFT's promotion gates the refresh (``promoted``, from the engine's chunk-access table,
 :mod:`kvrag.engine.reuse.access`): a sequence is refreshed only for its leading chunks whose
 access counts reach ``promotion_threshold``, so exact sequences are kept of what recurs. And
@@ -48,7 +56,12 @@ from kvrag.engine.store.base import KVRecord, KVStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BackgroundWriter", "WriteBack", "MAX_REFRESHES", "MAX_REFRESH_TRIES"]
+__all__ = ["BackgroundWriter", "WriteBack", "MAX_REFRESHES", "MAX_REFRESH_TRIES", "MAX_QUEUED_JOBS", "MAX_QUEUED_BYTES"]
+
+#: Most write-back jobs waiting at once (one more is dropped and counted).
+MAX_QUEUED_JOBS = 256
+#: Most bytes of KV the waiting write-back jobs hold at once (one more is dropped and counted): 512 MiB.
+MAX_QUEUED_BYTES = 512 * 1024**2
 
 #: Most knowledge-tree refreshes waiting for an idle engine at once (one more is dropped).
 MAX_REFRESHES = 4
@@ -58,7 +71,14 @@ MAX_REFRESH_TRIES = 3
 
 
 class BackgroundWriter:
-    """Runs write-back jobs in a daemon thread, in submission order.
+    """Runs write-back jobs in a daemon thread, in submission order; bounded (jobs and bytes held).
+
+    Args:
+        max_jobs: most jobs waiting at once (default :data:`MAX_QUEUED_JOBS`); a job past it is
+            dropped (:meth:`submit` says so).
+        max_bytes: most bytes the waiting jobs hold (each job's ``nbytes``; default
+            :data:`MAX_QUEUED_BYTES`); past it, dropped too
+            (a job larger than that alone is taken only into an empty queue).
 
     The thread exits as soon as the queue is empty and a new one starts with the next job: a
     thread that has run torch ops and stays alive, even idle, slowed the next prefills on the
@@ -66,25 +86,49 @@ class BackgroundWriter:
     its work.
     """
 
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
+    def __init__(self, max_jobs: int | None = None, max_bytes: int | None = None) -> None:
+        self.max_jobs = MAX_QUEUED_JOBS if max_jobs is None else max_jobs
+        self.max_bytes = MAX_QUEUED_BYTES if max_bytes is None else max_bytes
+        self._queue: queue.Queue[tuple[Callable[[], None], int]] = queue.Queue()
+        self._waiting = 0  # jobs submitted and not finished (under _lock)
+        self._bytes = 0  # bytes those jobs hold
+        self.dropped = 0  # jobs refused: the queue was full
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _thread against a job stranded by an exiting worker
         self._started: list[threading.Thread] = []  # workers flush() joins (one may be ending as the next starts)
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
+        """Queue ``job``, holding ``nbytes`` of KV until it ran; False (dropped, counted) past a bound."""
         with self._lock:
-            self._queue.put(job)
+            if self._waiting >= self.max_jobs or (self._waiting and self._bytes + nbytes > self.max_bytes):
+                self.dropped += 1
+                return False
+            self._waiting += 1
+            self._bytes += nbytes
+            self._queue.put((job, nbytes))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="kvrag-writeback", daemon=True)
                 self._started = [t for t in self._started if t.is_alive()] + [self._thread]
                 self._thread.start()
+        return True
+
+    def stats(self) -> dict:
+        """``queued`` jobs (waiting or running), the ``queued_bytes`` they hold, ``dropped`` jobs so
+        far, and the bounds ``max_jobs``, ``max_bytes``."""
+        with self._lock:
+            return {
+                "queued": self._waiting,
+                "queued_bytes": self._bytes,
+                "dropped": self.dropped,
+                "max_jobs": self.max_jobs,
+                "max_bytes": self.max_bytes,
+            }
 
     def _loop(self) -> None:
         while True:
             with self._lock:
                 try:
-                    job = self._queue.get_nowait()
+                    job, nbytes = self._queue.get_nowait()
                 except queue.Empty:
                     self._thread = None
                     return
@@ -98,6 +142,9 @@ class BackgroundWriter:
                 # while the interpreter may be finalising, and the thread is ended inside torch's
                 # C++ frame: "terminate called without an active exception" (exit code 134).
                 job = None
+                with self._lock:
+                    self._waiting -= 1
+                    self._bytes -= nbytes
                 self._queue.task_done()
 
     def flush(self) -> None:
@@ -111,6 +158,29 @@ class BackgroundWriter:
 
     def close(self) -> None:
         self.flush()
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Keys:
+    """The keys a request's measured chunks need (Cache-Craft's statistics read ``k`` only): a copy of
+    its KV buffer's keys up to the last sampled query, instead of the whole buffer."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k) -> None:
+        self.k = k
+
+    @classmethod
+    def of(cls, buf, taps) -> _Keys:
+        end = max((int(t.positions.max()) + 1 for t in taps if t.positions.numel()), default=0)
+        return cls(buf.k[:, :, :end].clone())
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.k)
 
 
 class WriteBack:
@@ -192,13 +262,16 @@ class WriteBack:
         """After the first token: keep the exact prefix blocks and the KV of chunks seen first; refresh
         a blended chunk sequence (``tree_refresh``)."""
         capture = res.capture
+        prefix_end = 0
         if capture is not None:
             prompt_ids, bounds, namespace = plan.ids, plan.boundaries, plan.namespace
-            self._writer.submit(
+            kept_prefix = self._submit(
                 lambda: self.planner.prefix_cache.insert(
                     prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
-                )
+                ),
+                _nbytes(capture.k, capture.v),
             )
+            prefix_end = capture.end if kept_prefix else 0
         self._keep_tail(plan, res)
         exact_end = plan.exact_end()
         spans = [ContextSpan(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
@@ -207,6 +280,7 @@ class WriteBack:
         if self._computed is not None:  # the order their KV was first computed in (frequency order's ties)
             self._computed(plan.namespace, [plan.segments[u.index].text for u in plan.chunks if u.index in kept])
         written_exact = set()
+        keys, keys_held = None, False  # the keys measured chunks need: one copy for all, counted once
         for n, use in enumerate(plan.chunks):
             if use.index not in kept:
                 continue
@@ -215,19 +289,28 @@ class WriteBack:
             # was missed and everything before it was exact (the knowledge tree's path)
             context = use.context if cap is not None else ()
             exact = use.digest if cap is not None and not use.hit and use.start + use.length <= exact_end else None
+            job = (use.key, context, exact)
             if exact is not None:
                 written_exact.add(use.index)
-            job = (use.key, context, exact)
             if job in self._pending:
                 continue
-            self._pending.add(job)
             ids = list(plan.segments[use.index].ids)
             tap = res.taps.get(use.index)
-            measured = (tap, res.buf, spans[:n], ranges) if tap is not None else None
-            self._writer.submit(
-                lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured)
+            nbytes = _nbytes(cap.k, cap.v) if cap is not None else 0
+            measured = None
+            if tap is not None:
+                keys = _Keys.of(res.buf, res.taps.values()) if keys is None else keys
+                measured = (tap, keys, spans[:n], ranges)
+                nbytes += 0 if keys_held else keys.nbytes
+            self._pending.add(job)
+            submitted = self._submit(
+                lambda job=job, ids=ids, cap=cap, measured=measured: self._write_chunk(job, ids, cap, measured), nbytes
             )
-        self._tell_stored(plan, written_exact, capture.end if capture is not None else 0)
+            keys_held |= submitted and tap is not None
+            if not submitted:  # dropped: nothing of it is stored
+                self._pending.discard(job)
+                written_exact.discard(use.index)
+        self._tell_stored(plan, written_exact, prefix_end)
         self._schedule_refresh(plan, written_exact)
 
     def _tell_stored(self, plan: Plan, written_exact: set[int], prefix_end: int) -> None:
@@ -251,9 +334,22 @@ class WriteBack:
             return
         before, tokens, namespace = plan.tail_digest, plan.ids[tail.start :], plan.namespace
         hidden = res.last_hidden.detach().clone()
-        self._writer.submit(
-            lambda: self.planner.prefix_cache.insert_tail(before, tokens, tail.k, tail.v, hidden, namespace=namespace)
+        self._submit(
+            lambda: self.planner.prefix_cache.insert_tail(before, tokens, tail.k, tail.v, hidden, namespace=namespace),
+            _nbytes(tail.k, tail.v, hidden),
         )
+
+    def _submit(self, job: Callable[[], None], nbytes: int) -> bool:
+        """Queue a job on the background thread; False if the bounded queue dropped it (counted)."""
+        if self._writer.submit(job, nbytes):
+            return True
+        log.debug("kvrag: write-back queue full: a job of %d bytes dropped", nbytes)
+        return False
+
+    def stats(self) -> dict:
+        """The write-back queue now: ``queued`` jobs, the ``queued_bytes`` of KV they hold, ``dropped``
+        jobs since the engine started (the queue was full), the bounds ``max_jobs`` and ``max_bytes``."""
+        return self._writer.stats()
 
     # -- the knowledge tree's refresh -----------------------------------------------------------------
 
@@ -346,8 +442,9 @@ class WriteBack:
                 cap = res.chunk_captures.get(use.index)
                 if cap is not None:
                     ids_, path_ = list(plan.segments[use.index].ids), texts[use.index]
-                    self._writer.submit(
-                        lambda use=use, ids_=ids_, cap=cap, path_=path_: self._keep_refreshed(use, ids_, cap, path_)
+                    self._submit(
+                        lambda use=use, ids_=ids_, cap=cap, path_=path_: self._keep_refreshed(use, ids_, cap, path_),
+                        _nbytes(cap.k, cap.v),
                     )
         finally:
             self.refresh_counts["seconds"] += time.perf_counter() - t0

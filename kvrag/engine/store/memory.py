@@ -1,4 +1,13 @@
-"""In-memory KV tier: tensors in a dict, bounded by a byte budget, a pluggable eviction policy."""
+"""In-memory KV tier: tensors in a dict, bounded by a byte budget, a pluggable eviction policy.
+
+**Tenants.** The budget is shared by the namespaces (tenants) of the keys, fairly: a put that needs
+room evicts from the tenant holding the most bytes, the putting tenant counted with its new entry
+and winning ties (:func:`~kvrag.engine.store.tenants.fair_victim`), and inside that tenant by the
+policy (each tenant has its own: :class:`~kvrag.engine.store.policy.TenantPolicies`). So a tenant
+filling the budget evicts only its own KV once it holds the most, never the KV of a tenant holding
+less than it; with ``N`` tenants holding KV, one holding at most ``(budget - size) / N`` bytes never
+loses KV to another's put of ``size`` bytes. One tenant alone may fill the whole budget.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,8 @@ from contextlib import contextmanager
 
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.engine.store.budget import claim_auto, release_auto
-from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, make_policy
+from kvrag.engine.store.policy import EvictionPolicy, LRUPolicy, TenantPolicies, make_policy
+from kvrag.engine.store.tenants import fair_victim
 
 __all__ = ["MemoryStore"]
 
@@ -18,25 +28,30 @@ class MemoryStore(KVStore):
 
     Args:
         budget_bytes: the most bytes of records kept (a record larger than this is refused).
-        policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``).
+        policy: an :class:`EvictionPolicy` or its name (``lru``, ``pgdsf``): each tenant's order
+            (the first tenant's the one given, the others' a new one of its class).
         at_rest: what a put keeps of a record (:class:`~kvrag.engine.store.codec.AtRest`: chunk KV
             as 8-bit codes, say); ``None``: the record as given. A tier stack converts records
             itself, once for every tier, and leaves this ``None``.
 
     A ``speculative`` put (an entry kept ahead of need, :meth:`put`) takes only free room or the room
-    of other speculative entries not used yet (oldest first), never an entry a request kept: it is
-    refused otherwise (counted ``speculative_refused``). Until a lookup hits it, the policy ranks it
-    last, so ordinary puts evict it first.
+    of its tenant's other speculative entries not used yet (oldest first), never an entry a request
+    kept: it is refused otherwise (counted ``speculative_refused``). Until a lookup hits it, its
+    tenant's policy ranks it last, so that tenant's ordinary puts evict it first.
+
+    Tenants share the budget by the fair rule of the module's docstring.
     """
 
     def __init__(self, budget_bytes: int | str, policy: EvictionPolicy | str | None = None, *, at_rest=None) -> None:
         # "auto": this process's share of the machine's memory, less what its other live stores claimed
         self.budget_bytes = claim_auto(self) if budget_bytes == "auto" else int(budget_bytes)
-        self.policy = make_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
+        policy = make_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
+        self.policy = TenantPolicies(policy)
         self.at_rest = at_rest
         self._items: dict[StoreKey, KVRecord] = {}
         self._sizes: dict[StoreKey, int] = {}
         self._bytes = 0
+        self._held: Counter = Counter()  # namespace -> bytes of its resident records
         self._tokens = 0  # tokens of the resident records: bytes per token is what the at-rest form costs
         self._lock = threading.Lock()
         self._stats = {
@@ -77,6 +92,8 @@ class MemoryStore(KVStore):
             rec = self._items.get(key)
             hit = rec is not None and (token_ids is None or rec.matches(token_ids))
             self.policy.access(key, hit)
+            if not hit:
+                self.policy.forget_idle(self._held.__contains__)
             if hit:
                 self._speculative.pop(key, None)
             self._stats["hits" if hit else "misses"] += 1
@@ -112,15 +129,16 @@ class MemoryStore(KVStore):
             if size > self.budget_bytes:
                 self._stats["rejected"] += 1
                 return None
+            tenant = key.namespace
             if speculative:
-                spare = [k for k in self._speculative if k != key and not self._pins[k]]
+                spare = [k for k in self._speculative if k != key and k.namespace == tenant and not self._pins[k]]
                 room = self.budget_bytes - self._bytes + self._sizes.get(key, 0)
                 if room + sum(self._sizes[k] for k in spare) < size:
                     self._stats["speculative_refused"] += 1
                     return None
             self._drop(key)
             while self._items and self._bytes + size > self.budget_bytes:
-                victim = spare.pop(0) if speculative else self._victim()
+                victim = spare.pop(0) if speculative else self._victim(fair_victim(self._held, tenant, size))
                 evicted.append((victim, self._items[victim]))
                 self._stats["speculative_evictions"] += victim in self._speculative
                 self.policy.evicted(victim)  # before _drop: PGDSF raises its clock to the victim's priority
@@ -129,6 +147,7 @@ class MemoryStore(KVStore):
             self._items[key] = record
             self._sizes[key] = size
             self._bytes += size
+            self._held[tenant] += size
             self._tokens += record.num_tokens
             self.policy.insert(key, size, speculative)
             if speculative:
@@ -136,13 +155,14 @@ class MemoryStore(KVStore):
             self._stats["puts"] += 1
         return evicted
 
-    def _victim(self) -> StoreKey:
-        """The policy's next victim, not a pinned entry unless only pinned ones are left."""
-        victim = self.policy.victim(self._pins.keys()) if self._pins else self.policy.victim()
+    def _victim(self, tenant: str) -> StoreKey:
+        """The tenant's policy's next victim, not a pinned entry unless only pinned ones are left."""
+        policy = self.policy
+        victim = policy.victim_of(tenant, self._pins.keys()) if self._pins else policy.victim_of(tenant)
         if victim is None:  # only pinned entries left: one goes after all (the policy's pick)
-            victim = self.policy.victim()
-        if victim is None or victim not in self._items:  # policy out of step: fall back to any
-            victim = next(iter(self._items))
+            victim = policy.victim_of(tenant)
+        if victim is None or victim not in self._items:  # policy out of step: fall back to the tenant's first
+            victim = next((k for k in self._items if k.namespace == tenant), None) or next(iter(self._items))
         return victim
 
     def _drop(self, key: StoreKey) -> bool:
@@ -150,7 +170,11 @@ class MemoryStore(KVStore):
         if rec is None:
             return False
         self._speculative.pop(key, None)
-        self._bytes -= self._sizes.pop(key)
+        size = self._sizes.pop(key)
+        self._bytes -= size
+        self._held[key.namespace] -= size
+        if self._held[key.namespace] <= 0:
+            del self._held[key.namespace]
         self._tokens -= rec.num_tokens
         self.policy.remove(key)
         return True
@@ -189,7 +213,8 @@ class MemoryStore(KVStore):
         ``speculative_evictions``: those of ``evictions`` that dropped a speculative entry no lookup
         had used) and what is held:
         ``entries``, ``bytes``, ``tokens`` (of every entry, variants and prefix blocks included),
-        ``bytes_per_token`` (``None`` when empty), ``budget_bytes``, ``codec``, ``policy``."""
+        ``bytes_per_token`` (``None`` when empty), ``budget_bytes``, ``codec``, ``policy``,
+        ``tenants`` (namespaces holding KV now)."""
         with self._lock:
             return dict(
                 self._stats,
@@ -200,7 +225,13 @@ class MemoryStore(KVStore):
                 budget_bytes=self.budget_bytes,
                 codec=None if self.at_rest is None else self.at_rest.name,
                 policy=self.policy.describe(),
+                tenants=len(self._held),
             )
+
+    def tenant_bytes(self, namespace: str) -> int:
+        """Bytes of the records ``namespace`` holds now."""
+        with self._lock:
+            return self._held.get(namespace, 0)
 
     def __len__(self) -> int:
         return len(self._items)

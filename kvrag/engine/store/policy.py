@@ -31,11 +31,25 @@ from dataclasses import dataclass
 
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "PGDSFPolicy", "make_policy", "check_policy", "POLICIES", "CFO_FLOOR"]
+__all__ = [
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PGDSFPolicy",
+    "TenantPolicies",
+    "make_policy",
+    "check_policy",
+    "POLICIES",
+    "CFO_FLOOR",
+    "MAX_IDLE_TENANTS",
+]
 
 #: A reuse with cache fix overhead ``cfo`` counts ``1 / max(cfo, CFO_FLOOR)`` accesses (an exact
 #: reuse 10, a chunk reused in another context ~2): Cache-Craft's frequency-reuse.
 CFO_FLOOR = 0.1
+
+#: Tenants holding nothing whose policy (its history: PGDSF's frequencies) a tier keeps at most;
+#: past that they are forgotten (:meth:`TenantPolicies.forget_idle`).
+MAX_IDLE_TENANTS = 64
 
 
 class EvictionPolicy(ABC):
@@ -237,6 +251,79 @@ class PGDSFPolicy(EvictionPolicy):
             "tracked": len(self._meta),
             "default_cost": self._default_cost(),
         }
+
+
+class TenantPolicies(EvictionPolicy):
+    """One policy per tenant: a key's ``namespace`` names whose policy sees it (a tier's shape).
+
+    A tenant's entries are ranked against each other only (PGDSF: each tenant has its own clock);
+    which tenant gives way is the tier's choice (:func:`~kvrag.engine.store.tenants.fair_victim`),
+    then :meth:`victim_of` names the entry. With one tenant this is its policy, unchanged.
+
+    Args:
+        policy: the policy of the first tenant seen; every other tenant gets a new one of its class.
+    """
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.name = policy.name
+        self._first: EvictionPolicy | None = policy
+        self._cls = type(policy)
+        self._of: dict[str, EvictionPolicy] = {}
+
+    def of(self, namespace: str) -> EvictionPolicy:
+        """The tenant's policy (made on first use)."""
+        policy = self._of.get(namespace)
+        if policy is None:
+            policy, self._first = self._first or self._cls(), None
+            self._of[namespace] = policy
+        return policy
+
+    def tenants(self) -> list[str]:
+        return list(self._of)
+
+    def forget_idle(self, holding) -> None:
+        """Forget the policies of tenants that hold nothing (``holding(namespace)`` false), beyond
+        :data:`MAX_IDLE_TENANTS` of them (the oldest first)."""
+        idle = [ns for ns in self._of if not holding(ns)]
+        for ns in idle[: max(0, len(idle) - MAX_IDLE_TENANTS)]:
+            del self._of[ns]
+
+    def insert(self, key, size: int, speculative: bool = False) -> None:
+        self.of(key.namespace).insert(key, size, speculative)
+
+    def access(self, key, hit: bool) -> None:
+        self.of(key.namespace).access(key, hit)
+
+    def remove(self, key) -> None:
+        policy = self._of.get(key.namespace)
+        if policy is not None:
+            policy.remove(key)
+
+    def evicted(self, key) -> None:
+        self.of(key.namespace).evicted(key)
+
+    def victim(self, skip=frozenset()):
+        """The first tenant's victim (a tier picks the tenant itself: :meth:`victim_of`)."""
+        return next((v for p in self._of.values() if (v := p.victim(skip)) is not None), None)
+
+    def victim_of(self, namespace: str, skip=frozenset()):
+        """The tenant's next victim, not one in ``skip`` (``None`` if it has none)."""
+        policy = self._of.get(namespace)
+        return None if policy is None else policy.victim(skip)
+
+    def record_cost(self, key, seconds_per_token: float) -> None:
+        self.of(key.namespace).record_cost(key, seconds_per_token)
+
+    def record_reuse(self, key, cfo: float) -> None:
+        self.of(key.namespace).record_reuse(key, cfo)
+
+    def value_of(self, key) -> tuple[int, float | None]:
+        policy = self._of.get(key.namespace)
+        return (1, None) if policy is None else policy.value_of(key)
+
+    def describe(self) -> dict:
+        first = next(iter(self._of.values()), None) or self._first
+        return dict(first.describe() if first is not None else {"name": self.name}, tenants=len(self._of))
 
 
 #: The eviction policies by name: the one list (``EngineConfig.eviction_policy`` is checked against it

@@ -97,7 +97,7 @@ def test_a_side_call_is_served_without_the_conversation_and_does_not_replace_it(
     p2 = render(e, append_only([(docs[:2], QUESTION1, g1.text), (docs[2:4], QUESTION2, None)]))
     g2 = e.generate(prompt=p2, conversation_id="s")
     assert g2.stats.conversation_tokens >= g1.stats.prompt_tokens
-    assert e.conversations.get("s").turns == 2  # turn 1 + turn 2; the side call is kept beside them
+    assert e.conversations.get(("default", "s")).turns == 2  # turn 1 + turn 2; the side call is kept beside them
     # and a side call with the same id after it still finds nothing of the conversation
     again = e.generate(prompt=condense(e, QUESTION2, g2.text, "who built the tower?"), conversation_id="s")
     assert again.stats.conversation_tokens == 0
@@ -113,9 +113,11 @@ def test_a_conversation_that_starts_over_follows_its_new_line(conv_engine):
     p2 = render(e, append_only([(docs[2:4], QUESTION2, b1.text), (docs[4:], QUESTION1, None)]))
     b2 = e.generate(prompt=p2, conversation_id="o")
     assert b2.stats.conversation_tokens >= b1.stats.prompt_tokens
-    main = e.conversations.get("o")
+    main = e.conversations.get(("default", "o"))
     assert main.turns == 2 and main.prompt_len == b2.stats.prompt_tokens  # b1 then b2: the new line is the main one
-    assert e.conversations.kept("o")[1].prompt_len == b1.stats.prompt_tokens  # the turn it continued, beside it
+    assert (
+        e.conversations.kept(("default", "o"))[1].prompt_len == b1.stats.prompt_tokens
+    )  # the turn it continued, beside it
 
 
 def test_ratio_one_without_dedup_equals_full_prefill(conv_engine):
@@ -155,7 +157,7 @@ def test_live_conversations_are_bounded_and_can_be_ended(conv_engine):
     e = conv_engine
     for cid in ("one", "two", "three"):
         e.generate(prompt=f"hello {cid} the river and the mountain", conversation_id=cid, max_new_tokens=2)
-    assert "one" not in e.conversations and len(e.conversations) == 2  # max_conversations=2, LRU
+    assert ("default", "one") not in e.conversations and len(e.conversations) == 2  # max_conversations=2, LRU
     assert e.end_conversation("two") is True
     assert e.end_conversation("two") is False
     assert len(e.conversations) == 1

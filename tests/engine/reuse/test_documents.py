@@ -26,3 +26,25 @@ def test_short_texts_ignored_and_bounded():
     assert len(reg) == 2
     assert "first long text" not in reg and "third long text" in reg
     assert reg.find("first long text") == []
+
+
+def test_texts_alike_for_long_prefixes_split_as_a_plain_search_would():
+    import random
+
+    rng = random.Random(3)
+    reg = DocumentFinder(min_chars=8, anchor=8)
+    stem = "the same opening words of every text "
+    texts = sorted(
+        {stem[: rng.randrange(8, len(stem))] + "".join(rng.choices("ab ", k=rng.randrange(0, 90))) for _ in range(400)}
+    )
+    reg.register(texts)
+    kept = [t for t in texts if reg.holds(t)]
+    for _ in range(30):
+        prompt = " | ".join(rng.choice(kept) for _ in range(3))
+        i, spans = 0, []
+        while i < len(prompt):  # the reference: leftmost, then longest, non-overlapping
+            best = max((len(t) for t in kept if prompt.startswith(t, i)), default=0)
+            if best:
+                spans.append((i, i + best))
+            i += best or 1
+        assert reg.find(prompt) == spans
