@@ -219,6 +219,7 @@ class _ServerProcess:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.command = [sys.executable, "-m", "kvrag.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        self.command.append("--trust-tenant-header")  # each run opens a fresh tenant by header (a loopback server)
         if opts.model:
             self.command += ["--model", opts.model]
         for pair in opts.config:

@@ -112,7 +112,8 @@ class EngineCall:
             return next(self._stream), None
         except StopIteration:
             self._done = True
-            assert self._stream.generation is not None
+            if self._stream.generation is None:  # closed from another thread while it waited
+                raise
             return "", self._stream.generation
         except BaseException:
             self.close()

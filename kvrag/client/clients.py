@@ -43,6 +43,14 @@ class _Base:
     def _unreachable(self, exc: httpx.HTTPError) -> ServerError:
         return ServerError(f"cannot reach the kvrag server at {self.base_url}: {exc}")
 
+    def _engine_default(self, call: tuple[str, dict[str, Any]], card: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """A generation call without ``max_tokens`` gets the server engine's default, as the embedded
+        engine's calls do (a plain OpenAI request gets the rest of the context window)."""
+        path, body = call
+        if body.get("max_tokens") is None:
+            body = {**body, "max_tokens": card.get("kvrag", {}).get("max_new_tokens")}
+        return path, body
+
     def _served(self, data: dict[str, Any]) -> dict[str, Any]:
         cards = data.get("data") or []
         if not cards:
@@ -57,7 +65,8 @@ class Client(_Base):
     Args:
         base_url: the server, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
         api_key: sent as ``Authorization: Bearer`` (servers started with API keys need one).
-        tenant: sent in the tenant header (servers without API keys take it as the cache namespace).
+        tenant: sent in the tenant header (a server started with ``--trust-tenant-header`` takes it as the
+            cache namespace; any other refuses it).
         tenant_header: that header's name.
         model: the model named in requests (``default``: whatever the server serves).
         timeout: seconds to wait for the server (a long prefill included).
@@ -105,25 +114,29 @@ class Client(_Base):
         Args:
             messages: the conversation; the server renders it with the model's chat template.
             documents: texts of the prompt that are chunks (their KV is reused when cached).
-            **options: ``max_new_tokens`` (or ``max_tokens``), ``temperature``, ``top_p``, ``stop``,
+            **options: ``max_new_tokens`` (or ``max_tokens``; unset: the server engine's default, as the
+                embedded engine's), ``temperature``, ``top_p``, ``stop``,
                 ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``conversation_id``, ``dedup``;
                 ``model`` instead of the client's.
         """
-        path, body = chat_body(messages, documents, options, self.model, False)
+        path, body = self._defaults(chat_body(messages, documents, options, self.model, False))
         return whole(self._request("POST", path, body))
 
     def stream_chat(self, messages, *, documents: Sequence[str] | None = None, **options: Any) -> GenerationStream:
         """Like :meth:`chat`, streamed: yields text pieces; ``.generation`` once exhausted; ``close()`` stops it."""
-        return self._stream(*chat_body(messages, documents, options, self.model, True))
+        return self._stream(*self._defaults(chat_body(messages, documents, options, self.model, True)))
 
     def complete(self, prompt: str, *, documents: Sequence[str] | None = None, **options: Any) -> Generation:
         """Continue a prompt string as it is (no chat template); arguments as for :meth:`chat`."""
-        path, body = text_body(prompt, documents, options, self.model, False)
+        path, body = self._defaults(text_body(prompt, documents, options, self.model, False))
         return whole(self._request("POST", path, body))
 
     def stream_complete(self, prompt: str, *, documents: Sequence[str] | None = None, **options: Any):
         """Like :meth:`complete`, streamed (see :meth:`stream_chat`)."""
-        return self._stream(*text_body(prompt, documents, options, self.model, True))
+        return self._stream(*self._defaults(text_body(prompt, documents, options, self.model, True)))
+
+    def _defaults(self, call: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+        return self._engine_default(call, self.model_card()) if call[1].get("max_tokens") is None else call
 
     # -- documents, conversations, the server -------------------------------------------------------
 
@@ -230,21 +243,24 @@ class AsyncClient(_Base):
 
     async def chat(self, messages, *, documents: Sequence[str] | None = None, **options: Any) -> Generation:
         """See :meth:`Client.chat`."""
-        path, body = chat_body(messages, documents, options, self.model, False)
+        path, body = await self._defaults(chat_body(messages, documents, options, self.model, False))
         return whole(await self._request("POST", path, body))
 
     async def stream_chat(self, messages, *, documents: Sequence[str] | None = None, **options: Any):
         """See :meth:`Client.stream_chat`; ``aclose()`` stops it."""
-        return await self._stream(*chat_body(messages, documents, options, self.model, True))
+        return await self._stream(*await self._defaults(chat_body(messages, documents, options, self.model, True)))
 
     async def complete(self, prompt: str, *, documents: Sequence[str] | None = None, **options: Any) -> Generation:
         """See :meth:`Client.complete`."""
-        path, body = text_body(prompt, documents, options, self.model, False)
+        path, body = await self._defaults(text_body(prompt, documents, options, self.model, False))
         return whole(await self._request("POST", path, body))
 
     async def stream_complete(self, prompt: str, *, documents: Sequence[str] | None = None, **options: Any):
         """See :meth:`Client.stream_complete`."""
-        return await self._stream(*text_body(prompt, documents, options, self.model, True))
+        return await self._stream(*await self._defaults(text_body(prompt, documents, options, self.model, True)))
+
+    async def _defaults(self, call: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+        return self._engine_default(call, await self.model_card()) if call[1].get("max_tokens") is None else call
 
     async def register(self, documents: Sequence[str]) -> list[str]:
         """See :meth:`Client.register`."""

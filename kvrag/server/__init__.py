@@ -6,13 +6,14 @@ field) or once for all requests (``POST /v1/documents``). kvrag's own client is
 :mod:`kvrag.client`. Needs ``pip install "kvrag[serve]"``.
 
 - :func:`create_app`: the ASGI app over an engine (:mod:`.app`).
-- :class:`ServerSettings`, :class:`TenantMap`: served name and tenants (:mod:`.settings`).
+- :class:`ServerSettings`, :class:`TenantMap`, :class:`Limits`: served name, tenants and what one
+  request may bring (:mod:`.settings`; the trust model: ``docs/server.md``).
 - ``kvrag serve``: the command line (:mod:`.cli`).
 """
 
-from kvrag.server.settings import ServerSettings, TenantMap
+from kvrag.server.settings import Limits, ServerSettings, TenantMap
 
-__all__ = ["ServerSettings", "TenantMap", "create_app"]
+__all__ = ["Limits", "ServerSettings", "TenantMap", "create_app"]
 
 
 def __getattr__(name: str):

@@ -24,9 +24,17 @@ Endpoints:
   (with the engine thread's queue: :meth:`~kvrag.Engine.queue_stats`),
   ``GET /metrics`` (Prometheus text, :mod:`kvrag.server.metrics`).
 
-Engine calls run in worker threads (:func:`~kvrag.calls.open_in_thread`): the event
-loop only moves bytes. A client that disconnects stops its request: the worker closes the
-engine stream after the token it is computing, which frees the request's KV.
+Before a route runs, :class:`~kvrag.server.guard.Guard` has checked the API key and the body's size
+(before reading it); a route checks the request's :class:`~kvrag.server.settings.Limits` before the
+engine sees it. Every failure is one OpenAI-shaped error (:mod:`kvrag.server.errors`).
+
+``max_tokens`` defaults to the rest of the context window (as vLLM's); a prompt and ``max_tokens``
+that do not fit it together are a 400, as vLLM's. Both count the prompt's tokens as one text (a
+prompt split at documents may hold a few more: the engine then trims the answer to the window).
+
+Engine calls run in worker threads (:func:`~kvrag.calls.open_in_thread`): the event loop only moves
+bytes. A client that disconnects stops its request wherever it is: queued, prefilling (at the
+prefill's next pause) or decoding; the engine frees the request's KV.
 """
 
 from __future__ import annotations
@@ -49,7 +57,10 @@ from starlette.exceptions import HTTPException
 import kvrag
 from kvrag.calls import EngineCall, open_in_thread
 from kvrag.engine import Engine, RequestOptions
-from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError, OverloadedError
+from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError
+from kvrag.server.errors import error_of
+from kvrag.server.guard import Guard
+from kvrag.server.limits import check_documents, check_id, check_messages, check_prompt, check_stop, utf8_size
 from kvrag.server.metrics import CONTENT_TYPE_LATEST, Metrics, RequestTrack
 from kvrag.server.protocol import (
     ChatRequest,
@@ -58,10 +69,9 @@ from kvrag.server.protocol import (
     StreamShape,
     chat_response,
     completion_response,
-    error_body,
     figures,
 )
-from kvrag.server.settings import AuthenticationError, ServerSettings
+from kvrag.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +83,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     Args:
         engine: the engine; it is shared by every request (its calls are thread-safe).
-        settings: served model name, tenants, overload answer (:class:`ServerSettings`).
+        settings: served model name, tenants, limits, overload answer (:class:`ServerSettings`).
     """
     server = _Server(engine, settings or ServerSettings())
     app = FastAPI(title="kvrag serve", version=kvrag.__version__)
     app.state.kvrag = server
+    app.add_middleware(Guard, tenants=server.tenants, limits=server.limits)
 
     for exc_type in (KvragError, RequestValidationError, HTTPException):
         app.add_exception_handler(exc_type, server.error_response)
@@ -103,7 +114,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         namespace = server.admit(request, body)
         messages = body.chat_messages()
-        return await server.generate(request, body, namespace, lambda e: e.apply_chat_template(messages), "chat")
+        check_messages(messages, server.limits)
+        return await server.generate(request, body, namespace, _chat_render(messages, body), "chat")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -113,7 +125,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/documents")
     async def documents(body: DocumentsRequest, request: Request) -> dict:
-        namespace = server.tenants.namespace(request.headers)
+        namespace = request.state.namespace
+        check_documents(body.documents, server.limits)
+        check_id(body.speculate, "speculate")
         if body.speculate is not None and (body.warm or body.chunk_order is not None):
             raise InvalidRequestError(
                 "give speculate alone: a speculation is neither warm work nor a retrieval to count"
@@ -142,17 +156,44 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.delete("/v1/speculations/{key}")
     async def cancel_speculations(key: str, request: Request) -> dict:
-        namespace = server.tenants.namespace(request.headers)
+        check_id(key, "key")
+        namespace = request.state.namespace
         cancelled = engine.speculations.cancel_key(_speculation_key(namespace, key), namespace=namespace)
         return {"id": key, "object": "speculation.deleted", "deleted": cancelled}
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def end_conversation(conversation_id: str, request: Request) -> dict:
-        namespace = server.tenants.namespace(request.headers)
+        namespace = request.state.namespace
+        check_id(conversation_id, "conversation_id")
         ended = await asyncio.to_thread(engine.end_conversation, conversation_id, namespace=namespace)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": ended}
 
     return app
+
+
+def _chat_render(messages: list[dict[str, str]], body: ChatRequest) -> Callable[[Engine], str]:
+    """The chat's prompt, rendered by the model's template (with vLLM-shaped documents when given)."""
+    documents = body.template_documents()
+
+    def render(engine: Engine) -> str:
+        try:
+            if documents:  # the engine's tokenizer is Hugging Face's: its template takes vLLM's documents
+                prompt = engine.tokenizer.apply_chat_template(
+                    messages, documents=documents, tokenize=False, add_generation_prompt=True
+                )
+            else:
+                prompt = engine.apply_chat_template(messages)
+        except Exception as exc:  # the template refuses these messages (e.g. roles that do not alternate)
+            raise InvalidRequestError(f"messages: the model's chat template refused them: {exc}") from exc
+        for i, d in enumerate(documents):
+            if d["text"] not in prompt:
+                raise InvalidRequestError(
+                    f"documents[{i}]: the model's chat template does not place documents in the prompt; "
+                    "put their text in the messages and send them as strings"
+                )
+        return prompt
+
+    return render
 
 
 class _Server:
@@ -162,8 +203,9 @@ class _Server:
         self.engine = engine
         self.settings = settings
         self.tenants = settings.tenants
+        self.limits = settings.limits
         self.model_name = settings.model_name or engine.model_name
-        self.metrics = Metrics()
+        self.metrics = Metrics(engine)
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -191,11 +233,40 @@ class _Server:
     # -- generation ---------------------------------------------------------------------------------
 
     def admit(self, request: Request, body: ChatRequest | CompletionRequest) -> str | None:
-        """The request's tenant, once its key, model and settings are known to be acceptable."""
-        namespace = self.tenants.namespace(request.headers)
+        """The request's tenant, once its model, settings and sizes are known to be acceptable."""
         self.check_model(body.model)
         body.check_supported()
-        return namespace
+        check_stop(body.stop, self.limits)
+        check_id(body.conversation_id, "conversation_id")
+        check_id(body.speculate, "speculate")
+        if body.documents is not None and body.kvrag_documents is not None:
+            raise InvalidRequestError("give documents or kvrag_documents (the same chunks), not both")
+        check_documents(body.chunk_texts(), self.limits)
+        for i, d in enumerate(body.template_documents()):
+            utf8_size(d.get("title", ""), f"documents[{i}].title")
+        return request.state.namespace
+
+    def prepare(
+        self, body: ChatRequest | CompletionRequest, namespace: str | None, render
+    ) -> tuple[str, RequestOptions]:
+        """The request's prompt and options (a worker thread: rendering and counting tokens take time).
+
+        ``max_tokens`` unset: the rest of the context window; set past it: a 400, as vLLM's.
+        """
+        prompt = render(self.engine)
+        check_prompt(prompt, self.limits)
+        window = self.engine.context_window
+        n = self.engine.count_tokens(prompt)
+        if n >= window:
+            raise ContextLengthError(n, window)
+        asked = body.max_new_tokens
+        if asked is not None and n + asked > window:
+            raise ContextLengthError(n, window, f"and max_tokens={asked}: {n} + {asked} > {window}")
+        options = body.engine_options(namespace, window - n if asked is None else asked)
+        texts = body.chunk_texts()
+        if texts:
+            self.engine.register(texts, namespace=namespace)
+        return prompt, options
 
     async def generate(
         self,
@@ -206,17 +277,16 @@ class _Server:
         kind: Literal["chat", "text"],
     ) -> Response:
         """Start the engine call in a worker thread (it validates the rest); answer whole or as a stream."""
-        options = body.engine_options(namespace)
-        documents = body.documents
         engine = self.engine
         if body.speculate is not None:
-            return await self.speculate(body.speculate, namespace, documents, render, options)
+            return await self.speculate(body, namespace, render)
+        call: list[EngineCall] = []
 
         def start() -> EngineCall:
-            if documents:
-                engine.register(documents, namespace=namespace)
-            stream = engine.stream(prompt=render(engine), options=options)
-            return EngineCall(stream, model_name=self.model_name, conversation_id=options.conversation_id)
+            prompt, options = self.prepare(body, namespace, render)
+            stream = engine.stream(prompt=prompt, options=options)
+            call.append(EngineCall(stream, model_name=self.model_name, conversation_id=body.conversation_id))
+            return call[0]
 
         track = self.metrics.track(request.url.path)
         try:
@@ -225,27 +295,18 @@ class _Server:
             track.end("error")
             raise
         shape = StreamShape(kind, model=self.model_name, include_usage=body.include_usage)
+        rid = request.state.request_id
         if body.stream:
-            return EventSourceResponse(self._events(items, shape, track, options.conversation_id))
-        return await self._whole(request, items, kind, track, options.conversation_id)
+            return EventSourceResponse(self._events(items, call[0], shape, track, body.conversation_id, rid))
+        return await self._whole(request, items, call[0], kind, track, body.conversation_id)
 
-    async def speculate(
-        self,
-        key: str,
-        namespace: str | None,
-        documents: list[str] | None,
-        render: Callable[[Engine], str],
-        options: RequestOptions,
-    ) -> JSONResponse:
-        """Prefill the request ahead (a speculation of ``key``) and answer at once (202)."""
-        engine = self.engine
+    async def speculate(self, body, namespace: str | None, render: Callable[[Engine], str]) -> JSONResponse:
+        """Prefill the request ahead (a speculation of ``body.speculate``) and answer at once (202)."""
+        key = body.speculate
 
         def start():
-            if documents:
-                engine.register(documents, namespace=namespace)
-            return engine.speculate_request(
-                prompt=render(engine), key=_speculation_key(namespace, key), options=options
-            )
+            prompt, options = self.prepare(body, namespace, render)
+            return self.engine.speculate_request(prompt=prompt, key=_speculation_key(namespace, key), options=options)
 
         handle = await asyncio.to_thread(start)
         return JSONResponse(_speculation(key, handle), status_code=202)
@@ -254,27 +315,34 @@ class _Server:
         self.metrics.finished(generation)
         return figures(generation, model_name=self.model_name, conversation_id=conversation_id)
 
-    async def _whole(self, request: Request, items, kind: str, track: RequestTrack, conversation_id) -> Response:
+    async def _whole(
+        self, request: Request, items, call: EngineCall, kind: str, track: RequestTrack, conversation_id
+    ) -> Response:
         generation = None
-        async with aclosing(items):
-            try:
+        watch = asyncio.create_task(_close_on_disconnect(request, call))
+        try:
+            async with aclosing(items):
                 async for _, generation in items:
                     track.started()
                     if generation is not None:
                         break
-                    if await request.is_disconnected():  # nobody will read the answer: stop computing it
-                        track.end("cancelled")
-                        return Response(status_code=204)
-            except BaseException:
-                track.end("error")
-                raise
+        except BaseException:
+            track.end("error")
+            raise
+        finally:
+            watch.cancel()
+        if generation is None:  # the client went away: the call was closed wherever it was
+            track.end("cancelled")
+            return Response(status_code=204)
         track.end("ok")
         extension = self._figures(generation, conversation_id)
         respond = chat_response if kind == "chat" else completion_response
         return JSONResponse(respond(generation, model=self.model_name, extension=extension))
 
-    async def _events(self, items, shape: StreamShape, track: RequestTrack, conversation_id) -> AsyncIterator[bytes]:
-        """The SSE body; a client that goes away cancels it, which closes ``items`` (and the engine stream)."""
+    async def _events(
+        self, items, call: EngineCall, shape: StreamShape, track: RequestTrack, conversation_id, request_id: str
+    ) -> AsyncIterator[bytes]:
+        """The SSE body; a client that goes away cancels it, which closes ``items`` and the engine call."""
         outcome = "cancelled"
         try:
             async with aclosing(items):
@@ -292,42 +360,29 @@ class _Server:
             outcome = "ok"
         except Exception as exc:  # after the headers: the error goes in the stream, in OpenAI's shape
             outcome = "error"
-            status, body = self._error(exc)
-            log.log(logging.ERROR if status >= 500 else logging.INFO, "kvrag serve: stream failed: %s", exc)
+            status, body = error_of(exc, request_id)
+            if status < 500:
+                log.info("kvrag serve: request %s: stream failed: %s", request_id, exc)
             yield _sse(body)
         finally:
+            call.close()  # thread-safe: a call still queued or prefilling leaves the engine now
             track.end(outcome)
 
     # -- errors ---------------------------------------------------------------------------------------
 
-    def _error(self, exc: Exception) -> tuple[int, dict[str, Any]]:
-        """An exception as (HTTP status, OpenAI error body)."""
-        if isinstance(exc, OverloadedError):  # the engine's queue is full: come back later
-            return 503, error_body(str(exc), type="server_error", code="overloaded")
-        if isinstance(exc, AuthenticationError):
-            return 401, error_body(str(exc), type="invalid_request_error", code="invalid_api_key")
-        if isinstance(exc, ModelNotFoundError):
-            return 404, error_body(str(exc), type="invalid_request_error", code="model_not_found", param="model")
-        if isinstance(exc, ContextLengthError):
-            body = error_body(str(exc), type="invalid_request_error", code="context_length_exceeded")
-            body["error"].update(prompt_tokens=exc.prompt_tokens, limit=exc.limit)  # kvrag's client rebuilds the error
-            return 400, body
-        if isinstance(exc, InvalidRequestError):
-            return 400, error_body(str(exc), type="invalid_request_error")
-        if isinstance(exc, RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            message = f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid request')}"
-            return 400, error_body(message, type="invalid_request_error", param=".".join(loc) or None)
-        if isinstance(exc, HTTPException):
-            return exc.status_code, error_body(str(exc.detail), type="invalid_request_error")
-        log.exception("kvrag serve: request failed", exc_info=exc)
-        return 500, error_body(f"{type(exc).__name__}: {exc}", type="server_error")
-
     async def error_response(self, request: Request, exc: Exception) -> JSONResponse:
-        status, body = self._error(exc)
+        status, body = error_of(exc, getattr(request.state, "request_id", None))
         headers = {"Retry-After": str(self.settings.retry_after_s)} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _close_on_disconnect(request: Request, call: EngineCall) -> None:
+    """Close ``call`` once the client disconnects (its body is read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            call.close()
+            return
 
 
 def _speculation_key(namespace: str | None, key: str) -> tuple:

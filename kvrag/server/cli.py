@@ -1,16 +1,20 @@
 """``kvrag serve``: load the engine, then serve it over HTTP with uvicorn.
 
 kvrag serve --host 127.0.0.1 --port 8000 [--model DIR_OR_GGUF] [--config FIELD=VALUE ...]
-            [--served-model-name NAME] [--api-keys-file keys.json] [--tenant-header NAME | --no-tenant-header]
+            [--served-model-name NAME] [--api-keys-file keys.json] [--trust-tenant-header [--tenant-header NAME]]
+            [--max-body-bytes N --max-stop-strings N ...] [--log-level LEVEL]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
+
+from kvrag.server.settings import Limits, ServerSettings, TenantMap
 
 __all__ = ["main", "parser"]
 
@@ -41,12 +45,25 @@ def parser() -> argparse.ArgumentParser:
         "and each key's requests use its own cache namespace",
     )
     p.add_argument(
-        "--tenant-header",
-        default="X-Kvrag-Tenant",
-        help="without API keys, this header's value is the request's cache namespace (default X-Kvrag-Tenant)",
+        "--trust-tenant-header",
+        action="store_true",
+        help="without API keys, take the tenant header's value as the request's cache namespace (only behind a "
+        "gateway that authenticates users and sets it); off: a request sending it is refused, one shared cache",
     )
-    p.add_argument("--no-tenant-header", action="store_true", help="ignore the tenant header: one shared cache")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument(
+        "--tenant-header", default="X-Kvrag-Tenant", help="the tenant header's name (default X-Kvrag-Tenant)"
+    )
+    limits = p.add_argument_group("limits", "what one request may bring (checked before any work; past one: 413/400)")
+    defaults = Limits()
+    for name, text in Limits.described().items():
+        flag = "--" + name.replace("_", "-")
+        limits.add_argument(flag, type=int, default=getattr(defaults, name), help=f"{text} (default %(default)s)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="level of kvrag's loggers and uvicorn's",
+    )
     return p
 
 
@@ -62,6 +79,16 @@ def _api_keys(path: str | None) -> dict[str, str]:
     return keys
 
 
+def _log_to_stderr(level: str) -> None:
+    """kvrag's loggers at ``level``, written to stderr beside uvicorn's (once, whatever called first)."""
+    logger = logging.getLogger("kvrag")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvrag serve``."""
     a = parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -75,18 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     from kvrag.config import EngineConfig, parse_overrides
     from kvrag.engine import Engine
     from kvrag.errors import KvragError
-    from kvrag.server.settings import ServerSettings, TenantMap
 
+    _log_to_stderr(a.log_level)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        tenants = TenantMap(api_keys=_api_keys(a.api_keys_file), header=None if a.no_tenant_header else a.tenant_header)
+        tenants = TenantMap(
+            api_keys=_api_keys(a.api_keys_file), header=a.tenant_header, trust_header=a.trust_tenant_header
+        )
+        limits = Limits(**{name: getattr(a, name) for name in Limits.described()})
         config = EngineConfig(**parse_overrides(a.config))
         engine = Engine.from_pretrained(a.model, config=config)
     except KvragError as exc:
         print(f"kvrag serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(engine, ServerSettings(model_name=a.served_model_name, tenants=tenants))
+    app = create_app(engine, ServerSettings(model_name=a.served_model_name, tenants=tenants, limits=limits))
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     finally:

@@ -1,14 +1,22 @@
 """OpenAI's request and response shapes as ``kvrag serve`` reads and writes them, with kvrag's extensions.
 
 Requests: the fields of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` that a text-only
-engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``documents`` (texts of
-the prompt that are chunks: registered with the engine before the request is planned, and kept
-in its bounded registry of chunk boundaries as ``/v1/documents`` keeps them; boundaries only, the
-KV stays in the tenant's namespace), ``mode``, ``recompute_ratio``, ``selection``, ``quality``,
-``conversation_id``, ``dedup``, ``speculate`` (a key: prefill this request ahead instead of
-answering it; :mod:`kvrag.server.app`). Other OpenAI fields are ignored when they ask for nothing
-(``user``, ``metadata``, a zero penalty, ``n=1``) and rejected when they ask for what kvrag
-does not do (tools, log-probabilities, ``n > 1``), so a client never silently gets less than it asked.
+engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``documents`` (the
+chunks; below), ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``conversation_id``,
+``dedup``, ``speculate`` (a key: prefill this request ahead instead of answering it;
+:mod:`kvrag.server.app`). A field the server does not know is refused (400 naming it), and so is an
+OpenAI field that asks for what kvrag does not do (:data:`NOT_SUPPORTED`: tools, log-probabilities,
+``n > 1``, ...); fields that ask for nothing (``user``, ``metadata``, a zero penalty, ``n=1``) are
+accepted. A client never silently gets less than it asked for.
+
+``documents`` takes two shapes, mixed freely:
+
+- a string: kvrag's extension (also accepted as ``kvrag_documents``, its own name): a text of the
+  prompt that is a chunk, registered with the engine before the request is planned (and kept in
+  its bounded registry of chunk boundaries as ``/v1/documents`` keeps them; boundaries only, the
+  KV stays in the tenant's namespace);
+- ``{"title", "text"}``: vLLM's shape, handed to the model's chat template (which places it in the
+  prompt) and registered as a chunk too; a template that does not place it is refused (400).
 
 Responses carry OpenAI's fields (``usage.prompt_tokens_details.cached_tokens`` included) and one
 extension field, ``kvrag``: the figures of :func:`kvrag.calls.call_metadata` (the
@@ -33,6 +41,7 @@ from kvrag.errors import InvalidRequestError
 
 __all__ = [
     "EXTENSION_FIELDS",
+    "NOT_SUPPORTED",
     "ChatRequest",
     "CompletionRequest",
     "DocumentsRequest",
@@ -41,12 +50,50 @@ __all__ = [
     "chat_response",
     "completion_response",
     "StreamShape",
-    "error_body",
+    "Document",
+    "check_supported",
 ]
 
 #: kvrag's fields on an OpenAI request (all optional; ``None`` = the server engine's default): the
 #: documents, the engine's reuse options (:data:`kvrag.engine.options.REUSE_OPTIONS`), a speculation key.
-EXTENSION_FIELDS = ("documents", *REUSE_OPTIONS, "speculate")
+EXTENSION_FIELDS = ("documents", "kvrag_documents", *REUSE_OPTIONS, "speculate")
+
+#: OpenAI fields kvrag serve parses but does not do: field -> (the values that ask for nothing, what it
+#: would ask for). A request giving another value is refused naming the field. Structured output and
+#: tools (``response_format``, ``tools``, ``tool_choice``) are the next to come: drop them here then.
+NOT_SUPPORTED: dict[str, tuple[tuple, str]] = {
+    "n": ((None, 1), "one choice per request (n=1)"),
+    "presence_penalty": ((None, 0, 0.0), "penalties (leave it unset or 0)"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties (leave it unset or 0)"),
+    "logit_bias": ((None, {}), "logit biases"),
+    "logprobs": ((None, False, 0), "log-probabilities"),
+    "top_logprobs": ((None, 0), "log-probabilities"),
+    "tools": ((None, []), "tools"),
+    "tool_choice": ((None, "none"), "tools"),
+    "functions": ((None, []), "tools (functions)"),
+    "function_call": ((None, "none"), "tools (functions)"),
+    "response_format": ((None, {"type": "text"}), "structured output: it answers with plain text only"),
+    "echo": ((None, False), "echo"),
+    "suffix": ((None, ""), "suffix"),
+    "best_of": ((None, 1), "best_of"),
+}
+
+
+def check_supported(body: BaseModel) -> None:
+    """Refuse an OpenAI field set to something kvrag does not do (:data:`NOT_SUPPORTED`)."""
+    for name, (neutral, what) in NOT_SUPPORTED.items():
+        value = getattr(body, name, None)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            raise InvalidRequestError(f"{name}={value!r}: kvrag serve does not do {what}")
+
+
+class Document(BaseModel):
+    """vLLM's document shape: a text the chat template places in the prompt, with its title."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = None
+    text: str
 
 
 class _StreamOptions(BaseModel):
@@ -58,46 +105,67 @@ class _StreamOptions(BaseModel):
 class _GenerationRequest(ReuseFields):
     """The fields both completion endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str = "default"
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, description="Default: the rest of the context window.")
     max_completion_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = 1
+    ignore_eos: bool | None = Field(default=None, description=OPTION_DOCS["ignore_eos"])  # vLLM's too
     stream: bool = False
     stream_options: _StreamOptions | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # kvrag's extensions: the engine's reuse options (ReuseFields), a conversation, documents, a speculation key
     conversation_id: str | None = Field(default=None, description=OPTION_DOCS["conversation_id"])
-    documents: list[str] | None = None
+    documents: list[str | Document] | None = Field(
+        default=None,
+        description="Chunks of the prompt: texts in it (kvrag), or {title, text} objects the chat template "
+        "places (vLLM); their KV is reused when cached.",
+    )
+    kvrag_documents: list[str] | None = Field(
+        default=None, description="kvrag's name for string documents: texts of the prompt that are chunks."
+    )
     speculate: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_supported(self) -> None:
         """Reject what kvrag cannot do rather than ignore it."""
-        if self.n != 1:
-            raise InvalidRequestError(f"n={self.n}: kvrag serve returns one choice per request (n=1)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported by kvrag serve (leave it unset or 0)")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported by kvrag serve")
+        check_supported(self)
 
-    def engine_options(self, namespace: str | None = None) -> RequestOptions:
-        """The request's :class:`~kvrag.RequestOptions` for tenant ``namespace``; unset = the engine's default."""
+    def chunk_texts(self) -> list[str]:
+        """Every document's text (both fields, both shapes), in the order given."""
+        given = [*(self.kvrag_documents or ()), *(self.documents or ())]
+        return [d.text if isinstance(d, Document) else d for d in given]
+
+    def template_documents(self) -> list[dict[str, str]]:
+        """vLLM-shaped documents, for the chat template."""
+        return [d.model_dump(exclude_none=True) for d in self.documents or () if isinstance(d, Document)]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_tokens`` (or ``max_completion_tokens``, its newer name); ``None`` when not given."""
         if self.max_tokens is not None and self.max_completion_tokens not in (None, self.max_tokens):
             raise InvalidRequestError("max_tokens and max_completion_tokens are one setting; give one of them")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def engine_options(self, namespace: str | None = None, max_new_tokens: int | None = None) -> RequestOptions:
+        """The request's :class:`~kvrag.RequestOptions` for tenant ``namespace``; unset = the engine's
+        default (``max_new_tokens``: what the server resolved the request's ``max_tokens`` to)."""
         return RequestOptions(
-            max_new_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             stop=self.stop or None,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
             namespace=namespace,
             **{name: getattr(self, name) for name in REUSE_OPTIONS},
         )
@@ -108,17 +176,18 @@ class _GenerationRequest(ReuseFields):
 
 
 class _ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: str
     text: str | None = None
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: str
     content: str | list[_ContentPart] | None = None
+    name: str | None = None
 
 
 class ChatRequest(_GenerationRequest):
@@ -126,18 +195,13 @@ class ChatRequest(_GenerationRequest):
 
     messages: list[_Message]
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    function_call: Any = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tools or self.functions:
-            raise InvalidRequestError("tools and functions are not supported by kvrag serve")
-        if self.logprobs:
-            raise InvalidRequestError("logprobs are not supported by kvrag serve")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format: kvrag serve answers with plain text only")
 
     def chat_messages(self) -> list[dict[str, str]]:
         """The messages as ``[{"role", "content"}]`` for the model's chat template."""
@@ -167,15 +231,10 @@ class CompletionRequest(_GenerationRequest):
     """A ``/v1/completions`` request (one prompt string)."""
 
     prompt: str | list[str]
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo or self.suffix or (self.best_of or 1) != 1 or self.logprobs:
-            raise InvalidRequestError("echo, suffix, best_of and logprobs are not supported by kvrag serve")
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
@@ -276,8 +335,3 @@ class StreamShape:
         if self.include_usage:
             out.append(self._chunk([], usage=usage(generation)))
         return out
-
-
-def error_body(message: str, *, type: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -75,7 +75,9 @@ def test_bad_options():
 
 def test_a_small_run_against_the_server(serve_tiny, tmp_path):
     pytest.importorskip("matplotlib")
-    _, url = serve_tiny()
+    from kvrag.server import ServerSettings, TenantMap
+
+    _, url = serve_tiny(ServerSettings(tenants=TenantMap(trust_header=True)))  # it opens tenants by header
     path = tmp_path / "qa.json"
     path.write_text(json.dumps(make_synthetic_dataset(3, passages=3, words=40)))
     opts = LoadOptions(

@@ -103,7 +103,7 @@ def test_api_keys_and_unreachable_servers(serve_tiny):
 
 
 def test_tenant_header(serve_tiny):
-    engine, url = serve_tiny()
+    engine, url = serve_tiny(ServerSettings(tenants=TenantMap(trust_header=True)))
     docs = make_docs(2, seed=5)
     with Client(url, tenant="a") as a, Client(url, tenant="b") as b:
         a.warm(docs)

@@ -220,7 +220,7 @@ def test_tenants_by_api_key_never_share_kv(serve_tiny):
 
 
 def test_tenants_by_header_never_share_kv(serve_tiny):
-    engine, url = serve_tiny()
+    engine, url = serve_tiny(ServerSettings(tenants=TenantMap(trust_header=True)))
     docs = make_docs(2, seed=8)
     body = {"messages": rag_messages(docs), "max_tokens": 2, "documents": docs}
     httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Kvrag-Tenant": "a"}, timeout=60)
@@ -232,6 +232,20 @@ def test_tenants_by_header_never_share_kv(serve_tiny):
         for tenant, headers in (("b", {"X-Kvrag-Tenant": "b"}), ("default", {}), ("a", {"X-Kvrag-Tenant": "a"}))
     }
     assert hits == {"b": 0, "default": 0, "a": 2}
+
+
+class _ClosedFromAnyThread:
+    """A generator over an engine stream whose ``close`` is the engine stream's (safe from any thread, as
+    the server's loop closes it while a worker thread iterates); the generator then ends on its own."""
+
+    def __init__(self, gen, inner) -> None:
+        self.gen, self.inner = gen, inner
+
+    def __next__(self):
+        return next(self.gen)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def paced(engine, monkeypatch, gate: threading.Event):
@@ -254,7 +268,7 @@ def paced(engine, monkeypatch, gate: threading.Event):
                 inner.close()
                 seen["closed"].set()
 
-        return GenerationStream(pieces())
+        return GenerationStream(_ClosedFromAnyThread(pieces(), inner))
 
     monkeypatch.setattr(engine, "stream", stream)
     return seen

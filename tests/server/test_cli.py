@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ pytest.importorskip("fastapi")
 
 from kvrag import cli  # noqa: E402
 from kvrag.client import Client  # noqa: E402
-from kvrag.errors import ServerError  # noqa: E402
+from kvrag.errors import InvalidRequestError, ServerError  # noqa: E402
 from kvrag.server.cli import main as serve_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,17 @@ def test_bad_arguments_fail_before_loading_anything(tmp_path, capsys):
     assert cli.main(["--help"]) == 0 and "kvrag serve" in capsys.readouterr().out
 
 
+def test_log_level_sets_kvrags_loggers(capsys):
+    kvrag_log = logging.getLogger("kvrag")
+    level, handlers = kvrag_log.level, list(kvrag_log.handlers)
+    try:
+        assert serve_main(["--log-level", "debug", "--config", "mode=turbo"]) == 2
+        assert logging.getLogger("kvrag.server").getEffectiveLevel() == logging.DEBUG
+    finally:
+        kvrag_log.setLevel(level)
+        kvrag_log.handlers[:] = handlers
+
+
 @pytest.mark.slow
 def test_kvrag_serve_process(tmp_path, tiny_model, tiny_tokenizer):
     model_dir = tmp_path / "tiny-llama"
@@ -50,7 +62,7 @@ def test_kvrag_serve_process(tmp_path, tiny_model, tiny_tokenizer):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "kvrag.cli", "serve", "--port", str(port), "--model", str(model_dir)]
-    command += ["--config", f"cache_dir={tmp_path / 'cache'}", "--config", "sampling.max_new_tokens=3"]
+    command += ["--config", f"cache_dir={tmp_path / 'cache'}", "--max-stop-strings", "4"]
     command += ["--served-model-name", "tiny", "--api-keys-file", str(keys), "--log-level", "warning"]
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -61,8 +73,10 @@ def test_kvrag_serve_process(tmp_path, tiny_model, tiny_tokenizer):
                     break
                 time.sleep(0.2)
             assert client.health(), (tmp_path / "serve.log").read_text()
-            gen = client.complete("the king of the river city", model="tiny")
+            gen = client.complete("the king of the river city", model="tiny", max_new_tokens=3)
             assert gen.stats.completion_tokens == 3 and gen.finish_reason == "length"
+            with pytest.raises(InvalidRequestError, match="max_stop_strings"):  # the limit set by its flag
+                client.complete("the king", stop=["a", "b", "c", "d", "e"])
             assert client.model_card()["id"] == "tiny"
         with Client(f"http://127.0.0.1:{port}") as anonymous, pytest.raises(ServerError) as info:
             anonymous.complete("the king")
