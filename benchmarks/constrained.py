@@ -9,7 +9,9 @@
   does). Both run exactly ``--max-new-tokens`` tokens: the free runs with ``ignore_eos``, the
   constrained ones under a schema that needs more tokens than that (a long array of objects), so
   the batch stays full and the contexts match. Conditions alternate per repeat (ABBA); medians and
-  the constrained/free ratio are reported. ``--draft-tokens 0`` (default) isolates the mask's cost
+  the constrained/free ratio are reported, and the share of the constrained decode (first token to
+  last) the engine spent in the grammar (mask, advance, draft checks; timed in-process, so a busy
+  machine slows it no more than the decode around it). ``--draft-tokens 0`` (default) isolates the mask's cost
   from how prompt-lookup drafts hold on either text.
 - **masks** (per model's tokenizer): per library installed (llguidance, the engine's; xgrammar;
   outlines-core), the time to make its tokenizer view, to compile MASK_SCHEMA (SCHEMA, any number
@@ -76,8 +78,42 @@ def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
+class _GrammarClock:
+    """Seconds the engine spends in the grammar (mask, advance, draft checks) while installed: the
+    constraint's own cost, measured beside the decode it slows (a share robust to a busy machine)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def __enter__(self) -> _GrammarClock:
+        from kvrag.engine.model.grammar import GrammarMatcher
+
+        self._saved = {name: getattr(GrammarMatcher, name) for name in ("mask", "advance", "allowed")}
+        for name, f in self._saved.items():
+            setattr(GrammarMatcher, name, self._timed(f))
+        return self
+
+    def _timed(self, f):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        from kvrag.engine.model.grammar import GrammarMatcher
+
+        for name, f in self._saved.items():
+            setattr(GrammarMatcher, name, f)
+
+
 def _run(engine, n: int, max_new_tokens: int, constraint) -> dict:
-    """``n`` streams started together: decode tokens/s over the window in which all of them decode."""
+    """``n`` streams started together: decode tokens/s over the window in which all of them decode, and
+    the share of the whole decode (first token to last) spent in the grammar."""
     import threading
 
     prompts = [engine.apply_chat_template([{"role": "user", "content": _QUESTION.format(i=i)}]) for i in range(n)]
@@ -90,11 +126,13 @@ def _run(engine, n: int, max_new_tokens: int, constraint) -> dict:
             times[i].append(time.perf_counter())
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with _GrammarClock() as clock:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     begin, end = max(t[0] for t in times), min(t[-1] for t in times)
+    span = max(t[-1] for t in times) - min(t[0] for t in times)
     pieces = sum(sum(begin < x <= end for x in t) for t in times)
     gens = [s.generation for s in streams]
     return {
@@ -104,6 +142,9 @@ def _run(engine, n: int, max_new_tokens: int, constraint) -> dict:
         "tokens_per_s": pieces / max(end - begin, 1e-9),
         "tokens": [len(g.token_ids) for g in gens],
         "finish": [g.finish_reason for g in gens],
+        "grammar_s": clock.seconds,
+        "grammar_calls": clock.calls,
+        "grammar_share": clock.seconds / max(span, 1e-9),
         "load_before": None,
     }
 
@@ -131,6 +172,7 @@ def measure_throughput(engine, *, streams: int, max_new_tokens: int, repeat: int
             "free_tokens_per_s": free,
             "constrained_tokens_per_s": bound,
             "ratio": bound / free,
+            "grammar_share": statistics.median(r["grammar_share"] for r in runs["constrained"]),
             "runs": runs,
         }
     return out
@@ -308,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                 for key, t in row["throughput"].items():
                     print(
                         f"  {key}: free {t['free_tokens_per_s']:.2f} tok/s, constrained "
-                        f"{t['constrained_tokens_per_s']:.2f} tok/s, ratio {t['ratio']:.3f}",
+                        f"{t['constrained_tokens_per_s']:.2f} tok/s, ratio {t['ratio']:.3f}; the grammar's "
+                        f"share of the constrained decode {t['grammar_share']:.2%}",
                         flush=True,
                     )
             results["models"].append(row)
