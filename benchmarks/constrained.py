@@ -355,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
             results["models"].append(row)
-    if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1))
+            if a.out:  # after each model: a long run cut short keeps what it measured
+                Path(a.out).write_text(json.dumps(results, indent=1))
     return 0
 
 
