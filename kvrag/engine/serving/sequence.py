@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrag.engine.model.grammar import GrammarMatcher
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.engine.model.sampling import TextStream
 from kvrag.engine.reuse.planner import Plan
@@ -37,10 +38,13 @@ class RunningSequence:
         generated: tokens emitted so far.
         text: the detokeniser (stop strings).
         generator: the seeded sampler's generator, if any.
+        grammar: a constrained request's matcher (:mod:`kvrag.engine.model.grammar`), which has consumed
+            every token sampled, ``token`` included; None for free text.
         stats: what the request did (prefill figures now; completion figures at the end).
         t0: when the request was made (``time.perf_counter``); TTFT counts from there.
         ttft: seconds from ``t0`` to the first token.
-        finish: ``length`` until a stop (end of sequence or a stop string) makes it ``stop``.
+        finish: ``length`` until a stop (end of sequence, a stop string, a complete constrained output)
+            makes it ``stop``.
         done: no more tokens.
     """
 
@@ -60,6 +64,7 @@ class RunningSequence:
     drafter: PromptLookup | None = None
     draft_width: int = 0
     draft_hold: HoldRate = field(default_factory=HoldRate)
+    grammar: GrammarMatcher | None = None
     finish: str = "length"
     done: bool = False
 
@@ -71,13 +76,15 @@ class RunningSequence:
             pieces.append(self._emit(token, eos_ids))
             if self.done:
                 break
+        if not self.done and self.grammar is not None and self.grammar.stopped:  # the output is complete
+            self.finish, self.done = "stop", True
         return "".join(pieces)
 
     def _emit(self, token: int, eos_ids: set[int]) -> str:
         if self.done or len(self.generated) >= self.max_tokens:
             self.done = True
             return ""
-        if token in eos_ids:
+        if token in eos_ids or (self.grammar is not None and token in self.grammar.eos_ids):
             self.finish, self.done = "stop", True
             return ""
         self.generated.append(token)
