@@ -164,7 +164,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     """``tools`` as OpenAI function schemas, each checked (a name, parameters an object schema)."""
     if not isinstance(tools, (list, tuple)):
         raise InvalidRequestError(f"tools must be a list of function schemas, got {type(tools).__name__}")
-    out, names = [], set()
+    out = []
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, Mapping) and tool.get("type") == "function" else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -172,9 +172,6 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None and (not isinstance(params, Mapping) or params.get("type", "object") != "object"):
             raise InvalidRequestError(f"tool {fn['name']!r}: parameters must be a JSON object schema")
-        if fn["name"] in names:
-            raise InvalidRequestError(f"two tools are named {fn['name']!r}")
-        names.add(fn["name"])
         out.append({"type": "function", "function": dict(fn)})
     return out
 
@@ -296,20 +293,32 @@ class ToolStream:
         self.fmt = fmt
         self._buf = ""
         self._bare: bool | None = None  # bare formats: is the answer a call? (None: not known yet)
+        self._space, self._calls = "", 0  # whitespace held back, calls found so far
 
     def feed(self, piece: str) -> tuple[str, list[ToolCall]]:
         """Add a piece; the text to emit now and the calls completed by it."""
         self._buf += piece
         if not self.fmt.open:
             return self._feed_bare()
-        return self._drain(final=False)
+        return self._spaced(*self._drain(final=False), final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The answer ended: whatever was held back, as text and calls."""
         if not self.fmt.open:
             text, self._buf = self._buf, ""
             return parse_tool_calls(text, self.fmt) if self._bare else (text, [])
-        return self._drain(final=True)
+        return self._spaced(*self._drain(final=True), final=True)
+
+    def _spaced(self, text: str, calls: list[ToolCall], final: bool) -> tuple[str, list[ToolCall]]:
+        """Whitespace at the end of the text shown is held until more text comes (dropped at the end of
+        an answer with calls): the text shown is the content :func:`parse_tool_calls` leaves."""
+        self._calls += len(calls)
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body) :]
+        if final and not self._calls:
+            body, self._space = body + self._space, ""
+        return body, calls
 
     def _feed_bare(self) -> tuple[str, list[ToolCall]]:
         if self._bare is None:

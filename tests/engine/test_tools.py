@@ -72,13 +72,13 @@ def test_streamed_in_any_pieces_the_calls_and_text_are_those_of_the_whole(name, 
     piece, found = stream.finish()
     shown, calls = shown + piece, calls + found
     assert _pairs(calls) == CALLS
-    assert shown.strip() == ("Let me check.\n\n\nDone." if name == "qwen" else "")
+    assert shown == parse_tool_calls(text, FMT[name])[0] == ("Let me check.\n\n\nDone." if name == "qwen" else "")
 
 
 def test_plain_text_streams_through_and_a_held_back_mark_prefix_comes_out_at_the_end():
     stream = ToolStream(QWEN)
-    assert stream.feed("Hello <tool") == ("Hello ", [])
-    assert stream.finish() == ("<tool", [])
+    assert stream.feed("Hello <tool") == ("Hello", [])  # the space waits: a call may come next
+    assert stream.finish() == (" <tool", [])
     bare = ToolStream(LLAMA)
     assert bare.feed("The ") == ("The ", []) and bare.feed("{x}") == ("{x}", [])
 
@@ -126,8 +126,6 @@ def test_bad_tools_are_one_clear_error():
         check_tools([{"name": "add"}])
     with pytest.raises(InvalidRequestError, match="parameters must be a JSON object schema"):
         check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
-    with pytest.raises(InvalidRequestError, match="two tools are named 'f'"):
-        check_tools([{"type": "function", "function": {"name": "f"}}] * 2)
 
 
 def test_the_engine_renders_tools_calls_and_results_with_the_models_template(one_thread):

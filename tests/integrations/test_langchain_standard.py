@@ -25,7 +25,28 @@ _DOC = (
 )
 
 
-class TestKVCachedLLMUnit(ChatModelUnitTests):
+class ToolFlags:
+    """Tool calling (the model's own template and format), tool choice and structured output (a
+    grammar or JSON-schema constraint) and JSON mode are on."""
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+
+class TestKVCachedLLMUnit(ToolFlags, ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[KVCachedLLM]:
         return KVCachedLLM

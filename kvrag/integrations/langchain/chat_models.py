@@ -105,6 +105,7 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         *,
         method: str = "json_schema",
         include_raw: bool = False,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, dict | Any]:
         """A runnable answering with an object of ``schema`` (a pydantic class: validated instances; a
@@ -114,7 +115,8 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         (any JSON object; the prompt should ask for the fields), ``"function_calling"`` (a forced call of
         a tool whose parameters are the schema; needs a model family with tool calls). With
         ``include_raw`` the result is ``{"raw", "parsed", "parsing_error"}`` and a parse failure is
-        reported there instead of raised.
+        reported there instead of raised. ``strict`` is accepted for compatibility: a schema is always
+        enforced while decoding (``json_schema``, ``function_calling``).
         """
         if kwargs:
             raise InvalidRequestError(f"unknown argument(s) {', '.join(sorted(kwargs))} of with_structured_output")
