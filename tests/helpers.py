@@ -189,3 +189,33 @@ def make_tool_engine(family: str = "qwen2", template: str = QWEN_TOOLS_TEMPLATE,
     tok.chat_template = template
     model = make_tiny_model(len(tok), family, layers=2)
     return Engine.from_model(model, tok, sampling=SamplingParams(max_new_tokens=8), **config)
+
+
+def scripted_engine(answer: str, template: str = QWEN_TOOLS_TEMPLATE, model_type: str = "qwen2", size: int = 4):
+    """An engine stand-in over the tiny tokenizer with ``template``: ``stream`` replays ``answer`` in pieces
+    of ``size`` characters (a model's scripted text) and records each request's arguments in ``calls``."""
+    from types import SimpleNamespace
+
+    from kvrag.engine import Engine, Generation, GenerationStats, GenerationStream
+
+    class ScriptedEngine(Engine):
+        def __init__(self) -> None:  # no model: Engine.__init__ is not called
+            from kvrag.config import EngineConfig
+
+            self.model_name, self.context_window, self.config = "scripted", 4096, EngineConfig()
+            self.hf_model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+            self.tokenizer = make_tokenizer()
+            self.tokenizer.chat_template = template
+            self.calls: list[dict] = []
+
+        def stream(self, **kwargs) -> GenerationStream:
+            self.calls.append(kwargs)
+            return GenerationStream(self._run())
+
+        def _run(self):
+            for i in range(0, len(answer), size):
+                yield answer[i : i + size]
+            stats = GenerationStats(mode="blend", recompute_ratio=0.0, prompt_tokens=100, completion_tokens=5)
+            return Generation(answer, [1], "stop", 0.1, 0.2, stats)
+
+    return ScriptedEngine()

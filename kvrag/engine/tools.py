@@ -43,6 +43,9 @@ __all__ = [
     "parse_tool_calls",
     "forced_call",
     "check_tools",
+    "added_tokens",
+    "engine_tool_format",
+    "tool_request",
 ]
 
 _DECODER = json.JSONDecoder()
@@ -107,16 +110,23 @@ class ToolFormat:
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools given")
         return options[0] if len(options) == 1 else {"anyOf": options}
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> str:
-        """A Lark grammar (llguidance's dialect) whose language is one call in this format, nothing else."""
+    def grammar(
+        self, tools: Sequence[Mapping[str, Any]], name: str | None = None, tokens: Mapping[str, int] | None = None
+    ) -> str:
+        """A Lark grammar (llguidance's dialect) whose language is one call in this format, nothing else.
+
+        ``tokens``: the tokenizer's added tokens (text -> id). A mark that is one of them (Qwen2.5's
+        ``<tool_call>``) is written as that token (``<[id]>``): the model emits it as one token, which a
+        grammar matching the mark's text would refuse.
+        """
         schema = self.call_schema(tools, name)
         if self.array:
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
-        body = f"%json {json.dumps(schema)}"
-        parts = [json.dumps(self.open)] if self.open else []
-        parts.append(body)
-        if self.close:
-            parts.append(json.dumps(self.close))
+        parts = [
+            *_lark_text(self.open, tokens or {}),
+            f"%json {json.dumps(schema)}",
+            *_lark_text(self.close, tokens or {}),
+        ]
         return "start: " + " ".join(parts)
 
 
@@ -182,14 +192,38 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
-def forced_call(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: Any) -> Constraint | None:
+def _lark_text(text: str, tokens: Mapping[str, int]) -> list[str]:
+    """``text`` as Lark items: quoted strings, and ``<[id]>`` for the added tokens in it."""
+    items, rest = [], text
+    while rest:
+        hits = [(rest.find(t), t) for t in tokens if t and t in rest]
+        if not hits:
+            items.append(json.dumps(rest))
+            break
+        at, token = min(hits, key=lambda h: (h[0], -len(h[1])))
+        if at:
+            items.append(json.dumps(rest[:at]))
+        items.append(f"<[{tokens[token]}]>")
+        rest = rest[at + len(token) :]
+    return items
+
+
+def added_tokens(tokenizer) -> dict[str, int]:
+    """A tokenizer's added tokens (special or not), text -> id: llguidance matches them as tokens, not text."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {t.content: int(i) for i, t in decoder.items() if getattr(t, "content", "")}
+
+
+def forced_call(
+    fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: Any, tokens: Mapping[str, int] | None = None
+) -> Constraint | None:
     """The constraint a ``tool_choice`` asks for: ``None`` for ``"auto"``/``"none"``/``None`` (free text);
     one call to any tool for ``"any"``/``"required"``/``True``; to one tool for its name or
-    ``{"type": "function", "function": {"name": ...}}``."""
+    ``{"type": "function", "function": {"name": ...}}``. ``tokens``: as for :meth:`ToolFormat.grammar`."""
     if choice in (None, "auto", "none", False):
         return None
     if choice in ("any", "required", True):
-        return Constraint.grammar(fmt.grammar(tools))
+        return Constraint.grammar(fmt.grammar(tools, tokens=tokens))
     if isinstance(choice, Mapping):
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
     else:
@@ -199,7 +233,15 @@ def forced_call(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: Any
             f"tool_choice must be 'auto', 'none', 'any', 'required', a tool's name or "
             f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}'
         )
-    return Constraint.grammar(fmt.grammar(tools, name))
+    return Constraint.grammar(fmt.grammar(tools, name, tokens))
+
+
+def tool_request(engine, tools: Any, choice: Any) -> tuple[ToolFormat, list[dict[str, Any]], Constraint | None]:
+    """What a request with ``tools`` needs from an engine: its model's tool format, the tools checked,
+    and the constraint ``choice`` asks for (None: free text)."""
+    fmt = engine_tool_format(engine)
+    tools = check_tools(tools)
+    return fmt, tools, forced_call(fmt, tools, choice, added_tokens(engine.tokenizer))
 
 
 def _as_call(value: Any, fmt: ToolFormat) -> ToolCall | None:

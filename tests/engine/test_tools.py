@@ -110,11 +110,19 @@ def test_tool_choice_forces_a_call_with_a_grammar_constraint():
         forced_call(QWEN, TOOLS, 3)
 
 
+def test_marks_that_are_added_tokens_are_matched_as_tokens():
+    # Qwen2.5's tokenizer has <tool_call> as one added token: the model emits it whole, so the grammar
+    # names the token, not the text (llguidance refuses an added token where text is expected)
+    tokens = {"<tool_call>": 151657, "</tool_call>": 151658, "<|im_end|>": 151645}
+    spec = forced_call(QWEN, TOOLS, "add", tokens).spec
+    assert spec.startswith('start: <[151657]> "\\n" %json {') and spec.endswith('} "\\n" <[151658]>')
+
+
 @pytest.mark.parametrize("fmt", TOOL_FORMATS, ids=lambda f: f.name)
 def test_forcing_grammars_compile_in_llguidance(fmt):
     llguidance = pytest.importorskip("llguidance")
-    for choice in ("any", "add"):
-        grammar = forced_call(fmt, TOOLS, choice)
+    for choice, tokens in (("any", None), ("add", {fmt.open.strip(): 7})):
+        grammar = forced_call(fmt, TOOLS, choice, tokens)
         assert isinstance(grammar, Constraint)
         assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar.spec)) == ""
 

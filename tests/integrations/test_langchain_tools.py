@@ -8,7 +8,6 @@ calls parsed, the constraint each method sends. One test runs a real tiny Qwen2-
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,11 +18,9 @@ from langchain_core.tools import tool  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 from kvrag.config import Constraint  # noqa: E402
-from kvrag.engine import Engine, Generation, GenerationStream  # noqa: E402
 from kvrag.errors import InvalidRequestError, UnsupportedModelError  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM  # noqa: E402
-from tests.helpers import QWEN_TOOLS_TEMPLATE, make_tokenizer, make_tool_engine  # noqa: E402
-from tests.integrations.test_shared import STATS  # noqa: E402
+from tests.helpers import make_tool_engine, scripted_engine  # noqa: E402
 
 
 class Answer(BaseModel):
@@ -39,31 +36,11 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-class ScriptedEngine(Engine):
-    """An engine stand-in over a real tokenizer and template: ``stream`` replays ``answer`` in pieces."""
-
-    def __init__(self, answer: str, template: str = QWEN_TOOLS_TEMPLATE, model_type: str = "qwen2", size: int = 4):
-        self.model_name, self.context_window = "scripted", 4096
-        self.hf_model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
-        self.tokenizer = make_tokenizer()
-        self.tokenizer.chat_template = template
-        self.answer, self.size, self.calls = answer, size, []
-
-    def stream(self, **kwargs) -> GenerationStream:
-        self.calls.append(kwargs)
-        return GenerationStream(self._run())
-
-    def _run(self):
-        for i in range(0, len(self.answer), self.size):
-            yield self.answer[i : i + self.size]
-        return Generation(self.answer, [1], "stop", 0.1, 0.2, STATS)
-
-
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
 def test_bound_tools_are_rendered_and_the_models_calls_parsed():
-    engine = ScriptedEngine("I will add.\n" + CALL)
+    engine = scripted_engine("I will add.\n" + CALL)
     msg = KVCachedLLM(engine=engine).bind_tools([add]).invoke("what is 2 + 3?")
     assert msg.content == "I will add."
     assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 2, "b": 3})]
@@ -74,7 +51,7 @@ def test_bound_tools_are_rendered_and_the_models_calls_parsed():
 
 
 def test_streaming_yields_tool_call_chunks_and_aggregates_to_the_same_calls():
-    engine = ScriptedEngine("Sure. " + CALL + CALL.replace('"a": 2', '"a": 7'), size=3)
+    engine = scripted_engine("Sure. " + CALL + CALL.replace('"a": 2', '"a": 7'), size=3)
     chunks = list(KVCachedLLM(engine=engine).bind_tools([add]).stream("add"))
     assert "".join(c.content for c in chunks) == "Sure."
     with_calls = [c for c in chunks if c.tool_call_chunks]
@@ -86,7 +63,7 @@ def test_streaming_yields_tool_call_chunks_and_aggregates_to_the_same_calls():
 
 
 def test_tool_choice_any_or_a_name_forces_a_call_by_grammar():
-    engine = ScriptedEngine(CALL)
+    engine = scripted_engine(CALL)
     llm = KVCachedLLM(engine=engine)
     llm.bind_tools([add], tool_choice="any").invoke("add")
     llm.bind_tools([add, Answer], tool_choice="Answer").invoke("add")
@@ -100,7 +77,7 @@ def test_tool_choice_any_or_a_name_forces_a_call_by_grammar():
 
 
 def test_a_conversation_with_calls_and_tool_results_renders_as_the_template_expects():
-    engine = ScriptedEngine("5")
+    engine = scripted_engine("5")
     history = [
         SystemMessage("be brief"),
         HumanMessage("2 + 3?"),
@@ -115,19 +92,19 @@ def test_a_conversation_with_calls_and_tool_results_renders_as_the_template_expe
 
 def test_a_model_whose_template_renders_no_tools_says_so_at_bind_time():
     smol = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    llm = KVCachedLLM(engine=ScriptedEngine("x", template=smol, model_type="llama"))
+    llm = KVCachedLLM(engine=scripted_engine("x", template=smol, model_type="llama"))
     with pytest.raises(UnsupportedModelError, match="does not render tools"):
         llm.bind_tools([add])
     assert llm.profile["tool_calling"] is False and llm.profile["structured_output"] is True
 
 
 def test_profile_is_filled_from_the_engine():
-    profile = KVCachedLLM(engine=ScriptedEngine("x")).profile
+    profile = KVCachedLLM(engine=scripted_engine("x")).profile
     assert profile["max_input_tokens"] == 4096 and profile["tool_calling"] and profile["tool_choice"]
 
 
 def test_structured_output_json_schema_constrains_decoding_and_validates():
-    engine = ScriptedEngine('{"answer": "Paris", "passages": [1, 3]}')
+    engine = scripted_engine('{"answer": "Paris", "passages": [1, 3]}')
     llm = KVCachedLLM(engine=engine)
     assert llm.with_structured_output(Answer).invoke("where?") == Answer(answer="Paris", passages=[1, 3])
     assert engine.calls[0]["constraint"] == Constraint.json_schema(Answer.model_json_schema())
@@ -138,14 +115,14 @@ def test_structured_output_json_schema_constrains_decoding_and_validates():
 
 
 def test_structured_output_function_calling_forces_the_schema_as_a_tool():
-    engine = ScriptedEngine('<tool_call>\n{"name": "Answer", "arguments": {"answer": "Rome", "passages": [2]}}')
+    engine = scripted_engine('<tool_call>\n{"name": "Answer", "arguments": {"answer": "Rome", "passages": [2]}}')
     result = KVCachedLLM(engine=engine).with_structured_output(Answer, method="function_calling").invoke("q")
     assert result == Answer(answer="Rome", passages=[2])  # the closing mark may be cut: the call is whole
     assert '"const": "Answer"' in engine.calls[0]["constraint"].spec
 
 
 def test_include_raw_reports_a_parse_failure_instead_of_raising():
-    engine = ScriptedEngine('{"answer": "Paris"}')  # passages missing
+    engine = scripted_engine('{"answer": "Paris"}')  # passages missing
     out = KVCachedLLM(engine=engine).with_structured_output(Answer, include_raw=True).invoke("q")
     assert out["parsed"] is None and out["parsing_error"] is not None and out["raw"].content == '{"answer": "Paris"}'
     with pytest.raises(InvalidRequestError, match="method must be one of"):

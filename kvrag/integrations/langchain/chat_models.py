@@ -17,7 +17,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict
 
 from kvrag.engine import Engine
-from kvrag.engine.tools import check_tools, engine_tool_format, forced_call
+from kvrag.engine.tools import check_tools, engine_tool_format, tool_request
 from kvrag.errors import InvalidRequestError, UnsupportedModelError
 from kvrag.integrations._shared import Prompt
 from kvrag.integrations.langchain._common import EngineSettings, engine_pieces
@@ -136,9 +136,7 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
                 raise InvalidRequestError(
                     "tool calling with base_url= is not supported yet: the server renders no tools"
                 )
-            tools = check_tools(tools)
-            fmt = engine_tool_format(self.get_engine(kwargs.get("model")))
-            forced = forced_call(fmt, tools, choice)
+            fmt, tools, forced = tool_request(self.get_engine(kwargs.get("model")), tools, choice)
             if forced is not None:
                 if kwargs.get("constraint") is not None:
                     raise InvalidRequestError("a forced tool call is a constraint: give tool_choice or constraint")
