@@ -62,6 +62,24 @@ def _messages(passages: list[str], question: str, system: str) -> list[tuple[str
     return [("system", system), ("human", f"{numbered}\n\nQuestion: {question}")]
 
 
+def _summary(rows: list[dict]) -> dict:
+    n = len(rows)
+    return {
+        "questions": n,
+        "structured_valid": sum(r["structured_valid"] for r in rows),
+        "tool_valid": sum(r["tool_valid"] for r in rows),
+        "answer_f1_mean": sum(r["answer_f1"] for r in rows) / n if n else 0.0,
+        "structured_s_mean": sum(r["structured_s"] for r in rows) / n if n else 0.0,
+        "tool_s_mean": sum(r["tool_s"] for r in rows) / n if n else 0.0,
+    }
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+
+
 def run(a: argparse.Namespace) -> dict:
     from kvrag.integrations.langchain import KVCachedLLM
 
@@ -114,23 +132,10 @@ def run(a: argparse.Namespace) -> dict:
             file=sys.stderr,
             flush=True,
         )
-    n = len(rows)
-    summary = {
-        "questions": n,
-        "structured_valid": sum(r["structured_valid"] for r in rows),
-        "tool_valid": sum(r["tool_valid"] for r in rows),
-        "answer_f1_mean": sum(r["answer_f1"] for r in rows) / n if n else 0.0,
-        "structured_s_mean": sum(r["structured_s"] for r in rows) / n if n else 0.0,
-        "tool_s_mean": sum(r["tool_s"] for r in rows) / n if n else 0.0,
-    }
+        _write(a.out, {"settings": vars(a), "summary": _summary(rows), "rows": rows})  # a partial run is kept
     engine = llm.get_engine()
-    return {
-        "settings": vars(a),
-        "model": engine.model_name,
-        "dtype": engine.config.dtype,
-        "summary": summary,
-        "rows": rows,
-    }
+    result = {"settings": vars(a), "model": engine.model_name, "dtype": engine.config.dtype, "summary": _summary(rows)}
+    return {**result, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     result = run(a)
     print(json.dumps(result["summary"], indent=1))
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    _write(a.out, result)
     return 0
 
 

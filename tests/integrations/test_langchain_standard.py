@@ -59,7 +59,7 @@ class TestKVCachedLLMUnit(ToolFlags, ChatModelUnitTests):
 
 
 @pytest.mark.model
-class TestKVCachedLLMIntegration(ChatModelIntegrationTests):
+class TestKVCachedLLMIntegration(ToolFlags, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[KVCachedLLM]:
         return KVCachedLLM
