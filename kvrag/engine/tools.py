@@ -166,7 +166,10 @@ def tool_format(family: str, chat_template: str | None, *, model_name: str = "th
 
 def engine_tool_format(engine) -> ToolFormat:
     """:func:`tool_format` of an engine's model."""
-    family = family_of(engine.hf_model.config).name
+    hf_model = getattr(engine, "hf_model", None)
+    if hf_model is None:  # a stand-in engine without a transformers model
+        raise UnsupportedModelError(f"{engine.model_name} has no model config: its tool format is not known")
+    family = family_of(hf_model.config).name
     return tool_format(family, getattr(engine.tokenizer, "chat_template", None), model_name=engine.model_name)
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 from kvrag.config import Constraint  # noqa: E402
 from kvrag.errors import InvalidRequestError, UnsupportedModelError  # noqa: E402
 from kvrag.integrations.langchain import KVCachedLLM  # noqa: E402
+from kvrag.integrations.langchain.structured import closed  # noqa: E402
 from tests.helpers import make_tool_engine, scripted_engine  # noqa: E402
 
 
@@ -107,7 +108,8 @@ def test_structured_output_json_schema_constrains_decoding_and_validates():
     engine = scripted_engine('{"answer": "Paris", "passages": [1, 3]}')
     llm = KVCachedLLM(engine=engine)
     assert llm.with_structured_output(Answer).invoke("where?") == Answer(answer="Paris", passages=[1, 3])
-    assert engine.calls[0]["constraint"] == Constraint.json_schema(Answer.model_json_schema())
+    closed = {**Answer.model_json_schema(), "additionalProperties": False}  # strict: the object may end
+    assert engine.calls[0]["constraint"] == Constraint.json_schema(closed)
     as_dict = llm.with_structured_output(Answer.model_json_schema()).invoke("where?")
     assert as_dict == {"answer": "Paris", "passages": [1, 3]}
     assert llm.with_structured_output(None, method="json_mode").invoke("json please")["answer"] == "Paris"
@@ -142,3 +144,25 @@ def test_a_real_engine_answers_a_tool_prompt_as_its_own_template_renders_it(one_
         assert json.dumps(tools[0]) in engine.apply_chat_template(messages, tools=tools)
     finally:
         engine.close()
+
+
+def test_tools_with_a_server_are_refused_before_any_request():
+    llm = KVCachedLLM(base_url="http://127.0.0.1:9")  # nothing listens there: no request may be made
+    with pytest.raises(InvalidRequestError, match="tool calling with base_url= is not supported yet"):
+        llm.bind_tools([add]).invoke("2 + 3?")
+
+
+def test_strict_closes_every_object_schema_that_does_not_say():
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "$defs": {"Inner": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "anyOf": [{"type": "object"}],
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]  # a property named "properties" stays a property
+    assert out["$defs"]["Inner"]["additionalProperties"] is True and out["anyOf"][0]["additionalProperties"] is False
+    engine = scripted_engine('{"answer": "x", "passages": []}')
+    KVCachedLLM(engine=engine).with_structured_output(Answer, strict=False).invoke("q")
+    assert engine.calls[0]["constraint"] == Constraint.json_schema(Answer.model_json_schema())

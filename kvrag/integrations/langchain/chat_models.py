@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -73,7 +74,8 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
     def get_engine(self, model: str | None = None) -> Engine:
         engine = super().get_engine(model)
         if self.profile is None and model is None:
-            self.profile = engine_profile(engine)
+            with contextlib.suppress(Exception):  # as LangChain's own: an optional field never fails a call
+                self.profile = engine_profile(engine)
         return engine
 
     def bind_tools(
@@ -115,12 +117,13 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         (any JSON object; the prompt should ask for the fields), ``"function_calling"`` (a forced call of
         a tool whose parameters are the schema; needs a model family with tool calls). With
         ``include_raw`` the result is ``{"raw", "parsed", "parsing_error"}`` and a parse failure is
-        reported there instead of raised. ``strict`` is accepted for compatibility: a schema is always
-        enforced while decoding (``json_schema``, ``function_calling``).
+        reported there instead of raised. A schema is always enforced while decoding (``json_schema``,
+        ``function_calling``); ``strict`` (default) also closes its objects (``additionalProperties: false``
+        where the schema does not say), ``strict=False`` leaves them as given.
         """
         if kwargs:
             raise InvalidRequestError(f"unknown argument(s) {', '.join(sorted(kwargs))} of with_structured_output")
-        return structured_runnable(self, schema, method, include_raw, self.bind_tools)
+        return structured_runnable(self, schema, method, include_raw, self.bind_tools, strict)
 
     def _stream(
         self,

@@ -102,10 +102,32 @@ def tool_chunks(pieces: Iterator[tuple[str, Any]], fmt: ToolFormat | None) -> It
                 yield chunk(shown, calls), None
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say (OpenAI's
+    strict mode): a constrained model may then end the object once its properties are written, where an
+    open schema lets it add keys until ``max_tokens`` runs out."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "$defs", "definitions", "patternProperties"):  # maps of schemas
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):  # lists of schemas
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in ("items", "additionalProperties", "not"):  # one schema
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema_parser(schema: Any) -> tuple[dict, Runnable]:
-    """The JSON schema of ``schema`` (a pydantic class, a TypedDict, a JSON schema dict) and its parser."""
+    """The JSON schema of ``schema`` (a pydantic class, v2 or v1, a TypedDict, a JSON schema dict) and its parser."""
     if is_basemodel_subclass(schema):
-        return schema.model_json_schema(), PydanticOutputParser(pydantic_object=schema)
+        json_schema = schema.model_json_schema() if hasattr(schema, "model_json_schema") else schema.schema()
+        return json_schema, PydanticOutputParser(pydantic_object=schema)
     return convert_to_json_schema(schema), JsonOutputParser()
 
 
@@ -115,8 +137,10 @@ def structured_runnable(
     method: str,
     include_raw: bool,
     bind_tools: Callable[..., Runnable],
+    strict: bool | None = None,
 ) -> Runnable:
-    """The runnable of ``with_structured_output``: ``llm`` bound to a constraint, then the parser."""
+    """The runnable of ``with_structured_output``: ``llm`` bound to a constraint, then the parser. Object
+    schemas are :func:`closed` unless ``strict=False``."""
     if method not in STRUCTURED_METHODS:
         raise InvalidRequestError(f"method must be one of {', '.join(STRUCTURED_METHODS)}, got {method!r}")
     if schema is None and method != "json_mode":
@@ -124,6 +148,8 @@ def structured_runnable(
     trace = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
     if method == "function_calling":
         tool = convert_to_openai_tool(schema)
+        if strict is not False:
+            tool["function"]["parameters"] = closed(tool["function"].get("parameters") or {"type": "object"})
         name = tool["function"]["name"]
         bound = bind_tools([tool], tool_choice=name, **trace)
         if is_basemodel_subclass(schema):
@@ -137,6 +163,7 @@ def structured_runnable(
         bound = llm.bind(constraint=Constraint.json_object(), **trace)
     else:
         json_schema, parser = _schema_parser(schema)
+        json_schema = json_schema if strict is False else closed(json_schema)
         bound = llm.bind(constraint=Constraint.json_schema(json_schema), **trace)
     if not include_raw:
         return bound | parser
