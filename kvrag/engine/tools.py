@@ -46,6 +46,7 @@ __all__ = [
     "added_tokens",
     "engine_tool_format",
     "tool_request",
+    "closed",
 ]
 
 _DECODER = json.JSONDecoder()
@@ -91,13 +92,14 @@ class ToolFormat:
     separator: str = "\n"
 
     def call_schema(self, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> dict[str, Any]:
-        """The JSON schema of one call to one of ``tools`` (to ``name`` only, if given)."""
+        """The JSON schema of one call to one of ``tools`` (to ``name`` only, if given); the arguments'
+        objects :func:`closed` (no key the tool does not name)."""
         options = []
         for tool in tools:
             fn = tool["function"]
             if name is not None and fn["name"] != name:
                 continue
-            params = fn.get("parameters") or {"type": "object", "properties": {}}
+            params = closed(fn.get("parameters") or {"type": "object", "properties": {}})
             options.append(
                 {
                     "type": "object",
@@ -145,6 +147,27 @@ TOOL_FORMATS: tuple[ToolFormat, ...] = (
     ),
     ToolFormat("mistral", ("mistral",), "[TOOL_CALLS]", "[TOOL_CALLS]", "", "arguments", array=True),
 )
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say (OpenAI's
+    strict mode): a constrained model may then end the object once its properties are written, where an
+    open schema lets it add keys until ``max_tokens`` runs out."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "$defs", "definitions", "patternProperties"):  # maps of schemas
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):  # lists of schemas
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in ("items", "additionalProperties", "not"):  # one schema
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tool_format(family: str, chat_template: str | None, *, model_name: str = "the model") -> ToolFormat:

@@ -104,6 +104,7 @@ def test_tool_choice_forces_a_call_with_a_grammar_constraint():
     named = forced_call(LLAMA, TOOLS, {"type": "function", "function": {"name": "search"}})
     schema = json.loads(named.spec.removeprefix("start: %json "))
     assert schema["properties"]["name"] == {"const": "search"} and schema["required"] == ["name", "parameters"]
+    assert schema["properties"]["parameters"] == {"type": "object", "properties": {}, "additionalProperties": False}
     with pytest.raises(InvalidRequestError, match="'nope', which is not among the tools"):
         forced_call(QWEN, TOOLS, "nope")
     with pytest.raises(InvalidRequestError, match="tool_choice must be"):

@@ -21,11 +21,11 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from kvrag.config import Constraint
-from kvrag.engine.tools import ToolCall, ToolFormat, ToolStream
+from kvrag.engine.tools import ToolCall, ToolFormat, ToolStream, closed
 from kvrag.errors import InvalidRequestError
 from kvrag.integrations._shared import template_role
 
-__all__ = ["to_chat_messages", "tool_chunks", "structured_runnable", "STRUCTURED_METHODS"]
+__all__ = ["to_chat_messages", "tool_chunks", "structured_runnable", "closed", "STRUCTURED_METHODS"]
 
 #: The methods of ``with_structured_output``.
 STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
@@ -100,27 +100,6 @@ def tool_chunks(pieces: Iterator[tuple[str, Any]], fmt: ToolFormat | None) -> It
             shown, calls = stream.feed(text)
             if shown or calls:
                 yield chunk(shown, calls), None
-
-
-def closed(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that does not say (OpenAI's
-    strict mode): a constrained model may then end the object once its properties are written, where an
-    open schema lets it add keys until ``max_tokens`` runs out."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in ("properties", "$defs", "definitions", "patternProperties"):  # maps of schemas
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed(sub) for name, sub in out[key].items()}
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):  # lists of schemas
-        if isinstance(out.get(key), list):
-            out[key] = [closed(sub) for sub in out[key]]
-    for key in ("items", "additionalProperties", "not"):  # one schema
-        if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _schema_parser(schema: Any) -> tuple[dict, Runnable]:
