@@ -1,15 +1,15 @@
 """Tool calls in chat templates, one table entry per format: how a model family's chat template
 renders tools and marks a call, how the model's text becomes calls, and the grammar that forces one.
 
-========== ================ =========================================== ==================================
-format     families         a call in the model's text                  the template renders tools if it
-========== ================ =========================================== ==================================
-qwen       qwen2, qwen3     ``<tool_call>\\n{"name", "arguments"}\\n``    holds ``<tool_call>`` (Qwen2.5,
-                            ``</tool_call>``, one or several            Qwen2.5-Coder, Qwen3)
-llama3     llama            ``{"name", "parameters"}`` (after an        holds "Given the following functions"
-                            optional ``<|python_tag|>``), ``;``-joined  (Llama 3.1 / 3.2 / 3.3)
-mistral    mistral          ``[TOOL_CALLS][{"name", "arguments"}, ...]`` holds ``[TOOL_CALLS]``
-========== ================ =========================================== ==================================
+========== ============ ============================================== =====================================
+format     families     a call in the model's text                     the template renders tools if it
+========== ============ ============================================== =====================================
+qwen       qwen2, qwen3 ``<tool_call>\\n{"name", "arguments"}\\n``       holds ``<tool_call>`` (Qwen2.5,
+                        ``</tool_call>``, one or several               Qwen2.5-Coder, Qwen3)
+llama3     llama        ``{"name", "parameters"}`` (after an optional  holds "Given the following functions"
+                        ``<|python_tag|>``), ``;`` between calls       (Llama 3.1 / 3.2 / 3.3)
+mistral    mistral      ``[TOOL_CALLS][{"name", "arguments"}, ...]``   holds ``[TOOL_CALLS]``
+========== ============ ============================================== =====================================
 
 Gemma 3 has no entry (its template has no tool role), and a template without the format's marker
 (SmolLM2, a Llama-family model whose template ignores ``tools``) does not render tools:
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,8 +439,3 @@ def _partial_suffix(text: str, mark: str) -> int:
         if mark.startswith(text[-n:]):
             return n
     return 0
-
-
-def tool_names(tools: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The names of OpenAI function schemas."""
-    return [t["function"]["name"] for t in tools]

@@ -56,8 +56,12 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
     ``recomputed_tokens``, ``mode`` and more (the keys of
     :data:`kvrag.integrations._shared.METADATA_KEYS`, the same as LlamaIndex's responses).
     Per-call arguments: ``max_tokens`` (or ``max_new_tokens``), ``temperature``, ``top_p``,
-    ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``dedup``, ``conversation_id``,
-    ``model``; anything else is an :class:`~kvrag.InvalidRequestError`.
+    ``seed``, ``constraint`` (a :class:`~kvrag.Constraint`), ``mode``, ``recompute_ratio``, ``selection``,
+    ``quality``, ``dedup``, ``conversation_id``, ``model``, and the ``tools`` / ``tool_choice`` that
+    :meth:`bind_tools` binds; anything else is an :class:`~kvrag.InvalidRequestError`.
+
+    Tools (:meth:`bind_tools`) and structured output (:meth:`with_structured_output`): which model
+    family does what is in ``docs/tools.md``; ``profile`` says it for this model once its engine is known.
     """
 
     # unknown constructor keywords are errors (LangChain's base models ignore them)
@@ -72,6 +76,7 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
         return engine_profile(self.engine) if self.engine is not None else None
 
     def get_engine(self, model: str | None = None) -> Engine:
+        """The engine serving this LLM (see :class:`GenerationFields`); the first one fills ``profile``."""
         engine = super().get_engine(model)
         if self.profile is None and model is None:
             with contextlib.suppress(Exception):  # as LangChain's own: an optional field never fails a call
