@@ -10,7 +10,7 @@ pytest.importorskip("langchain_core")
 
 from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.data import make_synthetic_dataset  # noqa: E402
-from kvrag.engine import drop_engines  # noqa: E402
+from kvrag.engine import get_engine  # noqa: E402
 from tests.helpers import QWEN_TOOLS_TEMPLATE, make_tiny_model, make_tokenizer  # noqa: E402
 
 
@@ -25,7 +25,7 @@ def test_structured_command_writes_a_row_per_question(tmp_path, one_thread):
     try:
         assert bench_main(["structured", *args, "--top-k", "2", "--max-tokens", "4", "--out", str(out)]) == 0
     finally:
-        drop_engines()
+        get_engine(str(tmp_path / "model")).close()  # this test's engine only (others may share the registry)
     result = json.loads(out.read_text())
     assert result["summary"]["questions"] == 2 and len(result["rows"]) == 2
     row = result["rows"][0]
