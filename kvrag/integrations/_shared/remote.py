@@ -18,6 +18,7 @@ from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.serving.requests import check_chunks
 from kvrag.engine.types import GenerationStream, WarmResult
+from kvrag.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvrag.client import Client
@@ -33,13 +34,16 @@ class Prompt:
     Build it with :meth:`chat` or :meth:`plain`.
     """
 
-    messages: tuple[Mapping[str, str], ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
     text: str | None = None
+    tools: tuple[Mapping[str, Any], ...] | None = None
 
     @classmethod
-    def chat(cls, messages: Sequence[Mapping[str, str]]) -> Prompt:
-        """``[{"role", "content"}]`` messages, roles as chat templates know them."""
-        return cls(messages=tuple(messages))
+    def chat(cls, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
+        """``[{"role", "content"}]`` messages, roles as chat templates know them (an assistant turn may
+        carry ``tool_calls``, a ``tool`` turn its ``tool_call_id``), and the ``tools`` the template
+        renders (OpenAI function schemas; :mod:`kvrag.engine.tools`)."""
+        return cls(messages=tuple(messages), tools=tuple(tools) if tools else None)
 
     @classmethod
     def plain(cls, text: str) -> Prompt:
@@ -49,7 +53,10 @@ class Prompt:
         """The prompt string the engine reads."""
         if self.messages is None:
             return self.text or ""
-        return engine.apply_chat_template([dict(m) for m in self.messages])
+        messages = [dict(m) for m in self.messages]
+        if self.tools:
+            return engine.apply_chat_template(messages, tools=[dict(t) for t in self.tools])
+        return engine.apply_chat_template(messages)
 
     def texts(self) -> list[str]:
         """What the prompt is made of, where documents are looked for."""
@@ -104,6 +111,8 @@ class ServerDocuments:
 
     def stream(self, prompt: Prompt, *, model: str | None, options: Mapping[str, Any]) -> GenerationStream:
         """Start a streamed request on the server (validated there before this returns)."""
+        if prompt.tools:
+            raise InvalidRequestError("tool calling with base_url= is not supported yet: the server renders no tools")
         documents = self.found(prompt) or None
         model = model if model is not None else self.client.model
         if prompt.messages is not None:

@@ -30,10 +30,14 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM, default_completion_to_prompt
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
+from pydantic import BaseModel
 
+from kvrag.config import Constraint
 from kvrag.engine import Engine, Generation
-from kvrag.errors import InvalidRequestError
+from kvrag.engine.tools import ToolFormat, ToolStream, engine_tool_format, parse_tool_calls, tool_request
+from kvrag.errors import InvalidRequestError, UnsupportedModelError
 from kvrag.integrations._shared import (
     EngineCall,
     GenerationFields,
@@ -41,10 +45,10 @@ from kvrag.integrations._shared import (
     call_metadata,
     check_engine_choice,
     open_in_thread,
-    template_role,
     usage,
 )
 from kvrag.integrations.llama_index.conversation import current_conversation
+from kvrag.integrations.llama_index.tools import calls_metadata, openai_tools, template_message, tool_selections
 
 __all__ = ["KVCachedLLM", "generation_info"]
 
@@ -66,12 +70,13 @@ def generation_info(
     return info, {"usage": usage(gen), "kvrag": gen.stats.to_dict()}
 
 
-def _completion(text: str, delta: str | None, extra: dict) -> CompletionResponse:
+def _completion(text: str, delta: str | None, extra: dict, calls: Sequence = ()) -> CompletionResponse:
     return CompletionResponse(text=text, delta=delta, **extra)
 
 
-def _chat(text: str, delta: str | None, extra: dict) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, **extra)
+def _chat(text: str, delta: str | None, extra: dict, calls: Sequence = ()) -> ChatResponse:
+    message = ChatMessage(role=MessageRole.ASSISTANT, content=text, additional_kwargs=calls_metadata(calls))
+    return ChatResponse(message=message, delta=delta, **extra)
 
 
 def _figures(call: EngineCall, gen: Generation) -> dict:
@@ -79,24 +84,38 @@ def _figures(call: EngineCall, gen: Generation) -> dict:
     return {"additional_kwargs": info, "raw": raw}
 
 
-def _responses(call: EngineCall, respond: Callable[[str, str | None, dict], R]) -> Iterator[R]:
-    """The one iterator: cumulative ``text`` plus ``delta`` per piece; the last carries the figures."""
-    text = ""
+Respond = Callable[..., R]
+
+
+def _responses(call: EngineCall, respond: Respond, fmt: ToolFormat | None = None) -> Iterator[R]:
+    """The one iterator: cumulative ``text`` plus ``delta`` per piece; the last carries the figures. With
+    a tool format the calls are split from the text as they complete (each response has those so far)."""
+    text, calls = "", []
+    stream = ToolStream(fmt) if fmt is not None else None
     with closing(call):
         for piece, gen in call:
             if gen is None:
+                if stream is not None:
+                    piece, found = stream.feed(piece)
+                    calls.extend(found)
+                    if not piece and not found:
+                        continue
                 text += piece
-                yield respond(text, piece, {})
-            else:
+                yield respond(text, piece, {}, calls)
+            elif stream is None:
                 yield respond(gen.text, "", _figures(call, gen))
+            else:
+                rest, found = stream.finish()
+                yield respond(text + rest, rest, _figures(call, gen), [*calls, *found])
 
 
-def _response(call: EngineCall, respond: Callable[[str, str | None, dict], R]) -> R:
+def _response(call: EngineCall, respond: Respond, fmt: ToolFormat | None = None) -> R:
     gen = call.finish()
-    return respond(gen.text, None, _figures(call, gen))
+    text, calls = parse_tool_calls(gen.text, fmt) if fmt is not None else (gen.text, [])
+    return respond(text, None, _figures(call, gen), calls)
 
 
-class KVCachedLLM(GenerationFields, LLM):
+class KVCachedLLM(GenerationFields, FunctionCallingLLM):
     """A LlamaIndex LLM that reuses the KV cache of retrieved nodes (CacheBlend fusion).
 
     Construction is cheap: the engine is loaded on first use and shared process-wide
@@ -123,6 +142,12 @@ class KVCachedLLM(GenerationFields, LLM):
         dedup: in a conversation, drop chunks an earlier turn already placed in the prompt
             (CRAFT); ``None`` = the engine config's default.
         context_window: context window reported to LlamaIndex (default: the engine's).
+
+    Tools (a ``FunctionCallingLLM``: ``FunctionAgent``, ``chat_with_tools``, ``predict_and_call``): they are
+    rendered with the model's own chat template and its calls parsed in its family's format
+    (:mod:`kvrag.engine.tools`: Qwen2.5/Qwen3, Llama 3.x, Mistral; ``is_function_calling_model`` says
+    whether the model has one); ``tool_required`` forces a call with a grammar constraint.
+    ``structured_predict`` constrains decoding to the output class's JSON schema.
 
     Conversations: the engine keeps a conversation's last turn (prompt + answer KV) and reuses it
     in the next turn's prompt. The conversation comes from the ``conversation_id`` argument of a
@@ -176,7 +201,7 @@ class KVCachedLLM(GenerationFields, LLM):
             context_window=self.context_window or window,
             num_output=self.max_new_tokens if self.max_new_tokens is not None else default_output,
             is_chat_model=True,
-            is_function_calling_model=False,
+            is_function_calling_model=server is None and _has_tools(engine),
             model_name=name,
         )
 
@@ -202,16 +227,28 @@ class KVCachedLLM(GenerationFields, LLM):
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> Prompt:
         if self.messages_to_prompt is not generic_messages_to_prompt:
             return Prompt.plain(self.messages_to_prompt(messages))
-        rendered = []
-        for m in messages:
-            content = m.content
-            if content is None and m.blocks:
-                raise InvalidRequestError("KVCachedLLM takes text messages only (got a non-text content block)")
-            role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-            rendered.append({"role": template_role(role) or role, "content": content or ""})
+        rendered = [template_message(m) for m in messages]
         if not rendered:
             raise InvalidRequestError("no messages given")
         return Prompt.chat(rendered)
+
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> tuple[Prompt, ToolFormat | None, dict]:
+        """A chat call's prompt, tool format (None without tools) and engine arguments: ``tools`` (OpenAI
+        function schemas) rendered by the template, ``tool_choice`` forcing a call by grammar."""
+        kwargs = dict(kwargs)
+        tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
+        prompt = self._chat_prompt(messages)
+        if not tools or choice == "none":
+            return prompt, None, kwargs
+        if prompt.messages is None or self.base_url is not None:
+            why = "messages_to_prompt is set" if prompt.messages is None else "base_url= (the server renders no tools)"
+            raise InvalidRequestError(f"tools are rendered by the model's chat template: not with {why}")
+        fmt, tools, forced = tool_request(self.get_engine(kwargs.get("model")), tools, choice)
+        if forced is not None:
+            if kwargs.get("constraint") is not None:
+                raise InvalidRequestError("a forced tool call is a constraint: give tool_choice or constraint")
+            kwargs["constraint"] = forced
+        return Prompt.chat(prompt.messages, tools), fmt, kwargs
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> Prompt:
         if not isinstance(prompt, str):
@@ -254,18 +291,82 @@ class KVCachedLLM(GenerationFields, LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _response(self._start(self._chat_prompt(messages), kwargs, True), _chat)
+        prompt, fmt, kwargs = self._chat_request(messages, kwargs)
+        return _response(self._start(prompt, kwargs, True), _chat, fmt)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return _responses(self._start(self._chat_prompt(messages), kwargs, True), _chat)
+        prompt, fmt, kwargs = self._chat_request(messages, kwargs)
+        return _responses(self._start(prompt, kwargs, True), _chat, fmt)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt = self._chat_prompt(messages)
-        return await asyncio.to_thread(lambda: _response(self._start(prompt, kwargs, True), _chat))
+        prompt, fmt, kwargs = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        return await asyncio.to_thread(lambda: _response(self._start(prompt, kwargs, True), _chat, fmt))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        prompt = self._chat_prompt(messages)
-        return await open_in_thread(lambda: _responses(self._start(prompt, kwargs, True), _chat))
+        prompt, fmt, kwargs = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        return await open_in_thread(lambda: _responses(self._start(prompt, kwargs, True), _chat, fmt))
+
+    # -- tools and structured output ------------------------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The ``chat`` arguments of a call with ``tools``: ``tool_required`` forces a call (any tool),
+        ``tool_choice`` a tool's name forces that one."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(
+                ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg
+            )
+        choice = tool_choice if tool_choice is not None else ("required" if tool_required else "auto")
+        return {"messages": messages, "tools": openai_tools(tools) or None, "tool_choice": choice, **kwargs}
+
+    def _validate_chat_with_tools_response(
+        self, response: ChatResponse, tools: Sequence[Any], allow_parallel_tool_calls: bool = False, **kwargs: Any
+    ) -> ChatResponse:
+        """Without ``allow_parallel_tool_calls`` only the first call is kept."""
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not allow_parallel_tool_calls and len(calls) > 1:
+            response.message.additional_kwargs["tool_calls"] = calls[:1]
+        return response
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The tool calls of a response (``ValueError`` if there are none and ``error_on_no_tool_call``)."""
+        return tool_selections(response, error_on_no_tool_call)
+
+    def structured_predict(
+        self, output_cls: type[BaseModel], prompt: Any, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+    ) -> BaseModel:
+        """An ``output_cls`` from the prompt's answer, decoding constrained to the class's JSON schema
+        (pydantic's ``ValidationError`` if the answer is cut short by ``max_new_tokens``)."""
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        constraint = Constraint.json_schema(output_cls.model_json_schema())
+        response = self.chat(messages, constraint=constraint, **(llm_kwargs or {}))
+        return output_cls.model_validate_json(response.message.content or "")
+
+    async def astructured_predict(
+        self, output_cls: type[BaseModel], prompt: Any, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+    ) -> BaseModel:
+        """:meth:`structured_predict` in a worker thread."""
+        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+
+
+def _has_tools(engine: Engine) -> bool:
+    try:
+        engine_tool_format(engine)
+    except UnsupportedModelError:
+        return False
+    return True
