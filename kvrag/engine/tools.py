@@ -31,6 +31,7 @@ from typing import Any
 
 from kvrag.config import Constraint
 from kvrag.engine.model.families import family_of
+from kvrag.engine.model.grammar import JSON_LAYOUT
 from kvrag.errors import InvalidRequestError, UnsupportedModelError
 
 __all__ = [
@@ -126,7 +127,7 @@ class ToolFormat:
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
         parts = [
             *_lark_text(self.open, tokens or {}),
-            f"%json {json.dumps(schema)}",
+            f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}",
             *_lark_text(self.close, tokens or {}),
         ]
         return "start: " + " ".join(parts)

@@ -26,10 +26,15 @@ from kvrag.config import Constraint, SamplingParams
 from kvrag.engine.model.sampling import sample
 from kvrag.errors import InvalidRequestError
 
-__all__ = ["Grammars", "GrammarMatcher", "MAX_COMPILED", "sample_next"]
+__all__ = ["Grammars", "GrammarMatcher", "JSON_LAYOUT", "MAX_COMPILED", "sample_next"]
 
 #: compiled constraints an engine keeps (least recently used dropped first)
 MAX_COMPILED = 64
+
+
+#: JSON written as Python's ``json.dumps`` writes it (``", "`` and ``": "``, no newlines): free whitespace let a
+#: model spend its token budget on indentation (seen on Qwen2.5-0.5B: ``"\n  , "`` between values)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _grammar_text(constraint: Constraint) -> str:
@@ -37,12 +42,15 @@ def _grammar_text(constraint: Constraint) -> str:
     from llguidance import LLMatcher
 
     if constraint.kind == "json_schema":
-        try:
-            return LLMatcher.grammar_from_json_schema(constraint.spec)
+        spec = constraint.spec.strip()
+        if spec == "false":
+            raise InvalidRequestError("the json_schema constraint is `false`: no output is valid")
+        try:  # `true` (any JSON value) is the schema {}: the layout applies to an object schema
+            return LLMatcher.grammar_from_json_schema("{}" if spec == "true" else spec, defaults=JSON_LAYOUT)
         except ValueError as e:
             raise InvalidRequestError(f"the json_schema constraint is not a JSON schema: {e}") from None
     if constraint.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=JSON_LAYOUT)
     if constraint.kind == "regex":
         return LLMatcher.grammar_from_regex(constraint.spec)
     return LLMatcher.grammar_from_lark(constraint.spec)
@@ -54,13 +62,15 @@ class Grammars:
     Args:
         tokenizer: the model's Hugging Face (fast) tokenizer.
         eos_ids: the tokens that end a sequence (allowed only where the grammar accepts).
-        vocab_size: the model's logits width (may exceed the tokenizer's; the extra ids are never allowed).
+        vocab_size: the model's logits width (may exceed the tokenizer's: the extra ids are never allowed; a
+            tokenizer larger than it, a small test model's, is read whole and its extra ids never sampled).
         max_compiled: compiled constraints kept (LRU).
     """
 
     def __init__(self, tokenizer, eos_ids: Iterable[int], vocab_size: int, max_compiled: int = MAX_COMPILED) -> None:
         self.hf_tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
         self.vocab_size, self.max_compiled = vocab_size, max_compiled
+        self.n_vocab = vocab_size  # the tokenizer's size where larger, once it is read
         self._ll_tokenizer = None  # built at the first constraint (~0.4 s for 49K tokens, ~1.5 s for 151K)
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -72,9 +82,10 @@ class Grammars:
             if self.hf_tokenizer is None or not getattr(self.hf_tokenizer, "is_fast", False):
                 raise InvalidRequestError("constrained decoding needs the model's fast (Rust) tokenizer")
             eos = sorted(self.eos_ids) or None
+            self.n_vocab = max(self.vocab_size, len(self.hf_tokenizer))  # llguidance reads every token
             try:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
+                    self.hf_tokenizer, n_vocab=self.n_vocab, eos_token=eos
                 )
             except (ValueError, RuntimeError) as e:  # a tokenizer llguidance cannot read (refused, not guessed)
                 raise InvalidRequestError(f"constrained decoding cannot use this model's tokenizer: {e}") from None
@@ -112,7 +123,7 @@ class Grammars:
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A new sequence's matcher, at the grammar's start."""
-        return GrammarMatcher(self.compiled(constraint).deep_copy(), self.vocab_size, self.eos_ids)
+        return GrammarMatcher(self.compiled(constraint).deep_copy(), self.n_vocab, self.eos_ids)
 
 
 class GrammarMatcher:
@@ -120,7 +131,7 @@ class GrammarMatcher:
 
     Args:
         matcher: an llguidance ``LLMatcher`` of its own.
-        vocab_size: the logits' width.
+        vocab_size: the grammar's vocabulary (the logits' width, or the tokenizer's where larger).
         eos_ids: the tokens that end the sequence.
     """
 

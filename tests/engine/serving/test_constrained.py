@@ -210,3 +210,30 @@ def test_the_bundled_model_answers_in_the_schema(smol_engine):
     )  # fmt: skip
     jsonschema.validate(json.loads(g.text), schema)
     assert g.finish_reason == "stop"
+
+
+def test_json_is_written_in_one_layout_and_boolean_schemas_are_handled(tiny_tokenizer):
+    """JSON as ``json.dumps`` writes it (", " and ": "): free whitespace would let a model spend its tokens on
+    indentation. ``true`` is any JSON value; ``false`` admits nothing and is refused before any work."""
+    grammars = Grammars(tiny_tokenizer, {tiny_tokenizer.eos_token_id}, len(tiny_tokenizer))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}}
+    m = grammars.matcher(Constraint.json_schema(schema))
+    dumped = tiny_tokenizer.encode(json.dumps({"a": 12, "b": [1, 2]}), add_special_tokens=False)
+    assert m.allowed(dumped) == len(dumped)
+    for text in ('{"a":12}', '{\n  "a": 12}'):
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        assert m.allowed(ids) < len(ids)
+    anything = grammars.matcher(Constraint.json_schema("true"))
+    ids = tiny_tokenizer.encode("[1, 2]", add_special_tokens=False)
+    assert anything.allowed(ids) == len(ids)
+    with pytest.raises(InvalidRequestError, match="no output is valid"):
+        grammars.check(Constraint.json_schema("false"))
+
+
+def test_a_tokenizer_larger_than_the_logits_is_read_whole(tiny_tokenizer):
+    """A small model whose logits are narrower than its tokenizer (added tokens past them): the grammar reads
+    every token; tokens past the logits are never sampled."""
+    grammars = Grammars(tiny_tokenizer, {tiny_tokenizer.eos_token_id}, len(tiny_tokenizer) - 1)
+    m = grammars.matcher(Constraint.regex("[ab]+"))
+    logits = m.mask(torch.zeros(len(tiny_tokenizer) - 1))
+    assert not torch.isinf(logits).all()
