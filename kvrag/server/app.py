@@ -58,7 +58,8 @@ import kvrag
 from kvrag.calls import EngineCall, open_in_thread
 from kvrag.config import Constraint
 from kvrag.engine import Engine, RequestOptions
-from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError
+from kvrag.engine.tools import engine_tool_format
+from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError, UnsupportedModelError
 from kvrag.server.errors import error_of
 from kvrag.server.guard import Guard
 from kvrag.server.limits import check_documents, check_id, check_messages, check_prompt, check_stop, utf8_size
@@ -231,6 +232,7 @@ class _Server:
                 "mode": cfg.mode,
                 "recompute_ratio": cfg.recompute_ratio,
                 "selection": cfg.selection,
+                "tool_calling": _renders_tools(self.engine),
             },
         }
 
@@ -388,6 +390,15 @@ class _Server:
         status, body = error_of(exc, getattr(request.state, "request_id", None))
         headers = {"Retry-After": str(self.settings.retry_after_s)} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _renders_tools(engine: Engine) -> bool:
+    """Whether the model's chat template renders tools (``tools`` are refused otherwise)."""
+    try:
+        engine_tool_format(engine)
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 def _constraint(body: ChatRequest | CompletionRequest, plan: ToolPlan | None) -> Constraint | None:

@@ -9,6 +9,7 @@ with room for the grammar to end the answer.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
 
@@ -16,6 +17,7 @@ pytest.importorskip("fastapi")
 
 import httpx  # noqa: E402
 import jsonschema  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
 
 from kvrag.engine import Generation, GenerationStats, GenerationStream  # noqa: E402
 from kvrag.server import create_app  # noqa: E402
@@ -284,8 +286,6 @@ def client(served):
 
 
 def test_the_openai_client_parses_structured_output(client):
-    from pydantic import BaseModel, Field
-
     class Answer(BaseModel):
         answer: str = Field(max_length=10)
         passages: list[int] = Field(max_length=3)
@@ -317,3 +317,85 @@ def test_the_openai_client_parses_tool_calls_whole_and_streamed(client):
     ]
     again = client.chat.completions.create(model="default", messages=follow, tools=TOOLS, max_tokens=4)
     assert again.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+# -- kvrag's client and LangChain's KVCachedLLM with base_url= ------------------------------------------
+
+
+def test_kvrag_client_sends_constraints_and_tools_and_reads_the_calls(served):
+    from kvrag import Constraint
+    from kvrag.client import Client
+
+    _, url = served
+    with Client(url) as client:
+        g = client.chat(ASK, constraint=Constraint.json_schema(ANSWER), temperature=1.0, seed=0, max_tokens=300)
+        jsonschema.validate(json.loads(g.text), ANSWER)
+        whole = client.chat(ASK, tools=TOOLS, tool_choice="weather", temperature=1.0, seed=1, max_tokens=300)
+        stream = client.stream_chat(ASK, tools=TOOLS, tool_choice="weather", temperature=1.0, seed=1, max_tokens=300)
+        assert "".join(stream) == "" and whole.text == ""
+    (call,) = whole.tool_calls
+    assert whole.finish_reason == "tool_calls" and call.name == "weather"
+    jsonschema.validate(call.arguments, CITY)
+    (streamed,) = stream.generation.tool_calls
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+
+
+def test_langchain_bind_tools_and_structured_output_against_the_server(served):
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import ToolMessage
+
+    from kvrag.integrations.langchain import KVCachedLLM
+
+    class Answer(BaseModel):
+        """An answer and the passages it used."""
+
+        answer: str = Field(max_length=10)
+        passages: list[int] = Field(max_length=3)
+
+    _, url = served
+    llm = KVCachedLLM(base_url=url, max_tokens=300, temperature=1.0, seed=2)
+    bound = llm.bind_tools(TOOLS, tool_choice="any")
+    msg = bound.invoke("what is the weather in paris?")
+    (call,) = msg.tool_calls
+    assert call["name"] in ("weather", "search") and msg.response_metadata["finish_reason"] == "tool_calls"
+    chunks = list(bound.stream("what is the weather in paris?"))
+    folded = chunks[0]
+    for c in chunks[1:]:
+        folded += c
+    assert [(c["name"], c["args"]) for c in folded.tool_calls] == [(call["name"], call["args"])]
+    # the call and its answer, sent back: the server renders the tool turn
+    reply = llm.bind_tools(TOOLS).invoke(
+        ["what is the weather in paris?", msg, ToolMessage("21 C", tool_call_id=call["id"])]
+    )
+    assert reply.usage_metadata["input_tokens"] > msg.usage_metadata["input_tokens"]
+    assert isinstance(llm.with_structured_output(Answer).invoke("answer in JSON"), Answer)
+    named = llm.with_structured_output(Answer, method="function_calling").invoke("answer in JSON")
+    assert isinstance(named, Answer)
+
+
+class WeatherArgs(BaseModel):
+    city: Literal["paris", "rome", "oslo"]
+    days: Literal[1, 2, 3]
+
+
+def weather(city: str, days: int) -> str:
+    """The forecast (a LlamaIndex function tool)."""
+    return "sunny"
+
+
+def test_llama_index_function_agent_tools_against_the_server(served):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.tools import FunctionTool
+
+    from kvrag.integrations.llama_index import KVCachedLLM
+
+    _, url = served
+    llm = KVCachedLLM(base_url=url, max_new_tokens=300, temperature=1.0, seed=4)
+    assert llm.metadata.is_function_calling_model  # the served model's template renders tools
+    tool = FunctionTool.from_defaults(fn=weather, fn_schema=WeatherArgs)
+    response = llm.chat_with_tools(
+        [tool], chat_history=[ChatMessage(role="user", content="paris?")], tool_required=True
+    )
+    (selection,) = llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "weather" and set(selection.tool_kwargs) == {"city", "days"}
