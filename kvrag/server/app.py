@@ -56,10 +56,8 @@ from starlette.exceptions import HTTPException
 
 import kvrag
 from kvrag.calls import EngineCall, open_in_thread
-from kvrag.config import Constraint
 from kvrag.engine import Engine, RequestOptions
-from kvrag.engine.tools import engine_tool_format
-from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError, UnsupportedModelError
+from kvrag.errors import ContextLengthError, InvalidRequestError, KvragError, ModelNotFoundError
 from kvrag.server.errors import error_of
 from kvrag.server.guard import Guard
 from kvrag.server.limits import check_documents, check_id, check_messages, check_prompt, check_stop, utf8_size
@@ -74,7 +72,7 @@ from kvrag.server.protocol import (
     figures,
 )
 from kvrag.server.settings import ServerSettings
-from kvrag.server.structured import FieldError, ToolPlan, check_constraint, tool_plan
+from kvrag.server.structured import ToolPlan, check_constraint, one_constraint, renders_tools, tool_plan
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +230,7 @@ class _Server:
                 "mode": cfg.mode,
                 "recompute_ratio": cfg.recompute_ratio,
                 "selection": cfg.selection,
-                "tool_calling": _renders_tools(self.engine),
+                "tool_calling": renders_tools(self.engine),
             },
         }
 
@@ -260,7 +258,7 @@ class _Server:
 
         ``max_tokens`` unset: the rest of the context window; set past it: a 400, as vLLM's.
         """
-        constraint = _constraint(body, plan)
+        constraint = one_constraint(body.constraint(), plan)
         forced = plan is not None and plan.constraint is not None  # a forced call's grammar holds the tools' schemas
         check_constraint(self.engine, constraint, "tools" if forced else "response_format")
         prompt = render(self.engine)
@@ -390,28 +388,6 @@ class _Server:
         status, body = error_of(exc, getattr(request.state, "request_id", None))
         headers = {"Retry-After": str(self.settings.retry_after_s)} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _renders_tools(engine: Engine) -> bool:
-    """Whether the model's chat template renders tools (``tools`` are refused otherwise)."""
-    try:
-        engine_tool_format(engine)
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-def _constraint(body: ChatRequest | CompletionRequest, plan: ToolPlan | None) -> Constraint | None:
-    """The request's one constraint: a forced tool call's or ``response_format``'s (not both)."""
-    asked = body.constraint()
-    if plan is None or plan.constraint is None:
-        return asked
-    if asked is not None:
-        raise FieldError(
-            "response_format and a forced tool call (tool_choice) both constrain the answer: give one",
-            param="response_format",
-        )
-    return plan.constraint
 
 
 async def _close_on_disconnect(request: Request, call: EngineCall) -> None:

@@ -22,7 +22,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvrag.config import Constraint
-from kvrag.engine.tools import ToolCall, ToolFormat, ToolStream, closed, parse_tool_calls, tool_request
+from kvrag.engine.tools import (
+    ToolCall,
+    ToolFormat,
+    ToolStream,
+    closed,
+    engine_tool_format,
+    parse_tool_calls,
+    tool_request,
+)
 from kvrag.errors import InvalidRequestError, UnsupportedModelError
 
 __all__ = [
@@ -39,6 +47,8 @@ __all__ = [
     "template_tool_calls",
     "tool_calls_out",
     "parsed_message",
+    "one_constraint",
+    "renders_tools",
 ]
 
 
@@ -182,6 +192,27 @@ def tool_plan(engine, tools: list[Tool] | None, choice: Any) -> ToolPlan | None:
     except InvalidRequestError as e:  # a named tool that is not among them
         raise FieldError(f"tool_choice: {e}", param="tool_choice") from None
     return ToolPlan(fmt, checked, forced)
+
+
+def one_constraint(asked: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
+    """A request's one constraint: ``response_format``'s (``asked``) or a forced tool call's, not both."""
+    if plan is None or plan.constraint is None:
+        return asked
+    if asked is not None:
+        raise FieldError(
+            "response_format and a forced tool call (tool_choice) both constrain the answer: give one",
+            param="response_format",
+        )
+    return plan.constraint
+
+
+def renders_tools(engine) -> bool:
+    """Whether the model's chat template renders tools (the model card says it; ``tools`` are refused otherwise)."""
+    try:
+        engine_tool_format(engine)
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:

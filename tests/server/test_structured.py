@@ -273,7 +273,8 @@ def test_a_model_without_tool_support_is_a_400_naming_tools(serve_tiny):
     engine, url = serve_tiny()  # the tiny Llama: its template renders no tools
     r = chat(url, tools=TOOLS)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert "does not render tools" in r.json()["error"]["message"] or "tool" in r.json()["error"]["message"]
+    assert "does not render tools" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["kvrag"]["tool_calling"] is False
 
 
 # -- the OpenAI Python client ---------------------------------------------------------------------------
