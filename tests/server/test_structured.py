@@ -234,6 +234,19 @@ def test_tool_turns_are_rendered_as_the_template_expects(served):
         ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "does not compile",
+        ),
+        (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format",
             "give one",
