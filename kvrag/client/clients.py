@@ -117,7 +117,10 @@ class Client(_Base):
             **options: ``max_new_tokens`` (or ``max_tokens``; unset: the server engine's default, as the
                 embedded engine's), ``temperature``, ``top_p``, ``stop``,
                 ``seed``, ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``conversation_id``, ``dedup``;
-                ``model`` instead of the client's.
+                ``constraint`` (a :class:`~kvrag.Constraint`: a JSON schema or any JSON object, sent as
+                ``response_format``); ``tools`` (OpenAI function schemas) and ``tool_choice`` (``"auto"``,
+                ``"none"``, ``"required"``/``"any"``, a tool's name): the answer's calls come back in
+                :attr:`~kvrag.client.wire.ServedGeneration.tool_calls`; ``model`` instead of the client's.
         """
         path, body = self._defaults(chat_body(messages, documents, options, self.model, False))
         return whole(self._request("POST", path, body))

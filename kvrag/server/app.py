@@ -72,6 +72,7 @@ from kvrag.server.protocol import (
     figures,
 )
 from kvrag.server.settings import ServerSettings
+from kvrag.server.structured import ToolPlan, check_constraint, one_constraint, renders_tools, tool_plan
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         namespace = server.admit(request, body)
         messages = body.chat_messages()
         check_messages(messages, server.limits)
-        return await server.generate(request, body, namespace, _chat_render(messages, body), "chat")
+        plan = tool_plan(engine, body.tools, body.tool_choice)
+        return await server.generate(request, body, namespace, _chat_render(messages, body, plan), "chat", plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -171,18 +173,19 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     return app
 
 
-def _chat_render(messages: list[dict[str, str]], body: ChatRequest) -> Callable[[Engine], str]:
-    """The chat's prompt, rendered by the model's template (with vLLM-shaped documents when given)."""
+def _chat_render(messages: list[dict], body: ChatRequest, plan: ToolPlan | None) -> Callable[[Engine], str]:
+    """The chat's prompt, rendered by the model's template (with vLLM-shaped documents and the tools when given)."""
     documents = body.template_documents()
+    tools = {"tools": plan.tools} if plan is not None else {}
 
     def render(engine: Engine) -> str:
         try:
             if documents:  # the engine's tokenizer is Hugging Face's: its template takes vLLM's documents
                 prompt = engine.tokenizer.apply_chat_template(
-                    messages, documents=documents, tokenize=False, add_generation_prompt=True
+                    messages, documents=documents, tokenize=False, add_generation_prompt=True, **tools
                 )
             else:
-                prompt = engine.apply_chat_template(messages)
+                prompt = engine.apply_chat_template(messages, **tools)
         except Exception as exc:  # the template refuses these messages (e.g. roles that do not alternate)
             raise InvalidRequestError(f"messages: the model's chat template refused them: {exc}") from exc
         for i, d in enumerate(documents):
@@ -227,6 +230,7 @@ class _Server:
                 "mode": cfg.mode,
                 "recompute_ratio": cfg.recompute_ratio,
                 "selection": cfg.selection,
+                "tool_calling": renders_tools(self.engine),
             },
         }
 
@@ -247,12 +251,16 @@ class _Server:
         return request.state.namespace
 
     def prepare(
-        self, body: ChatRequest | CompletionRequest, namespace: str | None, render
+        self, body: ChatRequest | CompletionRequest, namespace: str | None, render, plan: ToolPlan | None = None
     ) -> tuple[str, RequestOptions]:
-        """The request's prompt and options (a worker thread: rendering and counting tokens take time).
+        """The request's prompt and options (a worker thread: rendering, counting tokens and compiling a
+        constraint take time).
 
         ``max_tokens`` unset: the rest of the context window; set past it: a 400, as vLLM's.
         """
+        constraint = one_constraint(body.constraint(), plan)
+        forced = plan is not None and plan.constraint is not None  # a forced call's grammar holds the tools' schemas
+        check_constraint(self.engine, constraint, "tools" if forced else "response_format")
         prompt = render(self.engine)
         check_prompt(prompt, self.limits)
         window = self.engine.context_window
@@ -262,7 +270,7 @@ class _Server:
         asked = body.max_new_tokens
         if asked is not None and n + asked > window:
             raise ContextLengthError(n, window, f"and max_tokens={asked}: {n} + {asked} > {window}")
-        options = body.engine_options(namespace, window - n if asked is None else asked)
+        options = body.engine_options(namespace, window - n if asked is None else asked, constraint)
         texts = body.chunk_texts()
         if texts:
             self.engine.register(texts, namespace=namespace)
@@ -275,15 +283,17 @@ class _Server:
         namespace: str | None,
         render: Callable[[Engine], str],
         kind: Literal["chat", "text"],
+        plan: ToolPlan | None = None,
     ) -> Response:
-        """Start the engine call in a worker thread (it validates the rest); answer whole or as a stream."""
+        """Start the engine call in a worker thread (it validates the rest); answer whole or as a stream.
+        ``plan``: the chat's tools (:func:`~kvrag.server.structured.tool_plan`), None without."""
         engine = self.engine
         if body.speculate is not None:
-            return await self.speculate(body, namespace, render)
+            return await self.speculate(body, namespace, render, plan)
         call: list[EngineCall] = []
 
         def start() -> EngineCall:
-            prompt, options = self.prepare(body, namespace, render)
+            prompt, options = self.prepare(body, namespace, render, plan)
             stream = engine.stream(prompt=prompt, options=options)
             call.append(EngineCall(stream, model_name=self.model_name, conversation_id=body.conversation_id))
             return call[0]
@@ -294,18 +304,21 @@ class _Server:
         except BaseException:
             track.end("error")
             raise
-        shape = StreamShape(kind, model=self.model_name, include_usage=body.include_usage)
+        fmt = plan.fmt if plan is not None else None
+        shape = StreamShape(kind, model=self.model_name, include_usage=body.include_usage, tools=fmt)
         rid = request.state.request_id
         if body.stream:
             return EventSourceResponse(self._events(items, call[0], shape, track, body.conversation_id, rid))
-        return await self._whole(request, items, call[0], kind, track, body.conversation_id)
+        return await self._whole(request, items, call[0], kind, track, body.conversation_id, fmt)
 
-    async def speculate(self, body, namespace: str | None, render: Callable[[Engine], str]) -> JSONResponse:
+    async def speculate(
+        self, body, namespace: str | None, render: Callable[[Engine], str], plan: ToolPlan | None = None
+    ) -> JSONResponse:
         """Prefill the request ahead (a speculation of ``body.speculate``) and answer at once (202)."""
         key = body.speculate
 
         def start():
-            prompt, options = self.prepare(body, namespace, render)
+            prompt, options = self.prepare(body, namespace, render, plan)
             return self.engine.speculate_request(prompt=prompt, key=_speculation_key(namespace, key), options=options)
 
         handle = await asyncio.to_thread(start)
@@ -316,7 +329,7 @@ class _Server:
         return figures(generation, model_name=self.model_name, conversation_id=conversation_id)
 
     async def _whole(
-        self, request: Request, items, call: EngineCall, kind: str, track: RequestTrack, conversation_id
+        self, request: Request, items, call: EngineCall, kind: str, track: RequestTrack, conversation_id, fmt=None
     ) -> Response:
         generation = None
         watch = asyncio.create_task(_close_on_disconnect(request, call))
@@ -336,8 +349,9 @@ class _Server:
             return Response(status_code=204)
         track.end("ok")
         extension = self._figures(generation, conversation_id)
-        respond = chat_response if kind == "chat" else completion_response
-        return JSONResponse(respond(generation, model=self.model_name, extension=extension))
+        if kind == "chat":
+            return JSONResponse(chat_response(generation, model=self.model_name, extension=extension, tools=fmt))
+        return JSONResponse(completion_response(generation, model=self.model_name, extension=extension))
 
     async def _events(
         self, items, call: EngineCall, shape: StreamShape, track: RequestTrack, conversation_id, request_id: str
@@ -351,8 +365,8 @@ class _Server:
                 async for piece, generation in items:
                     track.started()
                     if generation is None:
-                        if piece:
-                            yield _sse(shape.piece(piece))
+                        for chunk in shape.pieces(piece) if piece else ():
+                            yield _sse(chunk)
                         continue
                     for chunk in shape.closing(generation, self._figures(generation, conversation_id)):
                         yield _sse(chunk)

@@ -50,8 +50,8 @@ def error_of(exc: BaseException, request_id: str | None = None) -> tuple[int, di
         return 413, error_body(str(exc), type="invalid_request_error", code="request_too_large")
     if isinstance(exc, LimitError):
         return 400, error_body(str(exc), type="invalid_request_error", code="limit_exceeded", param=exc.param)
-    if isinstance(exc, InvalidRequestError):
-        return 400, error_body(str(exc), type="invalid_request_error")
+    if isinstance(exc, InvalidRequestError):  # a field at fault names itself (kvrag.server.structured.FieldError)
+        return 400, error_body(str(exc), type="invalid_request_error", param=getattr(exc, "param", None))
     if isinstance(exc, RequestValidationError):
         return 400, _validation(exc)
     if isinstance(exc, HTTPException):

@@ -5,8 +5,8 @@ engine can honour, plus kvrag's extension fields (:data:`EXTENSION_FIELDS`): ``d
 chunks; below), ``mode``, ``recompute_ratio``, ``selection``, ``quality``, ``conversation_id``,
 ``dedup``, ``speculate`` (a key: prefill this request ahead instead of answering it;
 :mod:`kvrag.server.app`). A field the server does not know is refused (400 naming it), and so is an
-OpenAI field that asks for what kvrag does not do (:data:`NOT_SUPPORTED`: tools, log-probabilities,
-``n > 1``, ...); fields that ask for nothing (``user``, ``metadata``, a zero penalty, ``n=1``) are
+OpenAI field that asks for what kvrag does not do (:data:`NOT_SUPPORTED`: log-probabilities,
+``n > 1``, legacy ``functions``, ...); fields that ask for nothing (``user``, ``metadata``, a zero penalty, ``n=1``) are
 accepted. A client never silently gets less than it asked for.
 
 ``documents`` takes two shapes, mixed freely:
@@ -35,9 +35,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvrag.calls import call_metadata, template_role
 from kvrag.calls import usage as token_counts
 from kvrag.calls.fields import ReuseFields
+from kvrag.config import Constraint
 from kvrag.engine import Generation
 from kvrag.engine.options import OPTION_DOCS, REUSE_OPTIONS, RequestOptions
+from kvrag.engine.tools import ToolFormat
 from kvrag.errors import InvalidRequestError
+from kvrag.server.structured import (
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
+    ToolChoice,
+    ToolDeltas,
+    parsed_message,
+    response_constraint,
+    template_tool_calls,
+)
 
 __all__ = [
     "EXTENSION_FIELDS",
@@ -59,8 +71,9 @@ __all__ = [
 EXTENSION_FIELDS = ("documents", "kvrag_documents", *REUSE_OPTIONS, "speculate")
 
 #: OpenAI fields kvrag serve parses but does not do: field -> (the values that ask for nothing, what it
-#: would ask for). A request giving another value is refused naming the field. Structured output and
-#: tools (``response_format``, ``tools``, ``tool_choice``) are the next to come: drop them here then.
+#: would ask for). A request giving another value is refused naming the field. ``response_format``,
+#: ``tools`` and ``tool_choice`` are done (:mod:`kvrag.server.structured`); log-probabilities are not: the
+#: sampler keeps none (it samples from masked, tempered logits and keeps only the token).
 NOT_SUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((None, 1), "one choice per request (n=1)"),
     "presence_penalty": ((None, 0, 0.0), "penalties (leave it unset or 0)"),
@@ -68,11 +81,8 @@ NOT_SUPPORTED: dict[str, tuple[tuple, str]] = {
     "logit_bias": ((None, {}), "logit biases"),
     "logprobs": ((None, False, 0), "log-probabilities"),
     "top_logprobs": ((None, 0), "log-probabilities"),
-    "tools": ((None, []), "tools"),
-    "tool_choice": ((None, "none"), "tools"),
-    "functions": ((None, []), "tools (functions)"),
-    "function_call": ((None, "none"), "tools (functions)"),
-    "response_format": ((None, {"type": "text"}), "structured output: it answers with plain text only"),
+    "functions": ((None, []), "legacy functions (give tools)"),
+    "function_call": ((None, "none"), "legacy functions (give tools and tool_choice)"),
     "echo": ((None, False), "echo"),
     "suffix": ((None, ""), "suffix"),
     "best_of": ((None, 1), "best_of"),
@@ -124,6 +134,9 @@ class _GenerationRequest(ReuseFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = Field(
+        default=None, description="json_schema or json_object: decoding is constrained to it (kvrag.server.structured)."
+    )
     # kvrag's extensions: the engine's reuse options (ReuseFields), a conversation, documents, a speculation key
     conversation_id: str | None = Field(default=None, description=OPTION_DOCS["conversation_id"])
     documents: list[str | Document] | None = Field(
@@ -156,10 +169,18 @@ class _GenerationRequest(ReuseFields):
             raise InvalidRequestError("max_tokens and max_completion_tokens are one setting; give one of them")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def engine_options(self, namespace: str | None = None, max_new_tokens: int | None = None) -> RequestOptions:
+    def constraint(self) -> Constraint | None:
+        """The constraint ``response_format`` asks for (None: plain text)."""
+        return response_constraint(self.response_format)
+
+    def engine_options(
+        self, namespace: str | None = None, max_new_tokens: int | None = None, constraint: Constraint | None = None
+    ) -> RequestOptions:
         """The request's :class:`~kvrag.RequestOptions` for tenant ``namespace``; unset = the engine's
-        default (``max_new_tokens``: what the server resolved the request's ``max_tokens`` to)."""
+        default (``max_new_tokens``: what the server resolved the request's ``max_tokens`` to;
+        ``constraint``: the one the server resolved from ``response_format`` or a forced tool call)."""
         return RequestOptions(
+            constraint=constraint,
             max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -188,23 +209,27 @@ class _Message(BaseModel):
     role: str
     content: str | list[_ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, description="An assistant turn's calls.")
+    tool_call_id: str | None = Field(default=None, description="A tool turn's answer: the call it answers.")
 
 
 class ChatRequest(_GenerationRequest):
-    """A ``/v1/chat/completions`` request (text messages)."""
+    """A ``/v1/chat/completions`` request (text messages, tools)."""
 
     messages: list[_Message]
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, description="Function tools, rendered by the model's template.")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description='"auto" (the default with tools), "none", "required", or a named function.'
+    )
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The messages as ``[{"role", "content"}]`` for the model's chat template."""
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the model's chat template reads them: ``{"role", "content"}``, plus an assistant
+        turn's ``tool_calls`` (arguments as dicts) and a tool turn's ``tool_call_id`` and ``name``."""
         if not self.messages:
             raise InvalidRequestError("messages is empty: give at least one message")
         out = []
@@ -212,7 +237,18 @@ class ChatRequest(_GenerationRequest):
             role = template_role(m.role)
             if role is None:
                 raise InvalidRequestError(f"messages[{i}].role {m.role!r} is not a chat role")
-            out.append({"role": role, "content": _text(m.content, i)})
+            entry: dict[str, Any] = {"role": role, "content": _text(m.content, i)}
+            if m.tool_calls:
+                if role != "assistant":
+                    raise InvalidRequestError(f"messages[{i}]: only an assistant message carries tool_calls")
+                entry["tool_calls"] = template_tool_calls(m.tool_calls, f"messages[{i}]")
+            if m.tool_call_id is not None:
+                if role != "tool":
+                    raise InvalidRequestError(f"messages[{i}]: only a tool message carries tool_call_id")
+                entry["tool_call_id"] = m.tool_call_id
+            if role == "tool" and m.name is not None:
+                entry["name"] = m.name
+            out.append(entry)
         return out
 
 
@@ -279,12 +315,16 @@ def _head(kind: str, model: str) -> dict[str, Any]:
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
 
 
-def chat_response(generation: Generation, *, model: str, extension: dict[str, Any]) -> dict[str, Any]:
-    """A whole ``chat.completion``."""
+def chat_response(
+    generation: Generation, *, model: str, extension: dict[str, Any], tools: ToolFormat | None = None
+) -> dict[str, Any]:
+    """A whole ``chat.completion``; with ``tools`` (the model's format) the answer's calls are parsed into
+    ``message.tool_calls`` (``content`` the text left, null when none; ``finish_reason`` ``tool_calls``)."""
+    message, called = parsed_message(generation.text, tools)
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": generation.text},
-        "finish_reason": generation.finish_reason,
+        "message": message,
+        "finish_reason": "tool_calls" if called else generation.finish_reason,
         "logprobs": None,
     }
     return {**_head("chat.completion", model), "choices": [choice], "usage": usage(generation), "kvrag": extension}
@@ -303,9 +343,12 @@ class StreamShape:
     chunk has ``usage: null`` and a last chunk with no choices carries the usage, as OpenAI does.
     """
 
-    def __init__(self, kind: Literal["chat", "text"], *, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, kind: Literal["chat", "text"], *, model: str, include_usage: bool, tools: ToolFormat | None = None
+    ) -> None:
         self.kind = kind
         self.include_usage = include_usage
+        self._tools = ToolDeltas(tools) if tools is not None else None
         self._head = _head("chat.completion.chunk" if kind == "chat" else "text_completion", model)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -320,18 +363,32 @@ class StreamShape:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        return self._delta(delta, finish_reason)
+
+    @staticmethod
+    def _delta(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
     def opening(self) -> list[dict[str, Any]]:
         """Chat streams open with the assistant role (and empty content), as OpenAI's do."""
         return [self._chunk([self._choice("", None, role=True)])] if self.kind == "chat" else []
 
-    def piece(self, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice(text, None)])
+    def pieces(self, text: str) -> list[dict[str, Any]]:
+        """The chunks of one piece of the answer: its text, or (with tools) the text shown and the calls
+        completed (none while text that may start a call is held back)."""
+        if self._tools is None:
+            return [self._chunk([self._choice(text, None)])]
+        return [self._chunk([self._delta(d)]) for d in self._tools.feed(text)]
 
     def closing(self, generation: Generation, extension: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chunk with the finish reason (and kvrag's figures), then the usage chunk if asked for."""
-        out = [self._chunk([self._choice(None, generation.finish_reason)], kvrag=extension)]
+        """What was held back, the chunk with the finish reason (and kvrag's figures), then the usage
+        chunk if asked for. An answer that made calls finishes with ``tool_calls``."""
+        reason = generation.finish_reason
+        out = []
+        if self._tools is not None:
+            out = [self._chunk([self._delta(d)]) for d in self._tools.finish()]
+            reason = "tool_calls" if self._tools.calls else reason
+        out.append(self._chunk([self._choice(None, reason)], kvrag=extension))
         if self.include_usage:
             out.append(self._chunk([], usage=usage(generation)))
         return out

@@ -146,10 +146,10 @@ def test_a_real_engine_answers_a_tool_prompt_as_its_own_template_renders_it(one_
         engine.close()
 
 
-def test_tools_with_a_server_are_refused_before_any_request():
+def test_a_constraint_a_server_cannot_take_is_refused_before_any_request():
     llm = KVCachedLLM(base_url="http://127.0.0.1:9")  # nothing listens there: no request may be made
-    with pytest.raises(InvalidRequestError, match="tool calling with base_url= is not supported yet"):
-        llm.bind_tools([add]).invoke("2 + 3?")
+    with pytest.raises(InvalidRequestError, match="a regex constraint cannot be sent to kvrag serve"):
+        llm.invoke("2 + 3?", constraint=Constraint.regex("[0-9]+"))
 
 
 def test_strict_closes_every_object_schema_that_does_not_say():

@@ -138,7 +138,7 @@ def test_unknown_and_unsupported_fields_are_refused_by_name(serve_tiny):
     assert error["code"] == "unknown_field" and all(name in error["message"] for name in extra)
     nested = httpx.post(f"{url}{CHAT}", json={"messages": [{"role": "user", "content": "hi", "foo": 1}]}, timeout=60)
     assert "messages.0.foo" in openai_error(nested, 400)["message"]
-    for field, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"), ("logprobs", True)):
+    for field, value in (("functions", [{"name": "f"}]), ("tool_choice", "auto"), ("logprobs", True)):
         refused = httpx.post(f"{url}{CHAT}", json={"messages": HI, field: value}, timeout=60)
         assert field in openai_error(refused, 400)["message"]
     fine = {

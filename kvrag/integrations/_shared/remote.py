@@ -18,7 +18,6 @@ from kvrag.engine.reuse.access import check_chunk_order
 from kvrag.engine.reuse.documents import DocumentFinder
 from kvrag.engine.serving.requests import check_chunks
 from kvrag.engine.types import GenerationStream, WarmResult
-from kvrag.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvrag.client import Client
@@ -37,13 +36,20 @@ class Prompt:
     messages: tuple[Mapping[str, Any], ...] | None = None
     text: str | None = None
     tools: tuple[Mapping[str, Any], ...] | None = None
+    tool_choice: Any = None
 
     @classmethod
-    def chat(cls, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
+    def chat(
+        cls,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+    ) -> Prompt:
         """``[{"role", "content"}]`` messages, roles as chat templates know them (an assistant turn may
         carry ``tool_calls``, a ``tool`` turn its ``tool_call_id``), and the ``tools`` the template
-        renders (OpenAI function schemas; :mod:`kvrag.engine.tools`)."""
-        return cls(messages=tuple(messages), tools=tuple(tools) if tools else None)
+        renders (OpenAI function schemas; :mod:`kvrag.engine.tools`). ``tool_choice`` is sent to a server
+        with the tools (it forces the call there); an embedded engine gets it as a constraint instead."""
+        return cls(messages=tuple(messages), tools=tuple(tools) if tools else None, tool_choice=tool_choice)
 
     @classmethod
     def plain(cls, text: str) -> Prompt:
@@ -110,13 +116,15 @@ class ServerDocuments:
         return list(out)
 
     def stream(self, prompt: Prompt, *, model: str | None, options: Mapping[str, Any]) -> GenerationStream:
-        """Start a streamed request on the server (validated there before this returns)."""
-        if prompt.tools:
-            raise InvalidRequestError("tool calling with base_url= is not supported yet: the server renders no tools")
+        """Start a streamed request on the server (validated there before this returns). A chat's tools
+        are rendered, forced and parsed by the server: the calls come in the stream's final
+        :class:`~kvrag.client.wire.ServedGeneration`."""
         documents = self.found(prompt) or None
         model = model if model is not None else self.client.model
         if prompt.messages is not None:
             messages = [dict(m) for m in prompt.messages]
+            if prompt.tools:
+                options = {**options, "tools": [dict(t) for t in prompt.tools], "tool_choice": prompt.tool_choice}
             return self.client.stream_chat(messages, documents=documents, model=model, **options)
         return self.client.stream_complete(prompt.text or "", documents=documents, model=model, **options)
 

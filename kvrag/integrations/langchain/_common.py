@@ -177,4 +177,6 @@ def engine_pieces(
                 yield text, None
             else:
                 info = {**call.metadata(generation), "model_provider": "kvrag"}
-                yield "", {**info, "usage_metadata": usage_metadata(generation)}
+                served = getattr(generation, "tool_calls", None)  # a kvrag server's (base_url=), parsed there
+                extra = {"tool_calls": served} if served else {}
+                yield "", {**info, "usage_metadata": usage_metadata(generation), **extra}

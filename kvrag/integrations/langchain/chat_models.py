@@ -139,17 +139,17 @@ class KVCachedLLM(EngineSettings, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         fmt = None
-        if tools and choice != "none":
-            if self.base_url is not None:
-                raise InvalidRequestError(
-                    "tool calling with base_url= is not supported yet: the server renders no tools"
-                )
+        if not tools or choice == "none":
+            prompt = Prompt.chat(to_chat_messages(messages))
+        elif self.base_url is not None:  # the server renders the tools, forces a call as asked, parses the calls
+            prompt = Prompt.chat(to_chat_messages(messages), tools=tools, tool_choice=choice)
+        else:
             fmt, tools, forced = tool_request(self.get_engine(kwargs.get("model")), tools, choice)
             if forced is not None:
                 if kwargs.get("constraint") is not None:
                     raise InvalidRequestError("a forced tool call is a constraint: give tool_choice or constraint")
                 kwargs["constraint"] = forced
-        prompt = Prompt.chat(to_chat_messages(messages), tools=tools if fmt is not None else None)
+            prompt = Prompt.chat(to_chat_messages(messages), tools=tools)
         pieces = engine_pieces(self, prompt, stop, kwargs, run_manager)
         for message, info in tool_chunks(pieces, fmt):
             if info is None:

@@ -74,7 +74,8 @@ def to_chat_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
 
 def tool_chunks(pieces: Iterator[tuple[str, Any]], fmt: ToolFormat | None) -> Iterator[tuple[AIMessageChunk, Any]]:
     """Text pieces as message chunks, tool calls as ``tool_call_chunks`` (one chunk per call, its
-    arguments whole); ``(chunk, info)`` pairs, ``info`` the last piece's metadata (else None)."""
+    arguments whole); ``(chunk, info)`` pairs, ``info`` the last piece's metadata (else None). Calls a
+    kvrag server parsed (``base_url=``) come in that metadata's ``tool_calls``."""
     stream = ToolStream(fmt) if fmt is not None else None
     index = 0
 
@@ -92,6 +93,9 @@ def tool_chunks(pieces: Iterator[tuple[str, Any]], fmt: ToolFormat | None) -> It
                 rest, calls = stream.finish()
                 if rest or calls:
                     yield chunk(rest, calls), None
+            served = info.pop("tool_calls", None)
+            if served:
+                yield chunk("", served), None
             yield None, info
         elif stream is None:
             if text:

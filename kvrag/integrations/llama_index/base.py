@@ -102,8 +102,8 @@ def _responses(call: EngineCall, respond: Respond, fmt: ToolFormat | None = None
                         continue
                 text += piece
                 yield respond(text, piece, {}, calls)
-            elif stream is None:
-                yield respond(gen.text, "", _figures(call, gen))
+            elif stream is None:  # no tools, or a kvrag server's calls (base_url=), parsed there
+                yield respond(gen.text, "", _figures(call, gen), list(getattr(gen, "tool_calls", ())))
             else:
                 rest, found = stream.finish()
                 yield respond(text + rest, rest, _figures(call, gen), [*calls, *found])
@@ -111,7 +111,8 @@ def _responses(call: EngineCall, respond: Respond, fmt: ToolFormat | None = None
 
 def _response(call: EngineCall, respond: Respond, fmt: ToolFormat | None = None) -> R:
     gen = call.finish()
-    text, calls = parse_tool_calls(gen.text, fmt) if fmt is not None else (gen.text, [])
+    served = list(getattr(gen, "tool_calls", ()))  # a kvrag server's calls (base_url=), parsed there
+    text, calls = parse_tool_calls(gen.text, fmt) if fmt is not None else (gen.text, served)
     return respond(text, None, _figures(call, gen), calls)
 
 
@@ -190,6 +191,7 @@ class KVCachedLLM(GenerationFields, FunctionCallingLLM):
         if server is not None:  # the served model's card, asked once
             card = server.client.model_card()
             name, window, default_output = card["id"], card["max_model_len"], card["kvrag"]["max_new_tokens"]
+            tools = bool(card["kvrag"].get("tool_calling"))
         else:
             engine = self.engine
             name, window, default_output = (
@@ -197,11 +199,12 @@ class KVCachedLLM(GenerationFields, FunctionCallingLLM):
                 engine.context_window,
                 engine.config.sampling.max_new_tokens,
             )
+            tools = _has_tools(engine)
         return LLMMetadata(
             context_window=self.context_window or window,
             num_output=self.max_new_tokens if self.max_new_tokens is not None else default_output,
             is_chat_model=True,
-            is_function_calling_model=server is None and _has_tools(engine),
+            is_function_calling_model=tools,
             model_name=name,
         )
 
@@ -240,9 +243,12 @@ class KVCachedLLM(GenerationFields, FunctionCallingLLM):
         prompt = self._chat_prompt(messages)
         if not tools or choice == "none":
             return prompt, None, kwargs
-        if prompt.messages is None or self.base_url is not None:
-            why = "messages_to_prompt is set" if prompt.messages is None else "base_url= (the server renders no tools)"
-            raise InvalidRequestError(f"tools are rendered by the model's chat template: not with {why}")
+        if prompt.messages is None:
+            raise InvalidRequestError(
+                "tools are rendered by the model's chat template: not with messages_to_prompt set"
+            )
+        if self.base_url is not None:  # the server renders the tools, forces a call as asked, parses the calls
+            return Prompt.chat(prompt.messages, tools, choice), None, kwargs
         fmt, tools, forced = tool_request(self.get_engine(kwargs.get("model")), tools, choice)
         if forced is not None:
             if kwargs.get("constraint") is not None:
