@@ -131,11 +131,17 @@ def test_json_schema_output_validates_on_both_endpoints(served):
 
 def test_json_object_output_parses_and_text_asks_for_nothing(served):
     _, url = served
-    for seed in (2, 3):  # seeds whose object ends in the limit (a random model may write spaces for long)
-        content = chat(url, response_format={"type": "json_object"}, seed=seed).json()["choices"][0]["message"][
-            "content"
-        ]
-        assert isinstance(json.loads(content), dict)
+    # a random model ends an object only now and then (it may write one string to the limit): every object
+    # that ends parses, and some do
+    ended = 0
+    for seed in range(8):
+        out = chat(url, response_format={"type": "json_object"}, seed=seed).json()["choices"][0]
+        if out["finish_reason"] == "stop":
+            assert isinstance(json.loads(out["message"]["content"]), dict)
+            ended += 1
+        else:
+            assert out["finish_reason"] == "length" and out["message"]["content"].startswith("{")
+    assert ended >= 2
     plain = chat(url, response_format={"type": "text"}, seed=1, max_tokens=6).json()["choices"][0]
     assert plain["message"]["content"] == chat(url, seed=1, max_tokens=6).json()["choices"][0]["message"]["content"]
 
