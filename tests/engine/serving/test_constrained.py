@@ -212,17 +212,20 @@ def test_the_bundled_model_answers_in_the_schema(smol_engine):
     assert g.finish_reason == "stop"
 
 
-def test_json_is_written_in_one_layout_and_boolean_schemas_are_handled(tiny_tokenizer):
-    """JSON as ``json.dumps`` writes it (", " and ": "): free whitespace would let a model spend its tokens on
-    indentation. ``true`` is any JSON value; ``false`` admits nothing and is refused before any work."""
+def test_json_whitespace_is_bounded_and_boolean_schemas_are_handled(tiny_tokenizer):
+    """JSON in the model's own layout (compact, json.dumps's, indented), but no run of whitespace past 20:
+    unbounded, a model can spend its tokens on it. ``true`` is any JSON value; ``false`` admits nothing and is
+    refused before any work."""
     grammars = Grammars(tiny_tokenizer, {tiny_tokenizer.eos_token_id}, len(tiny_tokenizer))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}}
     m = grammars.matcher(Constraint.json_schema(schema))
     dumped = tiny_tokenizer.encode(json.dumps({"a": 12, "b": [1, 2]}), add_special_tokens=False)
     assert m.allowed(dumped) == len(dumped)
-    for text in ('{"a":12}', '{\n  "a": 12}'):
+    for text in ('{"a":12}', '{\n  "a": 12\n}'):
         ids = tiny_tokenizer.encode(text, add_special_tokens=False)
-        assert m.allowed(ids) < len(ids)
+        assert m.allowed(ids) == len(ids)
+    ids = tiny_tokenizer.encode("{" + " " * 40 + '"a": 12}', add_special_tokens=False)
+    assert m.allowed(ids) < len(ids)
     anything = grammars.matcher(Constraint.json_schema("true"))
     ids = tiny_tokenizer.encode("[1, 2]", add_special_tokens=False)
     assert anything.allowed(ids) == len(ids)
