@@ -15,10 +15,11 @@ Tool policy (a middleware): the first model call is forced to call ``search``, t
 one. Left to choose (``"auto"``), Qwen2.5-Coder-0.5B writes its calls as bare JSON, without the
 ``<tool_call>`` marks of its template, which is no tool call.
 
-Rows (JSON lines, written as they come): one per model call (``kind="call"``: run, step, ttft_s, cache_read,
-prompt_tokens, tool calls), one per run (``kind="run"``: answer, F1 against gold, whether it searched), and
-a last ``kind="summary"`` row: runs whose every call after the first reused KV (``cache_read > 0``), summed
-TTFT of the calls after the first (kvrag, full, the ratio), mean F1 of both, runs that called ``search``.
+Rows (JSON lines, written as they come): one per model call (``kind="call"``: run, step, ttft_s,
+cache_read, exact_tokens, prompt_tokens, tool calls), one per run (``kind="run"``: answer, F1 against gold,
+whether it searched), and a last ``kind="summary"`` row: of the runs with more than one call, those whose
+every call after the first reused KV (``cache_read > 0``); summed TTFT of the calls after the first (kvrag,
+full, the ratio); mean F1 of both; runs that called ``search``.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def _calls(messages: list, mode: str, index: int) -> list[dict]:
                 "ttft_s": meta["ttft_s"],
                 "cache_read": m.usage_metadata["input_token_details"]["cache_read"],
                 "prompt_tokens": meta["prompt_tokens"],
+                "exact_tokens": meta["exact_tokens"],  # of cache_read: the exact prefix (the previous step's prompt)
                 "tool_calls": [{"name": c["name"], "args": c["args"]} for c in m.tool_calls],
                 "content": m.content,
             }
@@ -129,12 +131,13 @@ def summarize(rows: list[dict]) -> dict:
         calls = [r for r in rows if r["kind"] == "call" and r["mode"] == mode]
         runs = [r for r in rows if r["kind"] == "run" and r["mode"] == mode]
         later = [c for c in calls if c["step"] > 0]
+        per_run = [[c["cache_read"] > 0 for c in later if c["question"] == r["question"]] for r in runs]
         out[mode] = {
             "runs": len(runs),
             "calls": len(calls),
-            "runs_all_later_calls_reuse": sum(
-                all(c["cache_read"] > 0 for c in later if c["question"] == r["question"]) for r in runs
-            ),
+            "runs_with_later_calls": sum(bool(reads) for reads in per_run),
+            # of those, the runs whose every call after the first read KV from the cache
+            "runs_all_later_calls_reuse": sum(bool(reads) and all(reads) for reads in per_run),
             "later_calls": len(later),
             "later_calls_reusing": sum(c["cache_read"] > 0 for c in later),
             "later_ttft_s": sum(c["ttft_s"] for c in later),

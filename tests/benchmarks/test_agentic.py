@@ -56,9 +56,16 @@ def test_the_summary_counts_runs_whose_later_calls_all_reuse_and_their_ttft():
         run(0, "full", 0.5),
         *(call(1, "full", s, t, 0) for s, t in ((0, 1.0), (1, 2.0))),
         run(1, "full", 0.5),
+        call(2, "kvrag", 0, 1.0, 0),  # one call only (its forced call cut by max_tokens): no later call
+        run(2, "kvrag", 0.0, searched=False),
     ]
     s = summarize(rows)
-    assert s["kvrag"]["runs_all_later_calls_reuse"] == 1 and s["kvrag"]["later_calls_reusing"] == 2
+    assert s["kvrag"]["runs_with_later_calls"] == 2 and s["kvrag"]["runs_all_later_calls_reuse"] == 1
+    assert s["kvrag"]["later_calls_reusing"] == 2 and s["full"]["runs_all_later_calls_reuse"] == 0
     assert s["kvrag"]["later_ttft_s"] == 1.0 and s["full"]["later_ttft_s"] == 6.0
     assert s["later_ttft_ratio"] == pytest.approx(1 / 6)
-    assert s["kvrag"]["f1_mean"] == 0.5 and s["kvrag"]["runs_searched"] == 1 and s["full"]["runs_searched"] == 2
+    assert (
+        s["kvrag"]["f1_mean"] == pytest.approx(1 / 3)
+        and s["kvrag"]["runs_searched"] == 1
+        and s["full"]["runs_searched"] == 2
+    )
