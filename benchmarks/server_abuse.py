@@ -145,8 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attacks", type=int, default=20, help="attacks of each kind for the RSS figure")
     p.add_argument("--repeats", type=int, default=5, help="honest requests per per-token figure")
     p.add_argument("--tokens", type=int, default=32, help="tokens of the honest request")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the server on CPU 0 with one thread, this client and the attackers on the others (Linux): on a "
+        "small machine the attacker's own client otherwise takes the server's cores, and the honest request "
+        "slows as much under a process that only burns a core (the control)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.pin:
+        others = set(range(1, os.cpu_count() or 1))
+        if not others:
+            p.error("--pin needs two CPUs or more")
+        os.sched_setaffinity(0, others)  # the busy control process inherits it
     tmp = Path(tempfile.mkdtemp(prefix="kvrag-abuse-"))
     (tmp / "keys.json").write_text(json.dumps({KEY: "bench"}))
     with socket.socket() as s:
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     command += ["--log-level", "warning", "--config", f"cache_dir={tmp / 'cache'}"]
     if a.model:
         command += ["--model", a.model]
+    if a.pin:
+        command = ["taskset", "-c", "0", *command, "--config", "num_threads=1"]
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -177,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.25)
         per_token(url, 4)  # warm-up
         baseline = [per_token(url, a.tokens) for _ in range(a.repeats)]
-        out: dict = {"model": a.model or "bundled SmolLM2-135M", "cpu_count": os.cpu_count(), "attacks": {}}
+        out: dict = {"model": a.model or "bundled SmolLM2-135M", "cpu_count": os.cpu_count(), "pinned": a.pin}
+        out["attacks"] = {}
         kinds = {
             "50MB_no_key_announced": lambda: big_body(port, key=False, announce=True),
             "50MB_no_key_chunked": lambda: big_body(port, key=False, announce=False),
