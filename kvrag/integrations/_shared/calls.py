@@ -159,7 +159,9 @@ class GenerationFields(ReuseFields):
     )
     api_key: SecretStr | None = Field(default=None, description="The server's API key (with base_url).")
     tenant: str | None = Field(
-        default=None, description="Sent in the server's tenant header (with base_url): the cache namespace."
+        default=None,
+        description="Sent in the server's tenant header (with base_url): the cache namespace. The server takes it "
+        "only when started with --trust-tenant-header (behind a gateway); with API keys, the key names the tenant.",
     )
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
