@@ -10,8 +10,10 @@
    line, the status (401 / 413), and the server's RSS before and after ``--attacks`` of each;
 3. 5,000 stop strings of 40 characters: time to the 400;
 4. the honest request's per-token time again while a thread sends one kind of attack back to back
-   (each kind, then all in turn), and, as a control, while another process only burns a core (the
-   attacker's client costs a small machine that much whatever the server does).
+   (each kind, then all in turn), and two controls: another process that only burns a core (the
+   attacker's client costs a small machine that much whatever the server does), and a thread sending
+   the cheapest request there is, ``GET /health``, back to back over new connections (what any
+   connection flood costs the server, whatever it carries).
 
 The attacker streams its body until the server answers (a real attacker does not stop), over a raw
 socket so that the time is the server's. Results: a JSON line on stdout and ``results.json`` in ``--out``.
@@ -85,6 +87,15 @@ def big_body(port: int, *, key: bool, announce: bool) -> tuple[float, int]:
         sock.close()
     status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
     return seconds, status
+
+
+def health(port: int) -> tuple[float, int]:
+    """One ``GET /health`` over a new connection (the control: a flood of the cheapest request)."""
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        answer = sock.recv(65536)
+    return time.perf_counter() - t0, int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
 
 
 def stop_strings(url: str) -> tuple[float, int]:
@@ -213,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rss_after_mb": round(after / 2**20, 1),
             }
         under = {"control: a busy process, no requests": under_busy_process(url, a)}
+        under["control: GET /health back to back"] = under_attack(url, a, [lambda: health(port)])
         under.update({name: under_attack(url, a, [attack]) for name, attack in kinds.items()})
         under["all, in turn"] = under_attack(url, a, list(kinds.values()))
         base = statistics.median(baseline)
