@@ -87,7 +87,7 @@ class EngineConfig:
       ``kv_codec``, ``disk_dtype``, ``remote_timeout_s``, ``remote_ttl_s``, ``prefetch``, ``eviction_policy``.
     - ``serving`` (:class:`~kvrag.config.ServingSettings`), how requests decode and queue: ``sampling``,
       ``max_running``, ``max_queued``, ``max_queued_tokens``; advanced: ``starvation_window``,
-      ``decode_group``, ``draft_tokens``, ``prefill_slice_s``.
+      ``decode_group``, ``draft_tokens``, ``prefill_slice_s``, ``thread_linger_s``.
 
     Set a setting by its name or a whole group, or both: a setting named alone wins over its group's::
 

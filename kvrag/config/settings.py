@@ -252,6 +252,10 @@ class ServingSettings(Checked):
             (:mod:`kvrag.engine.serving.drafts`).
         prefill_slice_s: while requests decode, a prefill runs about this long at most before their next
             step: smaller keeps gaps between tokens short, larger finishes the prefill sooner.
+        thread_linger_s: seconds an idle engine thread waits for more work before it exits (a new one
+            starts with the next request); ``None``: the thread starts when the engine is built and stays
+            until ``close()`` (``kvrag serve`` sets it, so that its HTTP threads can run at a lower
+            priority than the engine's: :mod:`kvrag.engine.serving.worker`).
     """
 
     sampling: SamplingParams = setting(DEFAULT_SAMPLING, engine_sampling)
@@ -262,3 +266,4 @@ class ServingSettings(Checked):
     decode_group: int = setting(8, integer(1))
     draft_tokens: int | None = setting(None, integer(0, also=(None,)))
     prefill_slice_s: float = setting(0.1, number(0.0, finite=True))
+    thread_linger_s: float | None = setting(1.0, number(0.0, finite=True, also=(None,)))

@@ -6,7 +6,8 @@ For every HTTP request, in order:
 2. finds its tenant from the headers (:meth:`~kvrag.server.settings.TenantMap.namespace`): a missing
    or unknown API key is refused here, before the body is read, on every path but :data:`OPEN_PATHS`;
 3. refuses a body announced (``Content-Length``) or read past ``max_body_bytes`` (413), reading
-   it at most that far, then hands the app the body it read;
+   it at most that far, then hands the app the body it read; a refusal before the body was read
+   whole closes the connection (``Connection: close``), so the rest of the body is never read;
 4. answers any exception the app lets through with an OpenAI-shaped error
    (:func:`~kvrag.server.errors.error_of`): never Starlette's plain-text 500.
 
@@ -59,6 +60,7 @@ class Guard:
                 message = {**message, "headers": [*message.get("headers", ()), _id_header(request_id)]}
             await send(message)
 
+        body: bytes | None = None
         try:
             headers = Headers(scope=scope)
             if scope["path"] not in OPEN_PATHS:
@@ -70,7 +72,7 @@ class Guard:
                 log.error("kvrag serve: request %s failed after its answer started", request_id, exc_info=exc)
                 return
             status, payload = error_of(exc, request_id)
-            await _send_json(send_with_id, status, payload)
+            await _send_json(send_with_id, status, payload, close=body is None)
 
     async def _read_body(self, headers: Headers, receive: Receive) -> bytes:
         """The request's body, refused (413) as soon as it is announced or read past the limit."""
@@ -110,8 +112,12 @@ def _id_header(request_id: str) -> tuple[bytes, bytes]:
     return REQUEST_ID_HEADER.lower().encode("latin-1"), request_id.encode("latin-1")
 
 
-async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
+async def _send_json(send: Send, status: int, payload: dict[str, Any], *, close: bool) -> None:
+    """An error answer; ``close``: the connection ends after it (the request's body was not read whole:
+    kept alive, the server would read the rest of it, however long, before the next request)."""
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

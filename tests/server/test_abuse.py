@@ -52,6 +52,7 @@ def test_body_size_is_refused_announced_or_streamed(serve_tiny):
     announced = httpx.post(f"{url}{TEXT}", content=body, headers={"content-type": "application/json"}, timeout=60)
     error = openai_error(announced, 413)
     assert "max_body_bytes" in error["message"] and error["code"] == "request_too_large"
+    assert announced.headers["connection"] == "close"  # the rest of the body is never read
 
     def chunked():  # no Content-Length: refused while it is read
         for i in range(0, len(body), 500):
@@ -59,16 +60,17 @@ def test_body_size_is_refused_announced_or_streamed(serve_tiny):
 
     streamed = httpx.post(f"{url}{TEXT}", content=chunked(), headers={"content-type": "application/json"}, timeout=60)
     assert "max_body_bytes" in openai_error(streamed, 413)["message"]
+    assert streamed.headers["connection"] == "close"
     small = httpx.post(f"{url}{TEXT}", json={"prompt": "the king", "max_tokens": 2}, timeout=60)
-    assert small.status_code == 200
+    assert small.status_code == 200 and "connection" not in small.headers  # kept alive
 
 
 def test_the_key_is_checked_before_the_body_is_read(serve_tiny):
     _, url = serve_tiny(ServerSettings(tenants=KEYS.tenants, limits=Limits(max_body_bytes=1 << 20)))
     headers = {"content-type": "application/json"}
     for content in (b"{not json", json.dumps({"prompt": "x" * (2 << 20)}).encode()):  # bad JSON; past the body limit
-        error = openai_error(httpx.post(f"{url}{TEXT}", content=content, headers=headers, timeout=60), 401)
-        assert error["code"] == "invalid_api_key"
+        refused = httpx.post(f"{url}{TEXT}", content=content, headers=headers, timeout=60)
+        assert openai_error(refused, 401)["code"] == "invalid_api_key" and refused.headers["connection"] == "close"
     for path in ("/v1/models", "/metrics", "/v1/models/default"):  # behind the key too
         assert openai_error(httpx.get(f"{url}{path}", timeout=60), 401)["code"] == "invalid_api_key"
         assert httpx.get(f"{url}{path}", headers=A, timeout=60).status_code == 200

@@ -88,3 +88,35 @@ def test_kvrag_serve_process(tmp_path, tiny_model, tiny_tokenizer):
         finally:
             process.kill()
             log.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_http_nice_lowers_the_http_threads_below_the_engine_thread(tiny_model, tiny_tokenizer):
+    import threading
+
+    from kvrag import Engine
+    from kvrag.server.cli import lower_http_priority
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict = {}
+
+    def front():  # as kvrag serve's main thread: builds the engine, then lowers itself, then serves
+        engine = Engine.from_model(tiny_model, tiny_tokenizer, thread_linger_s=None)
+        try:
+            seen["lowered"], seen["front"] = lower_http_priority(3), nice()
+            child = threading.Thread(target=lambda: seen.setdefault("child", nice()))  # e.g. a threadpool's worker
+            child.start()
+            child.join()
+            ran = engine._run_internal(lambda pause: nice(), 1)  # on the engine thread
+            seen["engine"] = ran
+        finally:
+            engine.close()
+
+    thread = threading.Thread(target=front)
+    thread.start()
+    thread.join(60)
+    base = nice()
+    assert seen == {"lowered": True, "front": min(19, base + 3), "child": min(19, base + 3), "engine": base}
+    assert not lower_http_priority(0)

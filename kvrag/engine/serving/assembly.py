@@ -148,6 +148,7 @@ def assemble(
         eos_ids=eos_ids,
         slice_s=config.prefill_slice_s,
         setup=lambda: torch.set_num_threads(threads),
+        linger_s=config.thread_linger_s,
     )
 
     def run(job, tokens: int, *, bounded: bool = True):  # a job on the engine thread, queued like a request

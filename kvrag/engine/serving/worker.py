@@ -21,6 +21,10 @@ without ``close()``, keeps no thread for long, and ``close()`` ends it at once (
 It lingers because a new thread's first parallel torch op starts its OpenMP pool, milliseconds that
 a thread keeping its pool does not pay, and that every request of an app would pay, its condense and
 answer calls apiece (``kvrag.engine.model.host``; figures: docs/journal/figures-from-code.md).
+With ``linger_s=None`` (a server) the thread starts when the engine is built, from the thread that
+builds it, and stays until ``close()``: a thread inherits its creator's scheduling priority, so the
+engine thread keeps the priority the process started with even if the server then lowers its HTTP
+threads' (``kvrag serve --http-nice``).
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ class Worker:
         eos_ids: end-of-sequence token ids.
         slice_s: seconds of prefill between two decode steps while requests are running.
         setup: run first on each engine thread (the engine sets its torch thread count there).
+        linger_s: seconds an idle thread waits for more work before it exits; ``None``: the thread
+            starts at :meth:`drive` and stays until :meth:`stop` (the module docstring says why).
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class Worker:
         eos_ids: set[int],
         slice_s: float,
         setup: Callable[[], None] = lambda: None,
+        linger_s: float | None = LINGER_S,
     ) -> None:
         self.scheduler = scheduler
         self._start_fn = self._step_fn = self._finish_fn = _not_driven
@@ -122,8 +129,9 @@ class Worker:
         self._busy_s = 0.0  # seconds the engine thread has run, its running stretch excluded (see stats)
         self._busy_since: float | None = None  # when the running stretch began (None: idle, or no thread)
         self._submitted = 0  # tickets submitted so far (a lingering thread wakes when it changes)
-        self._linger = LINGER_S  # 0 once stopped: the thread exits as soon as it is idle
-        self._cut = False  # another worker started work: an idle thread stops lingering now
+        # 0 once stopped: the thread exits as soon as it is idle; None: it stays (kept, see the module docstring)
+        self._linger = linger_s
+        self._cut = False  # another worker started work: an idle lingering thread stops lingering now
         with _WORKERS_LOCK:
             _WORKERS.add(self)
 
@@ -142,6 +150,10 @@ class Worker:
             finish: ``(sequence) -> Generation``: the result of a sequence that is done.
         """
         self._start_fn, self._step_fn, self._finish_fn = start, step, finish
+        with self._cond:
+            if self._linger is None and self._thread is None:  # kept: it starts now, from the builder's thread
+                self._thread = threading.Thread(target=self._loop, name="kvrag-engine", daemon=True)
+                self._thread.start()
 
     # -- callers' side ------------------------------------------------------------------------
 
@@ -287,8 +299,11 @@ class Worker:
 
     def release(self, timeout: float | None = None) -> bool:
         """If the thread is idle, end it now instead of at the end of its linger, and wait until it has
-        (False if ``timeout`` passed first; the next work starts a new thread). For torch work of the
-        caller's that should not share the cores with the engine thread's pool (a benchmark's baseline)."""
+        (False if ``timeout`` passed first, or the thread is kept; the next work starts a new thread). For
+        torch work of the caller's that should not share the cores with the engine thread's pool (a
+        benchmark's baseline)."""
+        if self._linger is None:
+            return False
         self._cut_linger()
         with self._cond:
             return self._cond.wait_for(lambda: self._thread is None or self._busy_since is not None, timeout)
@@ -296,7 +311,10 @@ class Worker:
     def _linger_for_more(self) -> bool:
         """Idle (the condition held): wait up to the linger for another ticket; whether one came."""
         seen = self._submitted
-        self._cond.wait_for(lambda: self._submitted != seen or not self._linger or self._cut, self._linger)
+        kept = self._linger is None  # waits until work comes or stop(); another worker's start does not end it
+        self._cond.wait_for(
+            lambda: self._submitted != seen or self._linger == 0 or (self._cut and not kept), self._linger
+        )
         self._cut = False
         return self._submitted != seen
 

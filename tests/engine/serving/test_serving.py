@@ -340,3 +340,23 @@ def test_ignore_eos_decodes_every_token_past_an_end_token(tiny_engine, docs):
         assert every.token_ids == free.token_ids and every.finish_reason == "length"
     finally:
         tiny_engine._worker.eos_ids = eos
+
+
+def test_a_kept_engine_thread_starts_with_the_engine_and_stays_until_close(tiny_model, tiny_tokenizer):
+    a = Engine.from_model(tiny_model, tiny_tokenizer, thread_linger_s=None, sampling=SamplingParams(max_new_tokens=2))
+    b = Engine.from_model(tiny_model, tiny_tokenizer, sampling=SamplingParams(max_new_tokens=2))
+    try:
+        kept = a._worker._thread
+        assert kept is not None and kept.is_alive()  # started by the builder, before any request
+        ran_on = []
+        a._run_internal(lambda pause: ran_on.append(threading.current_thread()), 1)
+        assert ran_on == [kept] and a._worker.wait_idle(10)
+        b.generate(chunks=make_docs(2), suffix=SUFFIX)  # another engine's work does not end it
+        assert not a._worker.release(timeout=0.1)  # nor does release()
+        kept.join(1.2)  # past the default linger
+        assert kept.is_alive() and a.generate(chunks=make_docs(2), suffix=SUFFIX).token_ids
+        assert a._worker._thread is kept
+    finally:
+        a.close()
+        b.close()
+    assert not kept.is_alive() and a._worker._thread is None
