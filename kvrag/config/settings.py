@@ -59,7 +59,8 @@ class ComputeSettings(Checked):
 
     Attributes:
         model: ``None``: the bundled SmolLM2-135M-Instruct; a bundled model's name (``gemma-3-270m``,
-            with ``kvrag[gemma]``), a local Hugging Face model directory or a local ``.gguf`` file.
+            with ``kvrag[gemma]``), a local Hugging Face model directory, a hub id already in the Hugging
+            Face cache (``"org/name"``, offline) or a local ``.gguf`` file.
             Families: Llama (Llama 2/3, SmolLM2), Mistral, Qwen2, Qwen3 and Gemma 3; nothing is downloaded.
         dtype: of weights and KV: ``"auto"``, bfloat16 where the device computes it natively, else float32
             (why: :meth:`Engine.info`); or one of :data:`~kvrag.config.DTYPE_NAMES`, used as given.

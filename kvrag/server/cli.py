@@ -33,7 +33,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="local HF directory or .gguf (default: the bundled SmolLM2-135M)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a local HF directory, a hub id already in the HF cache, or a .gguf (default: the bundled SmolLM2-135M)",
+    )
     p.add_argument(
         "--config",
         action="append",

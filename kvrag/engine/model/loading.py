@@ -70,16 +70,34 @@ def bundled_gguf_path(cache_dir: Path | None = None) -> Path:
     return BUNDLED[0].locate(cache_dir or Path("."))
 
 
+def hub_snapshot(model: str) -> Path | None:
+    """The local snapshot of a Hugging Face hub id (``"org/name"``) already in the Hugging Face cache
+    (``HF_HUB_CACHE``), or None: offline, never a download."""
+    if model.count("/") != 1 or model.startswith((".", "/", "~")) or Path(model).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError
+    except ImportError:  # transformers brings it; without it there is no cache to look in
+        return None
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except (HFValidationError, OSError, ValueError):  # not a hub id, or not cached (LocalEntryNotFoundError)
+        return None
+
+
 def _resolve(model: str | os.PathLike | None, cache_dir: Path) -> tuple[Path, str]:
-    """(path, name) of a bundled model's GGUF, a local model directory or a local .gguf file."""
+    """(path, name) of a bundled model's GGUF, a local model directory, a hub id's snapshot already in
+    the Hugging Face cache, or a local .gguf file."""
     bundled = find_bundled(model) if model is None or isinstance(model, str) else None
     if bundled is not None:
         return bundled.locate(cache_dir), bundled.name
-    path = Path(model).expanduser()
+    snapshot = hub_snapshot(model) if isinstance(model, str) else None
+    path = snapshot if snapshot is not None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is a directory without config.json: not a Hugging Face model")
-        return path, path.name
+        return path, model.rsplit("/", 1)[-1] if snapshot is not None else path.name
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFoundError(f"{path} is a file but not a .gguf model")
@@ -87,7 +105,8 @@ def _resolve(model: str | os.PathLike | None, cache_dir: Path) -> tuple[Path, st
     names = ", ".join(b.name for b in BUNDLED)
     raise ModelNotFoundError(
         f"unknown model {str(model)!r}: pass None for the bundled {BUNDLED_MODEL}, a bundled model's name "
-        f"({names}), a local Hugging Face model directory or a local .gguf file (kvrag never downloads weights)"
+        f"({names}), a local Hugging Face model directory, a hub id already in the Hugging Face cache or a local .gguf "
+        "file (kvrag never downloads weights)"
     )
 
 

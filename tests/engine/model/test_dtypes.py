@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag import Engine, EngineConfig, InvalidRequestError
+from kvrag import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from kvrag.engine.model import dtypes, loading
 from kvrag.engine.model.dtypes import FLOAT_DTYPES, native_bf16, resolve_dtype, weights_dtype
 from tests.helpers import as_dtype
@@ -167,3 +167,25 @@ def test_from_pretrained_resolves_auto_before_loading(
         assert engine.gate.ok and engine.gate.dtype == want
     with Engine.from_pretrained(str(directory), dtype="float16", cache_dir=str(tmp_path / "cache")) as engine:
         assert engine.info().dtype == "float16" and engine.info().dtype_reason == "set explicitly"
+
+
+def test_a_hub_id_in_the_local_hugging_face_cache_loads_offline(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    """``"org/name"`` resolves to its snapshot in the Hugging Face cache, never a download; one not
+    cached is the usual unknown-model error, naming the cache."""
+    import huggingface_hub.constants
+
+    from kvrag.errors import ModelNotFoundError
+
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--kvrag-test--tiny" / "snapshots" / "0123abcd"
+    tiny_model.save_pretrained(snapshot)
+    tiny_tokenizer.save_pretrained(snapshot)
+    (hub / "models--kvrag-test--tiny" / "refs").mkdir()
+    (hub / "models--kvrag-test--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.chdir(tmp_path)  # no local directory of that name
+    with Engine.from_pretrained("kvrag-test/tiny", dtype="float32", cache_dir=str(tmp_path / "cache")) as engine:
+        assert engine.generate(prompt="The king", sampling=SamplingParams(max_new_tokens=2)).token_ids
+        assert engine.model_name == "tiny"
+    with pytest.raises(ModelNotFoundError, match="hub id already in the Hugging Face cache"):
+        Engine.from_pretrained("kvrag-test/absent", cache_dir=str(tmp_path / "cache"))
