@@ -15,8 +15,9 @@ prompt strings on a server with its prompt cache and ``--cache-reuse`` on, erase
 ask. Answers are scored as the papers do: F1 and exact match against the gold answers; kvrag's blend
 also by answer drift against its full prefill (the full answer teacher-forced, mean |Δ log p|).
 ``--load`` measures loading (seconds, peak RSS) in child processes: first time and from the cache.
-``--only decode`` runs the decode probe alone (its prompt prefilled from nothing on both engines; the
-TTFT stages and answer quality skipped), interleaved kvrag / llama.cpp per question.
+``--only decode`` runs the decode probe alone (kvrag's prompt asked once first, as the stages before it
+would; llama.cpp's from an erased cache; the TTFT stages and answer quality skipped), kvrag and
+llama.cpp interleaved per question.
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ def run(a: argparse.Namespace) -> dict:
 
 def _decode_probe(engine, server, request, suffix: str, text, tokens: int) -> dict:
     """The decode probe alone: ``tokens`` tokens whatever the end token, after ``request`` with
-    ``suffix``, on kvrag (nothing of it cached before) and on llama.cpp (its cache erased first)."""
+    ``suffix``, on kvrag and on llama.cpp (its cache erased first). kvrag's prompt is asked once for a
+    token first and its write-back finished (as in the full run, where the probe follows the exact
+    repeat): the probe's decode then shares the engine with nothing else."""
+    engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=1)
     engine.flush()
     probe = engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=tokens, ignore_eos=True)
     s = probe.stats

@@ -170,11 +170,12 @@ def one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
     Each KV head's G = H / Hkv queries go in as G query rows of one head (``[1, Hkv, G, D]``), so
     PyTorch's fused attention reads each key and value once for the G queries, in the buffer's own
-    dtype (its CPU kernel accumulates a bfloat16 row in float32). Measured on a 2-core AMD EPYC with
-    AVX512-BF16 and no AMX, 3.6K keys, all layers of a step: the Qwen2.5-1.5B's shapes 33.7 ms against
-    72.7 ms for float32 products over a float32 copy of the keys (the decoder's former path) and
-    386 ms for ``enable_gqa`` with one query row per head; error against a float64 reference that of
-    the output's rounding (docs/journal/real-models.md, "Decode at the bandwidth").
+    dtype (its CPU kernel takes a bfloat16 row's scores and softmax in float32). Measured on a 2-core AMD
+    EPYC with AVX512-BF16 and no AMX, 3.6K keys, all layers of a step, one thread's CPU time: the
+    Qwen2.5-1.5B's shapes 26.7 ms against 39.7 ms for float32 products over a float32 copy of the
+    keys (the decoder's former path, which also kept that copy: twice the sequence's KV) and 267 ms
+    for ``enable_gqa`` with one query row per head; SmolLM2's 22.3 against 20.9 ms; the error against
+    a float64 reference that of the output's rounding (docs/journal/real-models.md, "The decode step").
     """
     heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
     # a row sliced from a step's rows (a draft's) is a strided view: made contiguous, as a lone row is
