@@ -126,19 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="timed requests per measurement")
     p.add_argument("--shape", choices=("tiny", "smollm2"), default="tiny", help="the random model's shapes")
     p.add_argument("--words", type=int, default=60, help="words per passage in the timing check (6 passages)")
-    p.add_argument(
-        "--decode-rows",
-        choices=("auto", "float32", "native"),
-        default="auto",
-        help="a decode row's attention: the engine's choice, float32 products, or PyTorch's fused attention",
-    )
     p.add_argument("--only", nargs="+", default=None, help="run only these checks (setup always runs)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    if args.decode_rows != "auto":  # what the engine's decoders are built with (a research lever)
-        import kvrag.engine.model.batch as batch
-
-        batch.decode_rows_upcast = lambda device, dtype, upcast=args.decode_rows == "float32": upcast
     if device.type == "cuda" and not torch.cuda.is_available():
         print("FAIL setup: --device cuda but torch.cuda.is_available() is False")
         return 1

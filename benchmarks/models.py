@@ -15,6 +15,9 @@ prompt strings on a server with its prompt cache and ``--cache-reuse`` on, erase
 ask. Answers are scored as the papers do: F1 and exact match against the gold answers; kvrag's blend
 also by answer drift against its full prefill (the full answer teacher-forced, mean |Δ log p|).
 ``--load`` measures loading (seconds, peak RSS) in child processes: first time and from the cache.
+``--only decode`` runs the decode probe alone (kvrag's prompt asked once first, as the stages before it
+would; llama.cpp's from an erased cache; the TTFT stages and answer quality skipped), kvrag and
+llama.cpp interleaved per question.
 """
 
 from __future__ import annotations
@@ -107,6 +110,11 @@ def run(a: argparse.Namespace) -> dict:
                         "cached": s.cached_tokens, "exact": s.exact_tokens, "prompt_tokens": s.prompt_tokens,
                         "path": s.path, "hits": s.chunk_hits}  # fmt: skip
 
+            if a.only == "decode":
+                row |= _decode_probe(engine, server, again, decode_suffix, text, a.decode_tokens)
+                out["rows"].append(row)
+                print(_decode_line(row), flush=True)
+                continue
             row["kvrag_first"] = ask(first)
             engine.flush()
             row["kvrag_full"] = ask(again, mode="full")  # stores nothing: the blend below finds what the first ask left
@@ -139,8 +147,61 @@ def run(a: argparse.Namespace) -> dict:
                     row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
             out["rows"].append(row)
             print(_row_line(row), flush=True)
-    out["summary"] = summarize(out["rows"])
+    out["summary"] = summarize_decode(out["rows"]) if a.only == "decode" else summarize(out["rows"])
     return out
+
+
+def _decode_probe(engine, server, request, suffix: str, text, tokens: int) -> dict:
+    """The decode probe alone: ``tokens`` tokens whatever the end token, after ``request`` with
+    ``suffix``, on kvrag and on llama.cpp (its cache erased first). kvrag's prompt is asked once for a
+    token first and its write-back finished (as in the full run, where the probe follows the exact
+    repeat): the probe's decode then shares the engine with nothing else."""
+    engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=1)
+    engine.flush()
+    probe = engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=tokens, ignore_eos=True)
+    s = probe.stats
+    row = {
+        "kvrag_decode": {
+            "tokens": len(probe.token_ids),
+            "tokens_per_s": (len(probe.token_ids) - 1) / s.decode_s if s.decode_s else None,
+            "prompt_tokens": s.prompt_tokens,
+            "draft_tokens": s.draft_tokens,
+            "draft_accepted": s.draft_accepted,
+        }
+    }
+    engine.flush()
+    if server is not None:
+        server.erase_cache()
+        c = server.complete(text(request, suffix), max_tokens=tokens, ignore_eos=True)
+        row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+    return row
+
+
+def _decode_line(r: dict) -> str:
+    k = r["kvrag_decode"]
+    line = (
+        f"q{r['question']}: {k['prompt_tokens']} prompt tokens; kvrag decode {k['tokens_per_s'] or 0:.1f} tok/s "
+        f"(drafts {k['draft_accepted']}/{k['draft_tokens']} held)"
+    )
+    return line + (f", llama.cpp {r['llama_decode']['tokens_per_s'] or 0:.1f} tok/s" if "llama_decode" in r else "")
+
+
+def summarize_decode(rows: list[dict]) -> dict:
+    """``--only decode``: the median decode rates and the median of kvrag's paired ratio to llama.cpp."""
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    s = {
+        "questions": len(rows),
+        "decode_tokens_per_s": {"kvrag": med([r["kvrag_decode"]["tokens_per_s"] for r in rows])},
+    }
+    paired = [r for r in rows if "llama_decode" in r and r["llama_decode"]["tokens_per_s"]]
+    if paired:
+        s["decode_tokens_per_s"]["llama"] = med([r["llama_decode"]["tokens_per_s"] for r in paired])
+        s["paired"] = {
+            "kvrag_over_llama_decode": med(
+                [r["kvrag_decode"]["tokens_per_s"] / r["llama_decode"]["tokens_per_s"] for r in paired]
+            )
+        }
+    return s
 
 
 def _row_line(r: dict) -> str:
@@ -220,6 +281,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: $LLAMA_SERVER)")
     p.add_argument("--no-llama", action="store_true", help="kvrag only (its full prefill the reference)")
     p.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"))
+    p.add_argument("--only", choices=("decode",), default=None, help="run the decode probe alone")
     p.add_argument("--load", action="store_true", help="also measure loading, first time and from the cache")
     p.add_argument("--load-cache-dir", default="", help="an empty cache directory for --load's first time")
     p.add_argument("--out", required=True)

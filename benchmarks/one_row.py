@@ -14,7 +14,8 @@ S+2, ... keys (so a per-shape plan or compile shows), and the table gives, per c
 Methods: ``sdpa`` (PyTorch's fused attention, its own backend choice, ``enable_gqa``), ``sdpa:NAME``
 (one backend pinned with ``torch.nn.attention.sdpa_kernel``; skipped where it refuses the call),
 ``products`` (two matmuls and a softmax in the inputs' dtype, each KV head's queries as one block),
-``products32`` (the same in float32, the inputs converted: kvrag's ``upcast`` path). The error of
+``products32`` (the same in float32, the inputs converted: kvrag's decode path before its ``folded``),
+``folded`` (each KV head's queries as query rows of one fused call: kvrag's decode path). The error of
 each against a float64 reference is printed beside its time.
 """
 
@@ -26,6 +27,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from kvrag.kernels.reference import one_row
 
 __all__ = ["main", "METHODS"]
 
@@ -55,6 +58,7 @@ METHODS = {
     "sdpa-contiguous": lambda q, k, v, s: _sdpa(q.contiguous(), k, v, s),
     "products": lambda q, k, v, s: _products(q, k, v, s, q.dtype),
     "products32": lambda q, k, v, s: _products(q, k, v, s, torch.float32),
+    "folded": lambda q, k, v, s: one_row(q, k, v, s),
 }
 BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 

@@ -116,7 +116,6 @@ def attention(
     masks: dict | None = None,
     window: int | None = None,
     span: tuple[int, int] | None = None,
-    upcast: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D].
 
@@ -125,7 +124,6 @@ def attention(
     with the same ``q_pos`` and ``window`` (the Triton kernel needs none).
     ``span``: ``(q_pos[0], q_pos[-1])`` as Python ints, when the caller knows them: on a GPU, reading
     them from ``q_pos`` waits for every queued kernel (a decode step's rows know their positions).
-    ``upcast``: a single row computes in float32 on the reference path (see :func:`reference.one_row`).
     """
     if _triton_for(q):
         if span is None and _backend == "auto" and window is None and q.shape[1]:
@@ -134,7 +132,7 @@ def attention(
             from kvrag.kernels.triton_attention import attention_triton
 
             return attention_triton(q, q_pos, k, v, scale, window=window, span=span)
-    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span, upcast=upcast)
+    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span)
 
 
 def _contiguous_tail(

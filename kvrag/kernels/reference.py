@@ -83,7 +83,6 @@ def attention_ref(
     masks: dict[int, tuple[int, torch.Tensor]] | None = None,
     window: int | None = None,
     span: tuple[int, int] | None = None,
-    upcast: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query rows at given positions over a full KV sequence.
 
@@ -101,8 +100,6 @@ def attention_ref(
             (each block then reads at most ``window + block`` keys); None for global attention.
         span: ``(q_pos[0], q_pos[-1])`` as Python ints when the caller knows them (not read from
             ``q_pos``: on a GPU that read waits for the queued kernels).
-        upcast: a single row (a decode step's) attends in float32, its keys and values converted
-            after the window's slice, the output in ``q``'s dtype (:func:`one_row`).
 
     Returns:
         [H, Tq, D]; row i attends to keys 0..q_pos[i] (the last ``window`` of them with a window).
@@ -120,7 +117,7 @@ def attention_ref(
                 q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
             )[0]
         if tq == 1:
-            return one_row(q, k, v, scale, upcast)
+            return one_row(q, k, v, scale)
         if first <= tq:  # a short cached prefix before the rows: pad the queries to a square causal
             # call (its fast path skips masked blocks); wastes first^2/2 of work, less than masking
             padded = torch.cat((q.new_zeros(q.shape[0], first, q.shape[2]), q), dim=1)
@@ -129,7 +126,7 @@ def attention_ref(
             )[0, :, first:]
     if window is not None and tq == 1:  # decoding on a sliding-window layer: the last keys only
         lo = max(0, first - window + 1)
-        return one_row(q, k[:, lo : first + 1], v[:, lo : first + 1], scale, upcast)
+        return one_row(q, k[:, lo : first + 1], v[:, lo : first + 1], scale)
     if window is None and _one_causal_pass(q_pos, first, last, block):
         n = last + 1
         padded = q.new_zeros(q.shape[0], n, q.shape[2])
@@ -168,24 +165,22 @@ def attention_ref(
     return out
 
 
-def one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, upcast: bool = False) -> torch.Tensor:
+def one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query row q [H, 1, D] over all of k/v [Hkv, S, D] (a decode step's row: no mask).
 
-    ``upcast``: compute in float32, as two plain products and a softmax per KV head (its queries as
-    one block), and return ``q``'s dtype. On CPUs without AMX, PyTorch's fused attention in
-    bfloat16 runs a row ~8x slower (a 2-core AMD EPYC with AVX512-BF16, 3.7K keys of SmolLM2: 2.9 ms
-    a layer, against 0.43 ms for its float32 kernel on converted inputs and 0.34 ms so), with no
-    less error against a float64 reference; with AMX the bf16 kernel is the faster one.
+    Each KV head's G = H / Hkv queries go in as G query rows of one head (``[1, Hkv, G, D]``), so
+    PyTorch's fused attention reads each key and value once for the G queries, in the buffer's own
+    dtype (its CPU kernel takes a bfloat16 row's scores and softmax in float32). Measured on a 2-core AMD
+    EPYC with AVX512-BF16 and no AMX, 3.6K keys, all layers of a step, one thread's CPU time: the
+    Qwen2.5-1.5B's shapes 26.7 ms against 39.7 ms for float32 products over a float32 copy of the
+    keys (the decoder's former path, which also kept that copy: twice the sequence's KV) and 267 ms
+    for ``enable_gqa`` with one query row per head; SmolLM2's 22.3 against 20.9 ms; the error against
+    a float64 reference that of the output's rounding (docs/journal/real-models.md, "The decode step").
     """
-    if upcast and q.dtype != torch.float32:  # plain products: each KV head's queries as one [G, S] block
-        heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
-        scores = torch.matmul(q.float().reshape(kv_heads, heads // kv_heads, d), k.float().transpose(1, 2))
-        weights = torch.softmax(scores.mul_(scale), dim=-1)
-        return torch.matmul(weights, v.float()).view(heads, 1, d).to(q.dtype)
-    gqa = q.shape[0] != k.shape[0]
+    heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
     # a row sliced from a step's rows (a draft's) is a strided view: made contiguous, as a lone row is
-    q = q.contiguous()
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa)[0]
+    folded = q.contiguous().view(kv_heads, heads // kv_heads, d)  # query head h reads KV head h // G
+    return F.scaled_dot_product_attention(folded[None], k[None], v[None], scale=scale)[0].view(heads, 1, d)
 
 
 def block_ends(q_pos: torch.Tensor, first: int, last: int, block: int) -> list[int]:

@@ -30,13 +30,12 @@ from pathlib import Path
 import torch
 
 from kvrag.engine.model.adapter import ModelAdapter
-from kvrag.engine.model.dtypes import decode_rows_upcast
 from kvrag.engine.model.packed import DecodeWeights
 from kvrag.engine.model.quantized import QUANTIZED_FORMATS, QuantizedWeights
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.kernels import attention
 
-__all__ = ["DecodeRow", "Decoder", "decode_step", "float32_kv", "release_float32"]
+__all__ = ["DecodeRow", "Decoder", "decode_step"]
 
 
 @dataclass(slots=True)
@@ -64,7 +63,6 @@ class Decoder:
         self,
         adapter: ModelAdapter,
         group: int,
-        upcast: bool | None = None,
         weights: str = "plain",
         cache: Path | None = None,
     ) -> None:
@@ -82,39 +80,33 @@ class Decoder:
         self.build_s = time.perf_counter() - t0
         #: rows never padded: the products keep rows apart (quantized weights)
         self.unpadded = getattr(self.weights, "row_invariant", False)
-        #: rows attend in float32 (:func:`~kvrag.engine.model.dtypes.decode_rows_upcast` unless given)
-        self.upcast = decode_rows_upcast(adapter.device, adapter.dtype) if upcast is None else upcast
         #: which decode path runs, and why (``Engine.info().decode``)
         kind = "quantized" if self.unpadded else "packed"
         self.description = (
             f"{kind}: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
         )
-        if self.upcast and adapter.dtype != torch.float32:
-            self.description += "; each row's attention in float32 (the CPU has no AMX: faster so)"
 
     def step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits [len(rows), V] (float32)."""
         if self.weights is None:
-            return decode_step(self.adapter, rows, self.group, self.upcast)
+            return decode_step(self.adapter, rows, self.group)
         out = []
         for first in range(0, len(rows), self.group):
             part = rows[first : first + self.group]
-            out.append(
-                _packed_group(self.adapter, self.weights, part, len(part) if self.unpadded else self.group, self.upcast)
-            )
+            out.append(_packed_group(self.adapter, self.weights, part, len(part) if self.unpadded else self.group))
         return torch.cat(out) if out else torch.empty(0, 0)
 
 
 @torch.inference_mode()
-def decode_step(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int, upcast: bool = False) -> torch.Tensor:
+def decode_step(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
     """Append one token to each sequence and return the next-token logits [len(rows), V] (float32).
 
     Rows run in groups of ``group`` (the last one padded), so a row's logits do not depend on the
-    other rows of the step. Buffers grow when full. ``upcast``: each row's attention in float32.
+    other rows of the step. Buffers grow when full.
     """
     out = []
     for first in range(0, len(rows), group):
-        out.append(_decode_group(adapter, rows[first : first + group], group, upcast))
+        out.append(_decode_group(adapter, rows[first : first + group], group))
     return torch.cat(out) if out else torch.empty(0, 0)
 
 
@@ -130,69 +122,29 @@ def _inputs(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> tup
     return ids, pos
 
 
-def _attend(
-    adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor, upcast: bool
-) -> None:
+def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor) -> None:
     """Write each row's k/v [Hkv, G, D] at its position of its buffer and its attention over
-    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are); ``upcast``: in float32.
+    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are).
 
     Every row's k/v is written first (a row reads only its own prefix, so later rows' writes do not
-    reach it). Rows attending in float32 on a global layer read their sequence's keys and values
-    converted once for all its rows (its token's and its drafts': a draft row converting them again
-    cost ~a quarter of its attention): the same values in the same products, so the same bits.
+    reach it). Each row attends straight over its buffer, in the buffer's dtype
+    (:func:`~kvrag.kernels.reference.one_row`: each KV head's queries folded into one fused call).
     """
     window = adapter.windows[layer]  # a sliding-window layer's size, or None
     for i, r in enumerate(rows):
         r.buf.k[layer][:, r.pos] = k[:, i]
         r.buf.v[layer][:, r.pos] = v[:, i]
-    share = upcast and window is None and q.dtype != torch.float32
-    converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per buffer, when shared
     for i, r in enumerate(rows):
-        bk, bv = r.buf.k[layer], r.buf.v[layer]  # [Hkv, capacity, D]
-        if share:
-            if id(r.buf) not in converted:
-                mine = [x.pos for x in rows if x.buf is r.buf]
-                converted[id(r.buf)] = float32_kv(r.buf, layer, max(mine) + 1, min(mine))
-            bk, bv = converted[id(r.buf)]
         end = r.pos + 1
         out[:, i : i + 1] = attention(  # the row's position from the host: no wait for the device
             q[:, i : i + 1],
             pos[i : i + 1],
-            bk[:, :end],
-            bv[:, :end],
+            r.buf.k[layer][:, :end],
+            r.buf.v[layer][:, :end],
             adapter.scale,
             window=window,
             span=(r.pos, r.pos),
-            upcast=upcast,
         )
-
-
-def float32_kv(buf: KVBuffer, layer: int, keys: int, written: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 K and V [Hkv, keys, D] of ``layer``'s positions [0, keys) of ``buf``, from a float32
-    copy the buffer keeps while it decodes: a step converts only the positions it wrote (from
-    ``written`` on) and those the copy did not hold yet, not the whole prefix again (the same values:
-    a conversion is exact). The copy (twice the buffer's bytes) ends when the buffer stops decoding
-    (:func:`release_float32`) or grows."""
-    mirror = buf.float32
-    if mirror is None or mirror[0].shape[2] != buf.capacity:
-        shape = (buf.k.shape[0], buf.k.shape[1], buf.capacity, buf.k.shape[3])
-        mirror = buf.float32 = (
-            buf.k.new_empty(shape, dtype=torch.float32),
-            buf.v.new_empty(shape, dtype=torch.float32),
-            [0] * shape[0],
-        )
-    k32, v32, held = mirror
-    start = min(held[layer], written)
-    if start < keys:
-        k32[layer, :, start:keys] = buf.k[layer, :, start:keys]
-        v32[layer, :, start:keys] = buf.v[layer, :, start:keys]
-    held[layer] = keys
-    return k32[layer, :, :keys], v32[layer, :, :keys]
-
-
-def release_float32(buf: KVBuffer) -> None:
-    """Drop the float32 copy :func:`float32_kv` keeps (a sequence that stopped decoding)."""
-    buf.float32 = None
 
 
 def _finish(rows: Sequence[DecodeRow]) -> None:
@@ -200,7 +152,7 @@ def _finish(rows: Sequence[DecodeRow]) -> None:
         r.buf.length = max(r.buf.length, r.pos + 1)
 
 
-def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int, upcast: bool) -> torch.Tensor:
+def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> torch.Tensor:
     ids, pos = _inputs(adapter, rows, group)
     h = adapter.embed(ids)  # [G, E]
     rope = adapter.rope(pos)  # cos/sin [G, D] per RoPE of the model
@@ -210,7 +162,7 @@ def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int, 
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
         att = torch.zeros_like(q)  # padding rows attend to nothing
-        _attend(adapter, layer, rows, pos, q, k, v, att, upcast)
+        _attend(adapter, layer, rows, pos, q, k, v, att)
         h = adapter.finish_layer(layer, h, att)
     _finish(rows)
     return adapter.logits(h)[: len(rows)]  # the LM head on every row too: its result depends on the row count
@@ -222,7 +174,6 @@ def _packed_group(
     weights: DecodeWeights | QuantizedWeights,
     rows: Sequence[DecodeRow],
     group: int,
-    upcast: bool,
 ) -> torch.Tensor:
     """:func:`_decode_group` through the packed weights: the same products and elementwise ops in
     the same order (so, in bfloat16, the same bits), with Q/K/V and gate/up as one product each and
@@ -253,7 +204,7 @@ def _packed_group(
             k = k * cos + k.roll(half, -1) * sin
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
         att = torch.zeros_like(q)  # [H, G, D]; padding rows attend to nothing
-        _attend(adapter, layer, rows, pos, q, k, v, att, upcast)
+        _attend(adapter, layer, rows, pos, q, k, v, att)
         a = p.o(att.transpose(0, 1).reshape(group, heads * dim))
         if w.ln_attn_out is not None:
             a = adapter.rms_norm(a, w.ln_attn_out)

@@ -28,7 +28,6 @@ __all__ = [
     "FLOAT_DTYPES",
     "STORED_DTYPES",
     "DtypeChoice",
-    "decode_rows_upcast",
     "torch_dtype",
     "dtype_name",
     "native_bf16",
@@ -91,13 +90,6 @@ def _cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
-
-
-def decode_rows_upcast(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether a decode row's attention computes in float32 (:func:`kvrag.kernels.reference.one_row`):
-    a 16-bit dtype on a CPU without AMX, where PyTorch's fused bf16 attention runs a single row ~8x
-    slower than float32 products (it is the faster one with AMX tiles, and on GPUs)."""
-    return torch.device(device).type == "cpu" and dtype != torch.float32 and "amx_bf16" not in _cpu_flags()
 
 
 def native_bf16(device: str | torch.device) -> tuple[bool, str]:

@@ -35,7 +35,6 @@ class KVBuffer:
         self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self.capacity = capacity
         self.length = 0  # positions [0, length) hold valid KV
-        self.float32 = None  # while decoding with rows in float32: a float32 copy (model.batch.float32_kv)
 
     @property
     def nbytes(self) -> int:

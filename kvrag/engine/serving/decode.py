@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvrag.engine.model.batch import Decoder, DecodeRow, release_float32
+from kvrag.engine.model.batch import Decoder, DecodeRow
 from kvrag.engine.model.grammar import sample_next
 from kvrag.engine.reuse.conversations import Conversations
 from kvrag.engine.serving.drafts import PROBE_EVERY, DraftCandidate, PromptLookup, StepCost, next_width, plan_drafts
@@ -158,7 +158,6 @@ class Decoding:
 
     def finish(self, seq: RunningSequence) -> Generation:
         """Keep a conversation's turn; the request's result."""
-        release_float32(seq.buf)  # the decode step's float32 copy of the KV is not kept with the turn
         req = seq.req
         if req.conversation is not None:
             chunk_texts = [s.text for s in seq.plan.segments if s.kind == "chunk"]

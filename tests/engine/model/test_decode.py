@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag.engine.model import dtypes
 from kvrag.engine.model import packed as packed_module
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.batch import Decoder, DecodeRow, decode_step
 from kvrag.engine.model.runner import KVBuffer, forward
+from kvrag.kernels import reference
 from tests.helpers import FAMILIES, as_dtype, make_tiny_model
 
 # prompts longer than the tiny models' sliding windows (40-48): each layer's own window and RoPE
@@ -34,7 +34,7 @@ def decode_both(adapter: ModelAdapter, decoder: Decoder, steps: int = 4) -> None
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
     plain, fast = rows_for(adapter, prompts, steps), rows_for(adapter, prompts, steps)
     for _ in range(steps):
-        expected = decode_step(adapter, plain, decoder.group, decoder.upcast)
+        expected = decode_step(adapter, plain, decoder.group)
         got = decoder.step(fast)
         assert torch.equal(got, expected)
         for p, f in zip(plain, fast):
@@ -63,35 +63,31 @@ def decode_close(adapter: ModelAdapter, decoder: Decoder, steps: int = 4) -> Non
                 r.token, r.pos = token, r.pos + 1
 
 
-def packed_decoder(adapter: ModelAdapter, upcast: bool | None = None) -> Decoder:
+def packed_decoder(adapter: ModelAdapter) -> Decoder:
     """The packed decoder; the test is skipped where this machine cannot pack (no oneDNN, or a CPU
     without its bfloat16 kernels: no AVX512), and fails where it could but did not."""
     why = packed_module._packable(adapter)
     if why is not None:
         pytest.skip(f"no packed decode here: {why}")
-    decoder = Decoder(adapter, 8, upcast)
+    decoder = Decoder(adapter, 8)
     assert decoder.description.startswith("packed"), decoder.description
     return decoder
 
 
-def any_decoder(adapter: ModelAdapter, upcast: bool | None = None) -> Decoder:
+def any_decoder(adapter: ModelAdapter) -> Decoder:
     """The packed decoder where this machine packs, else the plain one (for what both paths must do)."""
-    return (
-        Decoder(adapter, 8, upcast) if packed_module._packable(adapter) is not None else packed_decoder(adapter, upcast)
-    )
+    return Decoder(adapter, 8) if packed_module._packable(adapter) is not None else packed_decoder(adapter)
 
 
-@pytest.mark.parametrize("upcast", [False, True], ids=["bf16-rows", "fp32-rows"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_bfloat16_decode_gives_the_plain_steps_bits(tiny_tokenizer, family, upcast):
+def test_packed_bfloat16_decode_gives_the_plain_steps_bits(tiny_tokenizer, family):
     adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer), family), "bfloat16"))
-    decode_both(adapter, packed_decoder(adapter, upcast))
+    decode_both(adapter, packed_decoder(adapter))
 
 
-@pytest.mark.parametrize("upcast", [False, True], ids=["bf16-rows", "fp32-rows"])
-def test_a_packed_decode_step_of_a_row_does_not_depend_on_the_others(tiny_tokenizer, upcast):
+def test_a_packed_decode_step_of_a_row_does_not_depend_on_the_others(tiny_tokenizer):
     adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
-    decoder = packed_decoder(adapter, upcast)
+    decoder = packed_decoder(adapter)
     torch.manual_seed(1)
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
     alone = [decoder.step([row])[0] for row in rows_for(adapter, prompts, 1)]
@@ -105,7 +101,6 @@ def test_float32_packs_where_onednn_is_and_stays_within_rounding_of_the_plain_st
     adapter = ModelAdapter(make_tiny_model(len(tiny_tokenizer)))
     decoder = packed_decoder(adapter)
     assert decoder.description.startswith("packed: ") and "float32: within 1e-4" in decoder.description
-    assert "the CPU has no AMX" not in decoder.description  # float32 rows have nothing to convert
     decode_close(adapter, decoder)
     torch.manual_seed(4)
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
@@ -124,34 +119,23 @@ def test_a_float32_packing_off_by_more_than_rounding_keeps_the_plain_path(tiny_t
     assert decoder.description == "plain: a packed product differs from F.linear (layer 0 q/k/v)"
 
 
-@pytest.mark.parametrize("flags", ["avx512_bf16 amx_bf16", "avx512_bf16", ""])
-def test_rows_attend_in_float32_on_a_cpu_without_amx(tiny_tokenizer, monkeypatch, flags):
-    """PyTorch's fused bf16 attention runs one row ~7x slower than float32 without AMX (measured on
-    an AMD EPYC with AVX512-BF16); the rule reads the CPU's flags, and the description says it."""
-    monkeypatch.setattr(dtypes, "_cpu_flags", lambda: frozenset(flags.split()))
-    adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer)), "bfloat16"))
-    decoder = Decoder(adapter, 8)
-    assert decoder.upcast == ("amx_bf16" not in flags)
-    assert decoder.description.endswith("each row's attention in float32 (the CPU has no AMX: faster so)") == (
-        decoder.upcast
-    )
-    assert not dtypes.decode_rows_upcast("cpu", torch.float32)
-    assert not dtypes.decode_rows_upcast("cuda", torch.bfloat16)
-
-
-def test_float32_rows_stay_near_the_float32_model(tiny_tokenizer):
-    """A bf16 row's attention in float32 is no further from the float32 model than the bf16 kernel's."""
+def test_bfloat16_rows_stay_as_near_the_float32_model_as_a_float32_copy_of_the_keys_did(tiny_tokenizer):
+    """A bf16 row attends straight over its bf16 keys and values (no float32 copy of them): its logits
+    are no further from the float32 model's than those of the same step with the row's queries, keys
+    and values converted to float32 first (the decoder's path before; the conversion is exact)."""
     model = make_tiny_model(len(tiny_tokenizer))
     exact = ModelAdapter(model)
     adapter = ModelAdapter(as_dtype(model, "bfloat16"))
     torch.manual_seed(3)
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
     truth = decode_step(exact, rows_for(exact, prompts, 1), 8)
-    errors = {
-        upcast: (decode_step(adapter, rows_for(adapter, prompts, 1), 8, upcast) - truth).abs().mean().item()
-        for upcast in (False, True)
-    }
-    assert errors[True] <= 1.1 * errors[False], errors
+    direct = (decode_step(adapter, rows_for(adapter, prompts, 1), 8) - truth).abs().mean().item()
+    one_row = reference.one_row
+    in_float32 = lambda q, k, v, scale: one_row(q.float(), k.float(), v.float(), scale).to(q.dtype)  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reference, "one_row", in_float32)
+        converted = (decode_step(adapter, rows_for(adapter, prompts, 1), 8) - truth).abs().mean().item()
+    assert direct <= 1.1 * converted, (direct, converted)
 
 
 def test_a_packed_product_that_differs_keeps_the_plain_path(tiny_tokenizer, monkeypatch):
@@ -223,14 +207,12 @@ def test_a_decode_step_reads_no_position_from_the_device(tiny_tokenizer, family,
     assert torch.equal(decode_step(adapter, told, 8), expected)
 
 
-@pytest.mark.parametrize("upcast", [False, True], ids=["bf16-rows", "fp32-rows"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_sequences_draft_rows_give_the_bits_of_its_steps_one_by_one(tiny_tokenizer, family, upcast):
-    """A step of two sequences, each with its token's row and two draft rows after it (the rows of one
-    buffer share its converted keys and values): every row's logits equal those of the same tokens
-    decoded one step at a time."""
+def test_a_sequences_draft_rows_give_the_bits_of_its_steps_one_by_one(tiny_tokenizer, family):
+    """A step of two sequences, each with its token's row and two draft rows after it (rows of one
+    buffer in one pass): every row's logits equal those of the same tokens decoded one step at a time."""
     adapter = ModelAdapter(as_dtype(make_tiny_model(len(tiny_tokenizer), family), "bfloat16"))
-    decoder = any_decoder(adapter, upcast)
+    decoder = any_decoder(adapter)
     torch.manual_seed(2)
     prompts = [torch.randint(5, 500, (n,)) for n in (90, 37)]
     tokens = [[7, 11, 13], [17, 19, 23]]

@@ -53,7 +53,7 @@ def test_a_quantized_step_stays_near_the_float32_step_as_the_bf16_step_does(fami
     torch.manual_seed(1)
     prompts = [torch.randint(5, 500, (n,)) for n in LENGTHS]
     truth = decode_step(exact, rows_for(exact, prompts, 1), 8)
-    bf16 = decode_step(adapter, rows_for(adapter, prompts, 1), 8, decoder.upcast)
+    bf16 = decode_step(adapter, rows_for(adapter, prompts, 1), 8)
     got = decoder.step(rows_for(adapter, prompts, 1))
 
     def off(x: torch.Tensor) -> float:
