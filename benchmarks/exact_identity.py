@@ -35,14 +35,15 @@ def _engine(args, **config):
 def _identity(args) -> int:
     from benchmarks.data import PromptFormat, load_dataset
 
-    items = load_dataset(args.dataset, args.n + 1)
+    items = load_dataset(args.dataset, args.skip + args.n + 1)
     det = args.deterministic == "on"
-    engine = _engine(args, deterministic=det, deterministic_slice_tokens=args.slice_tokens)
-    full = _engine(args, mode="full", write_back=False, prefix_cache=False)
+    same_math = dict(deterministic=det, deterministic_slice_tokens=args.slice_tokens)
+    engine = _engine(args, **same_math)
+    full = _engine(args, mode="full", write_back=False, prefix_cache=False, **same_math)  # the reference
     fmt = PromptFormat(engine.tokenizer)
     same, drifts, exact_share, rows = 0, [], [], []
     try:
-        for i in range(args.n):
+        for i in range(args.skip, args.skip + args.n):
             item, other = items[i], items[i + 1]
             order = list(range(min(args.top_k, len(item.passages))))
             req = fmt.request(item, order, workload="x", request=i)
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--n", type=int, default=40)
+    p.add_argument("--skip", type=int, default=0, help="questions skipped first (runs split across processes)")
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--deterministic", choices=("on", "off"), default="on")
