@@ -6,7 +6,7 @@
 Identity: for question i, its documents (the first ``--top-k`` passages, dataset order) are stored by an
 earlier prompt with the same documents in the same order and another question (question i+1's); then
 question i is asked (the engine's default request: exact prefix blocks and exact chunk variants reused,
-the rest computed) and compared with a separate ``mode="full"`` engine: greedy tokens identical or not,
+the rest computed) and compared with a ``mode="full"`` engine of the same settings (its own store): greedy tokens identical or not,
 and the drift, the mean |Δ log p| per token of the full answer scored under both (teacher-forced).
 
 Cost: one process, the same ~3.6K-token RAG prompt (passages added until ``--tokens``), full prefills
