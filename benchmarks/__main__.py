@@ -24,6 +24,7 @@ python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
 python -m benchmarks decode-step --model qwen2.5-coder-1.5b --keys 3600    # where a decode step's time goes
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
+python -m benchmarks exact-identity --dataset QA.json --n 40  # exact reuse against mode="full", bit for bit
 python -m benchmarks agentic --model MODEL.gguf --dataset QA.json --n 20     # agentic RAG: reuse per agent step
 """
 
@@ -354,6 +355,12 @@ def _models(argv: list[str]) -> int:
     return models_main(argv)
 
 
+def _exact_identity(argv: list[str]) -> int:
+    from benchmarks.exact_identity import main as exact_identity_main
+
+    return exact_identity_main(argv)
+
+
 def _structured(argv: list[str]) -> int:
     from benchmarks.structured import main as structured_main
 
@@ -424,6 +431,7 @@ COMMANDS = {
     "weights": _weights,
     "decode-step": _decode_step,
     "structured": _structured,
+    "exact-identity": _exact_identity,
     "compare": _compare,
     "merge": _merge,
     "make-dataset": _make_dataset,

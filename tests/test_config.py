@@ -108,7 +108,7 @@ def test_groups_hold_every_setting_once_and_flat_names_reach_them():
     groups = (ComputeSettings, ReuseSettings, StoreSettings, ServingSettings)
     assert tuple(GROUPS.values()) == groups
     names = [f.name for cls in groups for f in dataclasses.fields(cls)]
-    assert FLAT_FIELDS == tuple(names) and len(set(names)) == len(names) == 54
+    assert FLAT_FIELDS == tuple(names) and len(set(names)) == len(names) == 56
     config = EngineConfig()
     assert list(config.flat()) == list(FLAT_FIELDS)
     for name, cls in GROUPS.items():

@@ -78,7 +78,8 @@ class EngineConfig:
     - ``reuse`` (:class:`~kvrag.config.ReuseSettings`), how a prefill reuses cached KV: ``mode``,
       ``recompute_ratio``, ``quality``, ``selection``, ``selection_params``; advanced: ``auto_max_ratio``,
       ``auto_threshold``, ``auto_ratio``, ``other_context_selection``, ``other_context_ratio``,
-      ``other_context_overlap``, ``prefix_cache``, ``prefix_block_tokens``, ``chunk_context``,
+      ``other_context_overlap``, ``prefix_cache``, ``prefix_block_tokens``, ``deterministic``,
+      ``deterministic_slice_tokens``, ``chunk_context``,
       ``chunk_min_tokens``, ``max_variants``, ``warm_window_tokens``, ``warm_variants``, ``write_back``,
       ``tree_refresh``, ``chunk_access_window``, ``promotion_threshold``, ``max_conversations``,
       ``conversation_dedup``, ``loading_controller``, ``cost_model``.

@@ -117,6 +117,13 @@ class ReuseSettings(Checked):
             counts as computed in another context (chosen on the dev set: docs/results.md).
         prefix_cache: keep and reuse the KV of exact prompt prefixes (system prompt, instructions).
         prefix_block_tokens: block size of the exact prefix cache, in tokens.
+        deterministic: a prefill with nothing blended (``full``, exact reuse) runs its rows in fixed slices
+            aligned at absolute positions, so a prompt answered from exactly stored KV gets the full
+            prefill's tokens and logits bit for bit (:mod:`kvrag.engine.reuse.slices`); off by default: a
+            full prefill in slices is slower (docs/results.md, "Exact reuse"), and without it exact reuse
+            in bf16 rounds differently from one pass (drift ~0.02 nats/token).
+        deterministic_slice_tokens: the slices' size in tokens (a multiple of ``prefix_block_tokens``
+            keeps prefix blocks whole in a slice); KV stored under another size is not reused exactly.
         chunk_context: what a chunk's KV is computed behind: ``neighbor`` (the documents before it) or
             ``sink`` (the attention-sink token alone, as CacheBlend does; :mod:`kvrag.engine.reuse.chunks`).
         chunk_min_tokens: texts shorter than this are computed, never cached as chunks.
@@ -159,6 +166,8 @@ class ReuseSettings(Checked):
     other_context_overlap: float = setting(0.25, share())
     prefix_cache: bool = setting(True, flag())
     prefix_block_tokens: int = setting(16, integer(1))
+    deterministic: bool = setting(False, flag())
+    deterministic_slice_tokens: int = setting(256, integer(1))
     chunk_context: str = setting("neighbor", one_of(CHUNK_CONTEXTS))
     chunk_min_tokens: int = setting(1, integer(0))
     max_variants: int = setting(4, integer(1))

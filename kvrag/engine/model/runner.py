@@ -92,6 +92,9 @@ class KVCapture:
         self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self._rows: torch.Tensor | None = None  # the scattered rows last looked at, and which of them are kept
         self._sel: torch.Tensor | None = None
+        #: (slice size, end): a prefill in fixed slices computed it, its KV below ``end`` what any such
+        #: prefill computes there (:mod:`kvrag.engine.reuse.slices`); None: a pass of another shape
+        self.slices: tuple[int, int] | None = None
 
     def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
         """Keep the captured positions' K/V of one layer; ``rows``: the host's facts about ``pos``."""

@@ -40,6 +40,7 @@ from kvrag.config import CHUNK_CONTEXTS
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.runner import KVBuffer, KVCapture, forward
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE, ContextSpan, Tap, block_middles, chunk_statistics
+from kvrag.engine.reuse.slices import mark
 from kvrag.engine.reuse.variants import context_id
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey
 from kvrag.errors import InvalidRequestError
@@ -231,9 +232,10 @@ class ChunkComputer:
     def record_from_capture(self, ids: list[int], capture: KVCapture) -> KVRecord:
         """A chunk's record from the KV a request computed for it in its real context."""
         self._remember(ids)
-        return KVRecord(
-            torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label, meta={"computed": "in-request"}
-        )
+        meta = {"computed": "in-request"}
+        if capture.slices is not None:  # computed in fixed slices: exact reuse gives the full prefill's bits
+            meta = mark(meta, *capture.slices)
+        return KVRecord(torch.tensor(ids), capture.k, capture.v, kind="chunk", context=self.label, meta=meta)
 
 
 #: Dimensions of the lexical vectors :func:`similarity_order` hashes token ids into.

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrag.engine.model.adapter import ModelAdapter
-from kvrag.engine.model.runner import KVBuffer, KVCapture, Trace, forward
+from kvrag.engine.model.runner import KVBuffer, KVCapture, KVSource, QueryTap, Trace, forward
 from kvrag.engine.reuse.attention_stats import STATS_STRIDE, Tap, block_middles
 from kvrag.engine.reuse.budget import NO_RECOMPUTE, Budget
 from kvrag.engine.reuse.placement import SpanSource, span_mask
 from kvrag.engine.reuse.planner import Plan
 from kvrag.engine.reuse.selection import BlendPass, PrefillOptions, get_selection, selection_params
+from kvrag.engine.reuse.slices import canonical_end, plan_slices
 from kvrag.engine.types import ChunkInfo, GenerationStats
 
 __all__ = ["PrefillOptions", "PrefillResult", "SpanSource", "span_mask", "prefill", "extend", "generation_stats"]
@@ -102,6 +103,8 @@ def prefill(
     every layer pass (:func:`~kvrag.engine.model.runner.forward`).
     """
     n = plan.num_tokens
+    if options.slice_tokens and not plan.chunk_records:  # exact: in fixed slices (nothing blended)
+        return _sliced(adapter, plan, capacity, options, pause)
     if plan.tail is not None and plan.exact_tokens == n:
         return _held(adapter, plan, capacity)
     buf = KVBuffer(adapter, capacity)
@@ -158,6 +161,74 @@ def prefill(
     recomputed = int(candidates[pos].sum())
     last = h[-1:] if plan.tail is None else _tail_hidden(adapter, plan)  # the tail's rows were not computed
     return PrefillResult(buf, last, trace, recomputed, computed, capture, chunk_caps, kept_taps, measured, tail)
+
+
+def _sliced(
+    adapter: ModelAdapter, plan: Plan, capacity: int, options: PrefillOptions, pause: Callable[[], None] | None
+) -> PrefillResult:
+    """An exact plan's prefill in fixed slices (:mod:`kvrag.engine.reuse.slices`): a slice is reused
+    when cached KV computed so covers it, else computed whole: the full prefill's bits."""
+    n, size = plan.num_tokens, options.slice_tokens
+    spans = plan.prefix_records + plan.exact_records  # no blended records on this path
+    slices = plan_slices(n, size, [(s, canonical_end(r, s, size)) for s, r in spans])
+    if all(reused for _, _, reused in slices):  # the prompt held whole (its tail kept with its hidden state)
+        return _held(adapter, plan, capacity)
+    buf = KVBuffer(adapter, capacity)
+    trace = Trace()
+    ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
+    capture, chunk_caps, tail = _captures(adapter, plan, options)
+    canonical = n - n % size  # the end of the prompt's last full slice
+    for cap in (capture, *chunk_caps.values()):
+        if cap is not None:
+            cap.slices = (size, canonical)
+    if tail is not None:  # only this prompt again reuses its tail: its last slice has the same shape then
+        tail.slices = (size, n)
+    captures = [c for c in (capture, *chunk_caps.values(), tail) if c is not None]
+    middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
+    tap = Tap(sorted(middles), adapter.n_layers) if middles else None
+    reused = [(a, b) for a, b, r in slices if r]
+    source = None
+    if reused:
+        source = SpanSource(adapter, spans, adapter.rope(torch.arange(n, device=adapter.device)), n, within=reused)
+    h, computed = _run_slices(
+        adapter, buf, ids, slices, source=source, capture=captures, taps=[tap] if tap is not None else [],
+        trace=trace, pause=pause,
+    )  # fmt: skip
+    last = h if h is not None else _tail_hidden(adapter, plan)
+    kept_taps = dict.fromkeys(chunk_caps, tap)
+    return PrefillResult(buf, last, trace, 0, computed, capture, chunk_caps, kept_taps, tail=tail)
+
+
+def _run_slices(
+    adapter: ModelAdapter,
+    buf: KVBuffer,
+    ids: torch.Tensor,
+    slices: list[tuple[int, int, bool]],
+    *,
+    source: KVSource | None = None,
+    capture: list[KVCapture] | tuple = (),
+    taps: list[QueryTap] | tuple = (),
+    trace: Trace | None = None,
+    pause: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor | None, int]:
+    """Compute the slices not reused, in order, each over the keys up to its end (``ids`` [N]: the
+    prompt's). Returns the last slice's last hidden state [1, E] (None if that slice was reused) and
+    the rows computed."""
+    h, computed = None, 0
+    for a, b, reused in slices:
+        if reused:
+            continue
+        pos = torch.arange(a, b, device=ids.device)
+        # only the prompt's last row needs the last layer's output; each slice still writes all its KV
+        h, _ = forward(
+            adapter, buf, ids[a:b], pos, b, source=source, capture=capture, taps=taps, trace=trace,
+            last_row_only=True, pause=pause,
+        )  # fmt: skip
+        computed += b - a
+    if slices and slices[-1][2]:
+        h = None
+    buf.length = max(buf.length, slices[-1][1] if slices else 0)
+    return (None if h is None else h[-1:]), computed
 
 
 def extend(

@@ -24,13 +24,25 @@ class SpanSource:
     the chosen ones, over the same first layers). A layer is placed whole once; a later pass over it
     puts back only the cached positions an earlier pass computed over (:meth:`overwritten`), which
     leaves the buffer as a whole placement would, bit for bit.
+
+    ``within``: the position ranges ``[a, b)`` where cached KV is placed (a deterministic prefill's
+    reused slices, :mod:`kvrag.engine.reuse.slices`); None: everywhere the records cover.
     """
 
-    def __init__(self, adapter: ModelAdapter, spans: list[tuple[int, KVRecord]], rope: RopeTable, n: int):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        spans: list[tuple[int, KVRecord]],
+        rope: RopeTable,
+        n: int,
+        within: list[tuple[int, int]] | None = None,
+    ):
         self.adapter = adapter
         self.spans = spans
         self.rope = rope  # cos/sin [N, D] of every position of the prompt, per layer
-        self._cached = span_mask(n, [(s, s + r.num_tokens) for s, r in spans], adapter.device)  # [N]
+        # per span: the [lo, hi) ranges of it placed
+        self._parts = [_clip(s, s + r.num_tokens, within) for s, r in spans]
+        self._cached = span_mask(n, [p for parts in self._parts for p in parts], adapter.device)  # [N]
         self._placed: set[int] = set()
         self._signed: dict[int, torch.Tensor] = {}  # RoPE kind -> its signed sin [N, D], made once
         self._dirty: dict[int, list[torch.Tensor]] = {}  # layer -> cached positions computed over since
@@ -46,13 +58,16 @@ class SpanSource:
         if kind not in self._signed:
             self._signed[kind] = signed_sin(sin)
         signed = self._signed[kind]
-        for start, rec in self.spans:
-            end = start + rec.num_tokens
+        for (start, rec), parts in zip(self.spans, self._parts, strict=True):
+            if not parts:
+                continue
             k, v = rec.layer(layer)  # a record streaming in from disk waits for this layer only
-            out = buf.k[layer, :, start:end]
-            # records from the disk or remote tier (and the 8-bit codec's) rest on the CPU: moved to the model's device
-            rope_rotate_into(out, k.to(out.device, dtype), cos[start:end], sin[start:end], signed[start:end])
-            buf.v[layer, :, start:end] = v.to(out.device, dtype)
+            for lo, hi in parts:
+                out = buf.k[layer, :, lo:hi]
+                # records from the disk or remote tier (and the 8-bit codec's) rest on the CPU: to the model's device
+                kk, vv = k[:, lo - start : hi - start], v[:, lo - start : hi - start]
+                rope_rotate_into(out, kk.to(out.device, dtype), cos[lo:hi], sin[lo:hi], signed[lo:hi])
+                buf.v[layer, :, lo:hi] = vv.to(out.device, dtype)
         self._placed.add(layer)
 
     def overwritten(self, layer: int, pos: torch.Tensor) -> None:
@@ -79,6 +94,13 @@ class SpanSource:
             idx = (at - start).to(k.device)  # the record may rest on the CPU, the positions on the model's device
             buf.k[layer][:, at] = rope_rotate(k[:, idx].to(buf.k.device, dtype), cos[at], sin[at])
             buf.v[layer][:, at] = v[:, idx].to(buf.v.device, dtype)
+
+
+def _clip(start: int, end: int, within: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` inside ``within`` (all of it when ``within`` is None)."""
+    if within is None:
+        return [(start, end)] if end > start else []
+    return [(max(start, a), min(end, b)) for a, b in within if max(start, a) < min(end, b)]
 
 
 def span_mask(n: int, spans: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:

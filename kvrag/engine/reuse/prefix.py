@@ -20,6 +20,7 @@ import hashlib
 
 import torch
 
+from kvrag.engine.reuse.slices import mark
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, token_bytes
 
 __all__ = ["PrefixCache"]
@@ -95,25 +96,28 @@ class PrefixCache:
         boundaries: list[int],
         *,
         namespace: str,
+        slices: tuple[int, int] | None = None,
     ) -> int:
         """Store blocks of the exact prefix [0, end) that are not stored yet.
 
         ``k``/``v`` [L, Hkv, end - start, D] hold the pre-RoPE KV of positions [start, end); blocks
-        before ``start`` are assumed stored (they were reused). Returns the number of new records.
+        before ``start`` are assumed stored (they were reused). ``slices``: the capture's
+        :attr:`~kvrag.engine.model.runner.KVCapture.slices`, kept in each record's meta
+        (:mod:`kvrag.engine.reuse.slices`). Returns the number of new records.
         """
         parent, pos, written = self._root(namespace), 0, 0
         while pos + self.block <= end:
             tokens = ids[pos : pos + self.block]
             digest = self._child(parent, tokens)
             if pos >= start:
-                written += self._put(StoreKey(namespace, digest), parent, tokens, k, v, pos - start)
+                written += self._put(StoreKey(namespace, digest), parent, tokens, k, v, pos - start, slices)
             parent, pos = digest, pos + self.block
         tail = [b for b in boundaries if pos < b <= end and b - pos < self.block]
         if tail and pos >= start:
             b = max(tail)
             tokens = ids[pos:b]
             key = StoreKey(namespace, self._child(parent, tokens))
-            written += self._put(key, parent, tokens, k, v, pos - start)
+            written += self._put(key, parent, tokens, k, v, pos - start, slices)
         return written
 
     def tail_key(self, before: str, tokens: list[int], namespace: str) -> StoreKey:
@@ -142,9 +146,11 @@ class PrefixCache:
         last_hidden: torch.Tensor,
         *,
         namespace: str,
+        slices: tuple[int, int] | None = None,
     ) -> int:
         """Keep a tail's pre-RoPE KV ``k``/``v`` [L, Hkv, T, D], computed exactly behind ``before``, and
-        the prompt's last hidden state [1, E]. Returns the number of new records (0 or 1)."""
+        the prompt's last hidden state [1, E] (``slices``: as :meth:`insert`'s). Returns the number of
+        new records (0 or 1)."""
         key = self.tail_key(before, tokens, namespace)
         if self.store.contains(key):
             return 0
@@ -154,12 +160,12 @@ class PrefixCache:
             v=v,
             kind="tail",
             context="exact",
-            meta={"before": before},
+            meta={"before": before} if slices is None else mark({"before": before}, *slices),
             stats={"last_hidden": last_hidden.float()},
         )
         return int(self.store.put(key, rec))
 
-    def _put(self, key: StoreKey, parent: str, tokens: list[int], k, v, offset: int) -> int:
+    def _put(self, key: StoreKey, parent: str, tokens: list[int], k, v, offset: int, slices=None) -> int:
         if self.store.contains(key):
             return 0
         n = len(tokens)
@@ -169,6 +175,6 @@ class PrefixCache:
             v=v[:, :, offset : offset + n].clone(),
             kind="prefix",
             context="exact",
-            meta={"parent": parent},
+            meta={"parent": parent} if slices is None else mark({"parent": parent}, *slices),
         )
         return int(self.store.put(key, rec))

@@ -267,7 +267,14 @@ class WriteBack:
             prompt_ids, bounds, namespace = plan.ids, plan.boundaries, plan.namespace
             kept_prefix = self._submit(
                 lambda: self.planner.prefix_cache.insert(
-                    prompt_ids, capture.k, capture.v, capture.start, capture.end, bounds, namespace=namespace
+                    prompt_ids,
+                    capture.k,
+                    capture.v,
+                    capture.start,
+                    capture.end,
+                    bounds,
+                    namespace=namespace,
+                    slices=capture.slices,
                 ),
                 _nbytes(capture.k, capture.v),
             )
@@ -335,7 +342,9 @@ class WriteBack:
         before, tokens, namespace = plan.tail_digest, plan.ids[tail.start :], plan.namespace
         hidden = res.last_hidden.detach().clone()
         self._submit(
-            lambda: self.planner.prefix_cache.insert_tail(before, tokens, tail.k, tail.v, hidden, namespace=namespace),
+            lambda: self.planner.prefix_cache.insert_tail(
+                before, tokens, tail.k, tail.v, hidden, namespace=namespace, slices=tail.slices
+            ),
             _nbytes(tail.k, tail.v, hidden),
         )
 

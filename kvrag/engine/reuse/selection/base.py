@@ -100,6 +100,8 @@ class PrefillOptions:
         keep_recomputed: keep cached chunks a strategy recomputes whole as new variants.
         capture_tail: keep the prompt's tail (after its last chunk) when the whole prompt is computed
             exactly (:attr:`PrefillResult.tail`; the planner's ``Plan.tail``).
+        slice_tokens: > 0 runs a prefill with nothing blended in fixed slices of this many rows, so that
+            exact reuse gives the full prefill's bits (:mod:`kvrag.engine.reuse.slices`); 0: one pass.
     """
 
     params: SelectionParams | None = None
@@ -108,6 +110,7 @@ class PrefillOptions:
     capture_chunks: tuple[int, ...] = ()
     keep_recomputed: bool = False
     capture_tail: bool = False
+    slice_tokens: int = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, n_layers: int, selection: str | None = None, **fields) -> PrefillOptions:
@@ -117,6 +120,7 @@ class PrefillOptions:
         base = dict(
             params=configured_params(config, selection).resolved(n_layers),
             capture_block=config.prefix_block_tokens,
+            slice_tokens=config.deterministic_slice_tokens if config.deterministic else 0,
         )
         return cls(**{**base, **fields})
 

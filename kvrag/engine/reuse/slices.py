@@ -1,0 +1,56 @@
+"""Deterministic prefill: rows computed in fixed slices aligned at absolute positions.
+
+A prefill's GEMMs and attention round differently with another number of rows or keys (bf16 most of
+all): a prompt answered from cached exact KV plus a pass over the rest would not give the bits of one
+full pass. With ``slice_tokens = S`` every exact prefill (``full``, and ``prefix``/``reuse`` with
+nothing blended) runs its rows in slices ``[kS, (k+1)S)`` (the last one shorter), each slice a pass
+of all its rows over the keys ``[0, slice end)``. A position's KV is then a function of the tokens
+before it and of its slice's shape only: the same in a full prefill and in any prompt with the same
+tokens up to that slice's end where the slice was also full-size (masked keys add exact zeros).
+
+A record of exact KV (a prefix block, an exact chunk variant, a prompt's tail) carries the slice size
+it was computed under and the position up to which its KV is such (:func:`mark`): the end of the
+last full slice of the prompt that computed it (its tail: the prompt's end, since only the same
+prompt reuses it). A prefill reuses a slice only when cached KV so marked covers every position of
+it, and computes every other slice whole (:func:`plan_slices`), so its bits are the full prefill's.
+Running them is :mod:`kvrag.engine.reuse.fusion`'s (this module decides over records: no model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrag.engine.store.base import KVRecord
+
+__all__ = ["META_KEY", "mark", "canonical_end", "plan_slices"]
+
+#: The record meta field holding ``[slice_tokens, end]``: its KV at positions below ``end`` is what a
+#: prefill in slices of ``slice_tokens`` computes there.
+META_KEY = "slices"
+
+
+def mark(meta: dict, slice_tokens: int, end: int) -> dict:
+    """``meta`` with the mark of KV computed in slices of ``slice_tokens``, canonical below ``end``."""
+    return {**meta, META_KEY: [int(slice_tokens), int(end)]}
+
+
+def canonical_end(rec: KVRecord, start: int, slice_tokens: int) -> int:
+    """The end of the positions of ``rec`` (placed at ``start``) whose KV a prefill in slices of
+    ``slice_tokens`` would compute bit for bit (``start`` if none: unmarked, or another size)."""
+    marked = rec.meta.get(META_KEY)
+    if not isinstance(marked, (list, tuple)) or len(marked) != 2 or marked[0] != slice_tokens:
+        return start
+    return max(start, min(start + rec.num_tokens, int(marked[1])))
+
+
+def plan_slices(n: int, slice_tokens: int, canonical: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """The slices ``(start, end, reused)`` of an ``n``-token prompt: ``reused`` when the ``canonical``
+    spans ``[a, b)`` (cached KV a sliced prefill computes bit for bit) cover every position of it."""
+    covered = torch.zeros(n, dtype=torch.bool)
+    for a, b in canonical:
+        covered[a:b] = True
+    out = []
+    for a in range(0, n, slice_tokens):
+        b = min(n, a + slice_tokens)
+        out.append((a, b, bool(covered[a:b].all())))
+    return out
