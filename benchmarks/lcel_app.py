@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     info = engine.info()
     print(f"{info.model} in {info.dtype}, {info.threads} threads; {len(order)} requests", flush=True)
 
-    rows, seen = [], set()
+    rows, seen, first_docs = [], set(), {}
     for i, (kind, q, reworded) in enumerate(order):
         text = reworded or data[q]["question"]
         retrieved = [d.page_content for d in plain.invoke(text)]
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             "text": text,
             "k": len(retrieved),
             "seen": sum(d in seen for d in retrieved),
+            # of them, retrieved by the question's first ask (a return only)
+            "as_first": sum(d in first_docs.get(q, ()) for d in retrieved) if kind == "return" else None,
             "found": meta["chunks_found"],
             "chunk_hits": meta["chunk_hits"],
             "exact_tokens": meta["exact_tokens"],
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             "writeback_dropped": wb["dropped"],
         }
         seen.update(retrieved)
+        if kind == "first":
+            first_docs[q] = set(retrieved)
         rows.append(row)
         print(
             f"{i:2d} {kind:6s} q{q} seen {row['seen']}/{row['k']} found {row['found']} exact {row['exact_tokens']:5d}"
@@ -214,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{'; ' if why else ''}{r['seen'] - r['found']} seen documents not found: store evictions so far "
                     f"{r['store_evictions']}, write-back jobs dropped {r['writeback_dropped']}"
                 )
-            print(f"return q{r['question']}: seen {r['seen']}/{r['k']}, found {r['found']}{'  ' + why if why else ''}")
+            print(
+                f"return q{r['question']}: seen {r['seen']}/{r['k']} ({r['as_first']} as its first ask), "
+                f"found {r['found']}{'  ' + why if why else ''}"
+            )
     if a.out:
         Path(a.out).write_text(
             json.dumps(
