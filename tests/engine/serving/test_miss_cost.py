@@ -69,3 +69,30 @@ def test_a_failing_write_back_costs_no_answer(tiny_engine, docs, monkeypatch, ca
     assert g.token_ids == want
     assert "scheduling write-back failed" in caplog.text
     assert tiny_engine.lookup(docs[:2], PREFIX, SUFFIX).chunks_stored == 0
+
+
+def test_a_0_hit_requests_stored_chunks_hold_its_pass_kv(dtype_engine, docs):
+    # the values are read from the pass's buffer after the first token, not copied inside the pass:
+    # what is stored is bit for bit what a full prefill of the prompt computes there
+    import torch
+
+    from kvrag import RequestOptions
+
+    engine = dtype_engine
+    engine.generate(docs[:3], PREFIX, SUFFIX, max_new_tokens=2)
+    engine.flush()
+    options = RequestOptions(mode="full", max_new_tokens=0)
+    req = engine.requests.build(chunks=docs[:3], prefix=PREFIX, suffix=SUFFIX, options=options)
+    _, _, res = engine.prefiller.run(req, capacity=req.num_tokens)
+    chunks = [s for s in req.segments if s.kind == "chunk"]
+    assert len(chunks) == 3
+    for seg in chunks:
+        rec = engine.store.get(engine.planner.chunk_key(seg.ids), seg.ids)
+        assert rec is not None
+        assert torch.equal(rec.v.to(res.buf.v.dtype), res.buf.v[:, :, seg.start : seg.end])
+        assert rec.v.shape == (
+            engine.adapter.n_layers,
+            engine.adapter.n_kv_heads,
+            len(seg.ids),
+            engine.adapter.head_dim,
+        )
