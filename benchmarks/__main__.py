@@ -26,6 +26,8 @@ python -m benchmarks decode-step --model qwen2.5-coder-1.5b --keys 3600    # whe
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
 python -m benchmarks exact-identity --dataset QA.json --n 40  # exact reuse against mode="full", bit for bit
 python -m benchmarks agentic --model MODEL.gguf --dataset QA.json --n 20     # agentic RAG: reuse per agent step
+python -m benchmarks miss-cost --model bundled|MODEL.gguf  # a 0-hit request against mode=full, phase by phase
+python -m benchmarks lcel-app --model bundled|MODEL.gguf   # an LCEL RAG app, 24 questions + 16 reworded returns
 """
 
 from __future__ import annotations
@@ -412,6 +414,18 @@ def _constrained(argv: list[str]) -> int:
     return constrained_main(argv)
 
 
+def _miss_cost(argv: list[str]) -> int:
+    from benchmarks.miss_cost import main as miss_cost_main
+
+    return miss_cost_main(argv)
+
+
+def _lcel_app(argv: list[str]) -> int:
+    from benchmarks.lcel_app import main as lcel_app_main
+
+    return lcel_app_main(argv)
+
+
 def _agentic(argv: list[str]) -> int:
     from benchmarks.agentic import main as agentic_main
 
@@ -452,6 +466,9 @@ COMMANDS = {
     "constrained": _constrained,
     # agentic RAG: create_agent with a retriever tool, each model call's KV reuse, kvrag vs mode=full (issue 58)
     "agentic": _agentic,
+    "miss-cost": _miss_cost,
+    # a LangChain LCEL app, cold store, held-out questions and reworded returns, kvrag vs mode=full (issue 60)
+    "lcel-app": _lcel_app,
 }
 
 

@@ -83,18 +83,31 @@ class QueryTap(Protocol):
 
 
 class KVCapture:
-    """Keeps the fresh pre-RoPE K and V of positions [start, end) as they are computed."""
+    """Keeps the fresh pre-RoPE K and V of positions [start, end) as they are computed.
 
-    def __init__(self, adapter: ModelAdapter, start: int, end: int) -> None:
+    ``values_in``: the buffer a pass computing every row of the range writes (a full prefill). V
+    carries no RoPE, so the buffer holds exactly what a copy would; :attr:`v` is then read from it
+    when first asked (after the request's first token: write-back), not copied inside the pass."""
+
+    def __init__(self, adapter: ModelAdapter, start: int, end: int, *, values_in: KVBuffer | None = None) -> None:
         shape = (adapter.n_layers, adapter.n_kv_heads, end - start, adapter.head_dim)
         self.start, self.end = start, end
         self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
-        self.v = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self._values_in = values_in
+        self._v = None if values_in is not None else torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self._rows: torch.Tensor | None = None  # the scattered rows last looked at, and which of them are kept
         self._sel: torch.Tensor | None = None
         #: (slice size, end): a prefill in fixed slices computed it, its KV below ``end`` what any such
         #: prefill computes there (:mod:`kvrag.engine.reuse.slices`); None: a pass of another shape
         self.slices: tuple[int, int] | None = None
+
+    @property
+    def v(self) -> torch.Tensor:
+        """[L, Hkv, end - start, D]: the values (read from the pass's buffer the first time, if given one)."""
+        if self._v is None:
+            self._v = self._values_in.v[:, :, self.start : self.end].clone()
+            self._values_in = None
+        return self._v
 
     def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
         """Keep the captured positions' K/V of one layer; ``rows``: the host's facts about ``pos``."""
@@ -102,7 +115,8 @@ class KVCapture:
             a, b = max(self.start, rows.first), min(self.end, rows.last + 1)
             if a < b:
                 self.k[layer, :, a - self.start : b - self.start] = k[:, a - rows.first : b - rows.first]
-                self.v[layer, :, a - self.start : b - self.start] = v[:, a - rows.first : b - rows.first]
+                if self._v is not None:
+                    self._v[layer, :, a - self.start : b - self.start] = v[:, a - rows.first : b - rows.first]
             return
         if self._rows is not pos:  # the same rows in every layer until a selector drops some: look once
             sel = (pos >= self.start) & (pos < self.end)
@@ -110,7 +124,8 @@ class KVCapture:
         if self._sel is not None:
             idx = pos[self._sel] - self.start
             self.k[layer][:, idx] = k[:, self._sel]
-            self.v[layer][:, idx] = v[:, self._sel]
+            if self._v is not None:
+                self._v[layer][:, idx] = v[:, self._sel]
 
 
 @dataclass(frozen=True, slots=True)

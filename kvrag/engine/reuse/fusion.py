@@ -57,10 +57,12 @@ def _tail_hidden(adapter: ModelAdapter, plan: Plan) -> torch.Tensor:
 
 
 def _captures(
-    adapter: ModelAdapter, plan: Plan, options: PrefillOptions
+    adapter: ModelAdapter, plan: Plan, options: PrefillOptions, buf: KVBuffer | None = None
 ) -> tuple[KVCapture | None, dict, KVCapture | None]:
     """The prefix-cache capture (its reused partial block copied in), the missed chunks' captures, and
-    the tail's (computed exactly: nothing blended before it).
+    the tail's (computed exactly: nothing blended before it). ``buf``: the buffer of a pass that
+    computes every row (a full prefill); the chunks' values are read from it after the first token
+    instead of copied inside the pass.
 
     One capture per range: merging them into one cost more (measured: a capture past glibc's mmap
     threshold, ~32 MB, is mapped afresh and page-faults on every request; chunk-sized ones reuse
@@ -79,7 +81,7 @@ def _captures(
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
         seg = plan.segments[i]
         if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
-            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end)
+            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end, values_in=buf)
     tail = None
     if options.capture_tail and plan.tail is None and not plan.chunk_records:
         tail = KVCapture(adapter, plan.tail_start(), plan.num_tokens)
@@ -111,13 +113,14 @@ def prefill(
     trace = Trace()
     all_pos = torch.arange(n, device=adapter.device)
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
-    capture, chunk_caps, tail = _captures(adapter, plan, options)
+    whole = plan.is_full or not plan.cached_spans()  # one pass computes every row
+    capture, chunk_caps, tail = _captures(adapter, plan, options, buf if whole else None)
     captures = [c for c in (capture, *chunk_caps.values(), tail) if c is not None]
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     taps = [tap] if tap is not None else []
 
-    if plan.is_full or not plan.cached_spans():
+    if whole:
         h, _ = forward(
             adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True, pause=pause
         )

@@ -82,8 +82,10 @@ class Prefiller:
     # -- on the engine thread ------------------------------------------------------------------
 
     def start(self, req: Request, t0: float, pause: Pause) -> RunningSequence:
-        """Prefill the request and sample its first token (or take the speculation it adopts); schedule
-        write-back of what it computed."""
+        """Prefill the request and sample its first token (or take the speculation it adopts); write-back
+        of what it computed is scheduled once that token has reached the caller
+        (:attr:`RunningSequence.after_first_token`: copying the keys the chunk statistics read and
+        queueing the jobs are not on the request's TTFT)."""
         held = self.speculations.take(req.adopt) if req.adopt is not None else None
         if held is not None:
             seq, res = held
@@ -92,7 +94,8 @@ class Prefiller:
             self.count_lookups(req)
         else:
             seq, res = self.begin(req, t0, pause)
-        self.writeback.schedule(seq.plan, res)
+        plan = seq.plan
+        seq.after_first_token = lambda: self.writeback.schedule(plan, res)
         return seq
 
     def begin(self, req: Request, t0: float, pause: Pause | None) -> tuple[RunningSequence, PrefillResult]:

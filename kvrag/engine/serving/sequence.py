@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,8 @@ class RunningSequence:
         finish: ``length`` until a stop (end of sequence, a stop string, a complete constrained output)
             makes it ``stop``.
         done: no more tokens.
+        after_first_token: work the engine thread runs once the first token has been handed to the
+            caller, before the next decode step (the request's write-back scheduling: off its TTFT).
     """
 
     req: Request
@@ -67,6 +70,7 @@ class RunningSequence:
     grammar: GrammarMatcher | None = None
     finish: str = "length"
     done: bool = False
+    after_first_token: Callable[[], None] | None = None
 
     def accept(self, eos_ids: set[int]) -> str:
         """Emit the tokens ``ahead``, then ``token``, until a stop; returns the text that became safe to show."""

@@ -397,6 +397,13 @@ class Worker:
         piece = seq.accept(frozenset() if seq.req.sampling.ignore_eos else self.eos_ids)
         if piece:
             job.out.put((_PIECE, piece))
+        after = getattr(seq, "after_first_token", None)
+        if after is not None:  # the first token is out: what the request leaves behind (write-back)
+            seq.after_first_token = None
+            try:
+                after()
+            except Exception:  # a failed write-back only costs a future hit, never the answer
+                log.warning("kvrag: scheduling write-back failed", exc_info=True)
         if not seq.done:
             return
         tail = seq.text.flush()
