@@ -15,6 +15,7 @@ prompt strings on a server with its prompt cache and ``--cache-reuse`` on, erase
 ask. Answers are scored as the papers do: F1 and exact match against the gold answers; kvrag's blend
 also by answer drift against its full prefill (the full answer teacher-forced, mean |Δ log p|).
 ``--load`` measures loading (seconds, peak RSS) in child processes: first time and from the cache.
+``--no-llama`` and ``--no-kvrag`` run one engine alone (a model too large for both in memory at once).
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def _f1_em(text: str, golds: list[str]) -> tuple[float, bool]:
     return best_f1(text, golds), any(normalize_answer(text) == normalize_answer(g) for g in golds)
 
 
+def _tokenizer(model: str):
+    """The GGUF's tokenizer alone (no weights): llama.cpp's prompts when kvrag does not run."""
+    from transformers import AutoTokenizer
+
+    path = Path(model)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
 def run(a: argparse.Namespace) -> dict:
     from kvrag import Engine
 
@@ -80,13 +89,15 @@ def run(a: argparse.Namespace) -> dict:
         print(f"load: {json.dumps(out['load'])}", flush=True)
     items = load_dataset(a.dataset, a.skip + a.n)[a.skip :]
     rng = random.Random(a.seed)
-    engine = Engine.from_pretrained(model, cache_dir=cache_dir, num_threads=a.threads, **settings)
-    out["engine"] = engine.info().to_dict()
-    fmt = PromptFormat(engine.tokenizer)
+    engine = None
+    if not a.no_kvrag:
+        engine = Engine.from_pretrained(model, cache_dir=cache_dir, num_threads=a.threads, **settings)
+        out["engine"] = engine.info().to_dict()
+    fmt = PromptFormat(engine.tokenizer if engine is not None else _tokenizer(model))
     server = None
     if not a.no_llama:
         server = LlamaServer(find_server(a.llama_server), Path(model), threads=a.threads, flash_attn=a.flash_attn)
-    with engine, server or contextlib.nullcontext():
+    with engine or contextlib.nullcontext(), server or contextlib.nullcontext():
         for item in items:
             k = min(a.top_k, len(item.passages))
             retrieved = list(range(k))
@@ -95,45 +106,12 @@ def run(a: argparse.Namespace) -> dict:
                 rng.shuffle(reordered)
             first = fmt.request(item, retrieved, workload="m", request=item.index)
             again = fmt.request(item, reordered, workload="m", request=item.index)
-            text = lambda r, suffix=None: r.prefix + "".join(r.chunks) + (suffix or r.suffix)  # noqa: E731
             decode_suffix = again.suffix.replace(fmt.answer_hint, DECODE_HINT) if fmt.answer_hint else again.suffix
             row: dict = {"question": item.index, "answers": item.answers, "order": reordered}
-
-            def ask(r, suffix=None, **kw):
-                g = engine.generate(r.chunks, r.prefix, suffix or r.suffix, max_new_tokens=a.max_new_tokens, **kw)
-                s = g.stats
-                tps = (len(g.token_ids) - 1) / s.decode_s if len(g.token_ids) > 1 and s.decode_s > 0 else None
-                return {"ttft_s": g.ttft_s, "text": g.text, "tokens": g.token_ids, "tokens_per_s": tps,
-                        "cached": s.cached_tokens, "exact": s.exact_tokens, "prompt_tokens": s.prompt_tokens,
-                        "path": s.path, "hits": s.chunk_hits}  # fmt: skip
-
-            row["kvrag_first"] = ask(first)
-            engine.flush()
-            row["kvrag_full"] = ask(again, mode="full")  # stores nothing: the blend below finds what the first ask left
-            row["kvrag_blend"] = ask(again)
-            full_text = row["kvrag_full"]["text"]
-            if full_text.strip():  # the blend's drift, before the idle-time refresh makes this prompt exact
-                ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
-                got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
-                row["blend_drift"] = drift(got, ref)
-            engine.flush()
-            row["kvrag_exact"] = ask(again)
-            probe = engine.generate(
-                again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True
-            )
-            row["kvrag_decode"] = {
-                "tokens": len(probe.token_ids),
-                "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
-            }
-            engine.flush()
+            if engine is not None:
+                _ask_kvrag(engine, a, row, first, again, decode_suffix)
             if server is not None:
-                server.erase_cache()
-                for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
-                    c = server.complete(prompt, max_tokens=a.max_new_tokens)
-                    row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
-                                            "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
-                c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
-                row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+                _ask_llama(server, a, row, first, again, decode_suffix)
             for key in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered"):
                 if key in row:
                     row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
@@ -143,7 +121,58 @@ def run(a: argparse.Namespace) -> dict:
     return out
 
 
+def _ask_kvrag(engine, a: argparse.Namespace, row: dict, first, again, decode_suffix: str) -> None:
+    """kvrag's stages of one question (module docstring) into ``row``."""
+
+    def ask(r, suffix=None, **kw):
+        g = engine.generate(r.chunks, r.prefix, suffix or r.suffix, max_new_tokens=a.max_new_tokens, **kw)
+        s = g.stats
+        tps = (len(g.token_ids) - 1) / s.decode_s if len(g.token_ids) > 1 and s.decode_s > 0 else None
+        return {"ttft_s": g.ttft_s, "text": g.text, "tokens": g.token_ids, "tokens_per_s": tps,
+                "cached": s.cached_tokens, "exact": s.exact_tokens, "prompt_tokens": s.prompt_tokens,
+                "path": s.path, "hits": s.chunk_hits}  # fmt: skip
+
+    row["kvrag_first"] = ask(first)
+    engine.flush()
+    row["kvrag_full"] = ask(again, mode="full")  # stores nothing: the blend below finds what the first ask left
+    row["kvrag_blend"] = ask(again)
+    full_text = row["kvrag_full"]["text"]
+    if full_text.strip():  # the blend's drift, before the idle-time refresh makes this prompt exact
+        ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
+        got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
+        row["blend_drift"] = drift(got, ref)
+    engine.flush()
+    row["kvrag_exact"] = ask(again)
+    probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True)
+    row["kvrag_decode"] = {
+        "tokens": len(probe.token_ids),
+        "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
+    }
+    engine.flush()
+
+
+def _ask_llama(server: LlamaServer, a: argparse.Namespace, row: dict, first, again, decode_suffix: str) -> None:
+    """llama.cpp's stages of one question, the same prompt strings, its cache erased first."""
+
+    def text(r, suffix=None):
+        return r.prefix + "".join(r.chunks) + (suffix or r.suffix)
+
+    server.erase_cache()
+    for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
+        c = server.complete(prompt, max_tokens=a.max_new_tokens)
+        row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
+                                "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
+    c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
+    row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+
+
 def _row_line(r: dict) -> str:
+    if "kvrag_first" not in r:  # --no-kvrag
+        return (
+            f"q{r['question']}: llama.cpp first {r['llama_first']['ttft_s']:.2f} s, reordered "
+            f"{r['llama_reordered']['ttft_s']:.2f}, exact {r['llama_exact']['ttft_s']:.3f}; decode "
+            f"{r['llama_decode']['tokens_per_s'] or 0:.1f} tok/s; F1 {r['llama_reordered']['f1']:.2f}"
+        )
     kvrag = (
         f"q{r['question']}: kvrag first {r['kvrag_first']['ttft_s']:.2f} s, blend {r['kvrag_blend']['ttft_s']:.2f}, "
         f"full {r['kvrag_full']['ttft_s']:.2f}, exact {r['kvrag_exact']['ttft_s']:.3f}"
@@ -169,6 +198,15 @@ def summarize(rows: list[dict]) -> dict:
     def med(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
+
+    if not all("kvrag_first" in r for r in rows):  # --no-kvrag: llama.cpp's stages alone
+        stages = ("llama_first", "llama_reordered", "llama_exact")
+        return {
+            "questions": len(rows),
+            "ttft_s": {k: med([r[k]["ttft_s"] for r in rows]) for k in stages},
+            "decode_tokens_per_s": {"llama": med([r["llama_decode"]["tokens_per_s"] for r in rows])},
+            "quality": {"llama_reordered": {"f1": statistics.fmean(r["llama_reordered"]["f1"] for r in rows)}},
+        }
 
     def ratio(a: str, b: str, field: str = "ttft_s"):
         return med([r[a][field] / r[b][field] for r in rows if r[a][field] and r[b][field]])
@@ -219,6 +257,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default="", help="kvrag's cache directory (default: the user's)")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: $LLAMA_SERVER)")
     p.add_argument("--no-llama", action="store_true", help="kvrag only (its full prefill the reference)")
+    p.add_argument("--no-kvrag", action="store_true", help="llama.cpp only (a model too large to hold both)")
     p.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"))
     p.add_argument("--load", action="store_true", help="also measure loading, first time and from the cache")
     p.add_argument("--load-cache-dir", default="", help="an empty cache directory for --load's first time")
@@ -228,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.no_llama and a.no_kvrag:
+        print("python -m benchmarks models: --no-llama and --no-kvrag leave nothing to run", file=sys.stderr)
+        return 2
     if a.load and not a.load_cache_dir:
         a.load_cache_dir = str(Path(a.out) / "load-cache")
     t0 = time.time()
