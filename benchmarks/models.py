@@ -189,13 +189,15 @@ def _ask_llama(server: LlamaServer, a: argparse.Namespace, row: dict, first, aga
 
 def _row_line(r: dict) -> str:
     if "kvrag_first" in r and "kvrag_full" not in r:  # --quick
-        llama = f", llama.cpp first {r['llama_first']['ttft_s']:.2f}, reordered {r['llama_reordered']['ttft_s']:.2f}"
-        return (
+        line = (
             f"q{r['question']}: kvrag first {r['kvrag_first']['ttft_s']:.2f} s, blend {r['kvrag_blend']['ttft_s']:.2f}"
-            f"{llama if 'llama_first' in r else ''}; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f}"
-            + (f" vs {r['llama_decode']['tokens_per_s'] or 0:.1f}" if "llama_decode" in r else "")
-            + " tok/s"
         )
+        if "llama_first" in r:
+            line += (
+                f", llama.cpp first {r['llama_first']['ttft_s']:.2f}, reordered {r['llama_reordered']['ttft_s']:.2f}"
+            )
+        line += f"; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f}"
+        return line + (f" vs {r['llama_decode']['tokens_per_s'] or 0:.1f}" if "llama_decode" in r else "") + " tok/s"
     if "kvrag_first" not in r:  # --no-kvrag
         return (
             f"q{r['question']}: llama.cpp first {r['llama_first']['ttft_s']:.2f} s, reordered "

@@ -36,3 +36,6 @@ def test_quick_rows_summarize_the_stages_that_ran():
         _row_line(row)
         == "q0: kvrag first 60.00 s, blend 12.00, llama.cpp first 90.00, reordered 85.00; decode 4.0 vs 8.0 tok/s"
     )
+    alone = {k: v for k, v in row.items() if not k.startswith("llama")}
+    assert _row_line(alone) == "q0: kvrag first 60.00 s, blend 12.00; decode 4.0 tok/s"
+    assert summarize([alone])["decode_tokens_per_s"] == {"kvrag": 4.0}
