@@ -4,8 +4,8 @@ An LCEL "stuff" chain, retriever | format_docs -> prompt -> chat model, over a f
 with the bundled MiniLM embeddings. Two questions whose retrieved documents overlap are answered
 twice: with ``KVCachedLLM(mode="full")`` (a plain full prefill: kvrag off) and with
 ``KVCachedLLM()`` (kvrag on: the documents' cached KV is reused); then the second question comes
-back, and its documents, computed exactly while the engine was idle, are reused exactly: with
-``deterministic=True`` its answer is the full prefill's, bit for bit. Beside
+back, and its documents, computed exactly while the engine was idle, are reused exactly (with
+``engine_config={"deterministic": True}`` bit for bit, at a cost: docs/results.md#exact-reuse). Beside
 each reused answer: its ROUGE-L against the full prefill's and the answer drift (the full
 prefill's answer teacher-forced under both, mean |log p difference| per token), which one flipped
 near-tie word does not swing. Everything runs offline.
@@ -98,10 +98,8 @@ def main() -> None:
     tops = [[d.page_content for d in store.similarity_search(q, k=k)] for q in questions]
     q1, q2, _ = question_pair(questions, tops)
 
-    # deterministic: exact reuse gives the full prefill's bits (prefills in fixed slices; one engine for both)
-    config = {"deterministic": True}
-    kvrag_llm = KVCachedLLM(model=model, max_tokens=args.max_tokens, engine_config=config)  # the one changed line
-    full_llm = KVCachedLLM(model=model, max_tokens=args.max_tokens, mode="full", engine_config=config)  # full prefill
+    kvrag_llm = KVCachedLLM(model=model, max_tokens=args.max_tokens)  # the one changed line
+    full_llm = KVCachedLLM(model=model, max_tokens=args.max_tokens, mode="full")  # kvrag off: a full prefill
     retriever = KVCachedRetriever(retriever=store.as_retriever(search_kwargs={"k": k}), llm=kvrag_llm)
     chains = {"full prefill": make_chain(retriever, full_llm), "kvrag": make_chain(retriever, kvrag_llm)}
     # the prompt as the chains build it, for the drift: the plain retriever (it counts no retrieval)
@@ -148,7 +146,8 @@ def main() -> None:
         f"answer drift {drift(engine, prompt_chain, q2, answers[(q2, 'full prefill')]):.3f} nats/token"
     )
     identical = msg.content == answers[(q2, "full prefill")]
-    print(f"  identical to the full prefill's answer: {identical} (deterministic=True: exact reuse is bit for bit)")
+    how = "in bf16, bit for bit only with deterministic=True" if engine.info().dtype == "bfloat16" else "float32"
+    print(f"  identical to the full prefill's answer: {identical} ({how})")
 
 
 if __name__ == "__main__":

