@@ -95,7 +95,7 @@ def test_http_nice_lowers_the_http_threads_below_the_engine_thread(tiny_model, t
     import threading
 
     from kvrag import Engine
-    from kvrag.server.cli import lower_http_priority
+    from kvrag.server.cli import GIL_SWITCH_S, lower_http_priority
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -114,9 +114,12 @@ def test_http_nice_lowers_the_http_threads_below_the_engine_thread(tiny_model, t
         finally:
             engine.close()
 
+    switch = sys.getswitchinterval()
     thread = threading.Thread(target=front)
     thread.start()
     thread.join(60)
+    lowered_switch, _ = sys.getswitchinterval(), sys.setswitchinterval(switch)
+    assert lowered_switch == pytest.approx(GIL_SWITCH_S)
     base = nice()
     assert seen == {"lowered": True, "front": min(19, base + 3), "child": min(19, base + 3), "engine": base}
     assert not lower_http_priority(0)
