@@ -117,7 +117,7 @@ def run(a: argparse.Namespace) -> dict:
             decode_suffix = again.suffix.replace(fmt.answer_hint, DECODE_HINT) if fmt.answer_hint else again.suffix
             row: dict = {"question": item.index, "answers": item.answers, "order": reordered}
             if a.only == "decode":
-                row |= _only_decode(engine, server, again, decode_suffix, a.decode_tokens)
+                _only_decode(engine, server, a, row, again, decode_suffix)
                 out["rows"].append(row)
                 print(_decode_line(row), flush=True)
                 continue
@@ -172,12 +172,23 @@ def _ask_kvrag(engine, a: argparse.Namespace, row: dict, first, again, decode_su
 
 
 def _decode_probe(engine, a: argparse.Namespace, row: dict, again, decode_suffix: str) -> None:
+    """kvrag's decode probe: ``--decode-tokens`` tokens whatever the end token, after ``again``."""
     probe = engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=a.decode_tokens, ignore_eos=True)
+    s = probe.stats
     row["kvrag_decode"] = {
         "tokens": len(probe.token_ids),
-        "tokens_per_s": (len(probe.token_ids) - 1) / probe.stats.decode_s if probe.stats.decode_s else None,
+        "tokens_per_s": (len(probe.token_ids) - 1) / s.decode_s if s.decode_s else None,
+        "prompt_tokens": s.prompt_tokens,
+        "draft_tokens": s.draft_tokens,
+        "draft_accepted": s.draft_accepted,
     }
     engine.flush()
+
+
+def _llama_decode(server: LlamaServer, a: argparse.Namespace, row: dict, again, decode_suffix: str) -> None:
+    """llama.cpp's decode probe, the same prompt string and length as kvrag's."""
+    c = server.complete(_text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
+    row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
 
 
 def _text(r, suffix=None) -> str:
@@ -193,36 +204,21 @@ def _ask_llama(server: LlamaServer, a: argparse.Namespace, row: dict, first, aga
         c = server.complete(prompt, max_tokens=a.max_new_tokens)
         row[f"llama_{name}"] = {"ttft_s": c.prompt_s, "text": c.text, "evaluated": c.prompt_tokens,
                                 "cached": c.cached_tokens, "tokens_per_s": c.tokens_per_s}  # fmt: skip
-    c = server.complete(_text(again, decode_suffix), max_tokens=a.decode_tokens, ignore_eos=True)
-    row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
+    _llama_decode(server, a, row, again, decode_suffix)
 
 
-def _only_decode(engine, server, request, suffix: str, tokens: int) -> dict:
-    """The decode probe alone: ``tokens`` tokens whatever the end token, after ``request`` with
-    ``suffix``, on kvrag and on llama.cpp (its cache erased first). kvrag's prompt is asked once for a
-    token first and its write-back finished (as in the full run, where the probe follows the exact
-    repeat): the probe's decode then shares the engine with nothing else."""
+def _only_decode(engine, server, a: argparse.Namespace, row: dict, again, decode_suffix: str) -> None:
+    """``--only decode``: the decode probe alone, on kvrag and on llama.cpp (its cache erased first).
+    kvrag's prompt is asked once for a token first and its write-back finished (as in the full run,
+    where the probe follows the exact repeat): the probe's decode then shares the engine with nothing else."""
     if engine is None:
         raise SystemExit("--only decode needs kvrag (not --no-kvrag)")
-    engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=1)
+    engine.generate(again.chunks, again.prefix, decode_suffix, max_new_tokens=1)
     engine.flush()
-    probe = engine.generate(request.chunks, request.prefix, suffix, max_new_tokens=tokens, ignore_eos=True)
-    s = probe.stats
-    row = {
-        "kvrag_decode": {
-            "tokens": len(probe.token_ids),
-            "tokens_per_s": (len(probe.token_ids) - 1) / s.decode_s if s.decode_s else None,
-            "prompt_tokens": s.prompt_tokens,
-            "draft_tokens": s.draft_tokens,
-            "draft_accepted": s.draft_accepted,
-        }
-    }
-    engine.flush()
+    _decode_probe(engine, a, row, again, decode_suffix)
     if server is not None:
         server.erase_cache()
-        c = server.complete(_text(request, suffix), max_tokens=tokens, ignore_eos=True)
-        row["llama_decode"] = {"tokens": c.decode_tokens, "tokens_per_s": c.tokens_per_s}
-    return row
+        _llama_decode(server, a, row, again, decode_suffix)
 
 
 def _decode_line(r: dict) -> str:
