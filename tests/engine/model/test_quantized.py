@@ -133,3 +133,28 @@ def test_cached_decode_weights_are_the_built_ones_and_a_damaged_file_is_built_ag
     cache.write_bytes(b"not safetensors")
     again = Decoder(adapter, 8, weights=fmt, cache=cache)
     assert "quantized)" in again.description and cache.stat().st_size > 100  # built and kept again
+
+
+def test_int4_falls_back_to_torchs_kernel_and_says_why_where_kvrags_does_not_build(monkeypatch, tmp_path):
+    from kvrag.engine.model import quantized as Q
+
+    monkeypatch.setattr(Q, "int4_kernel", lambda: (None, "no C++ compiler found"))
+    adapter = bf16_adapter()
+    decoder = quantized(adapter, "int4")
+    assert "torch's int4 kernel: kvrag's is not built here (no C++ compiler found)" in decoder.description
+    assert isinstance(decoder.weights.lm_head, Q.Int4Linear)
+    assert "-int4x8-" not in Q.cache_file(tmp_path, "f" * 64, "int4").name
+
+
+def test_int4_runs_kvrags_kernel_where_it_builds_and_keeps_its_own_layout_in_the_cache(tmp_path):
+    from kvrag.engine.model.quantized import Int4x8Linear, cache_file
+    from kvrag.kernels.int4_cpu import int4_kernel
+
+    kernel, why = int4_kernel()
+    if kernel is None:
+        pytest.skip(f"kvrag's int4 kernel is not built here: {why}")
+    decoder = quantized(bf16_adapter(), "int4")
+    assert f"kvrag's int4×int8 kernel ({kernel.isa})" in decoder.description
+    assert all(isinstance(p.gate_up, Int4x8Linear) for p in decoder.weights.layers)
+    assert isinstance(decoder.weights.lm_head, Int4x8Linear)
+    assert "-int4x8-" in cache_file(tmp_path, "f" * 64, "int4").name

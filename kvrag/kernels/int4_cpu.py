@@ -1,0 +1,233 @@
+"""kvrag's own int4-weight × int8-activation product for a CPU decode step (``int4_cpu.cpp``).
+
+``y = x @ W.T`` for a few rows ``x`` [M, K] (bfloat16) with ``W`` [N, K] in 4-bit codes ``q`` (0..15)
+in groups of :data:`GROUP` inputs, each group with a scale and a low end (``w = scale * q + low``,
+both float16). The activations are quantized inside the call to int8 per row and group of 32 (scale
+``max|x| / 127``), so the products are integer dot products (AVX512-VNNI ``vpdpbusd``, or AVX2
+``vpmaddubsw``), as llama.cpp's are; torch's ``_weight_int4pack_mm_for_cpu`` instead unpacks to
+bfloat16 and multiplies in bfloat16, which is compute-bound on 2 cores (docs/journal/real-models.md).
+
+Scales and lows are float16, not bfloat16: float16 keeps 3 more mantissa bits, every x86 CPU with
+AVX2 converts it in one instruction (F16C), and a 4-bit group's scale and low lie well inside its
+range (both are clamped to it; a scale under float16's smallest subnormal rounds to 0 and leaves
+the group at its low end: its weights were equal to within that scale).
+
+The kernel is compiled at first use with the system's C++ compiler (``-O3 -march=native``, a few
+seconds: a plain shared library that includes only ``<ATen/Parallel.h>``, called through ``ctypes``,
+rather than a torch extension, which takes about a minute) and kept under kvrag's cache directory,
+keyed by the source, the CPU's flags and torch's version. Where it cannot be built (no compiler, a CPU
+without AVX2), :func:`int4_kernel` returns None and why; callers keep torch's kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GROUP", "ISAS", "Int4Kernel", "int4_kernel", "pack_int4", "int4_mm_ref"]
+
+#: Input features per group (one scale and one low end per group; the activations' groups too).
+GROUP = 32
+
+#: The SIMD paths by name, widest first (``isa=`` of :meth:`Int4Kernel.mm`).
+ISAS = ("avx512-vnni", "avx2")
+_ISA_CODE = {"avx512-vnni": 2, "avx2": 1}
+
+_SOURCE = Path(__file__).with_name("int4_cpu.cpp")
+_lock = threading.Lock()
+_loaded: tuple[Int4Kernel | None, str] | None = None
+
+
+@dataclass(frozen=True)
+class Int4Kernel:
+    """The built kernel: :meth:`mm` runs it; ``isas`` are the SIMD paths it has (widest first)."""
+
+    lib: ctypes.CDLL
+    isas: tuple[str, ...]
+    path: Path
+
+    @property
+    def isa(self) -> str:
+        """The path :meth:`mm` takes by default (the widest built)."""
+        return self.isas[0]
+
+    def mm(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        lows: torch.Tensor,
+        out_dtype: torch.dtype = torch.bfloat16,
+        isa: str | None = None,
+    ) -> torch.Tensor:
+        """``x`` [M, K] (bfloat16) times the weight packed by :func:`pack_int4` (``codes`` [N, K/2]
+        uint8, ``scales``/``lows`` [N, K/32] float16): [M, N] in ``out_dtype`` (bfloat16 or float32).
+
+        ``isa``: one of :attr:`isas` (tests force the AVX2 path); None: the widest.
+        Raises ValueError on shapes or dtypes the layout cannot take."""
+        _check(x, codes, scales, lows, out_dtype)
+        which = self.isa if isa is None else isa
+        if which not in self.isas:
+            raise ValueError(f"the int4 kernel was built without the {isa!r} path here (it has {', '.join(self.isas)})")
+        x = x.contiguous()
+        m, k = x.shape
+        n = codes.shape[0]
+        y = torch.empty(m, n, dtype=out_dtype)
+        rc = self.lib.kvrag_int4_mm(
+            x.data_ptr(),
+            m,
+            k,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            lows.data_ptr(),
+            n,
+            y.data_ptr(),
+            int(out_dtype == torch.float32),
+            _ISA_CODE[which],
+        )
+        if rc != 0:  # _check refuses these first; a mismatch between the two is a bug here
+            raise RuntimeError(f"kvrag's int4 kernel refused the call (code {rc})")
+        return y
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, out_dtype) -> None:
+    """One clear error for anything the layout cannot take."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"the int4 kernel takes x as a 2-D bfloat16 CPU tensor, got {tuple(x.shape)} {x.dtype}")
+    k = x.shape[1]
+    if k == 0 or k % GROUP:
+        raise ValueError(f"the int4 kernel needs the inputs in whole groups of {GROUP}, got K = {k}")
+    n = codes.shape[0] if codes.dim() == 2 else -1
+    want = {"codes": (codes, torch.uint8, (n, k // 2)), "scales": (scales, torch.float16, (n, k // GROUP))}
+    want["lows"] = (lows, torch.float16, (n, k // GROUP))
+    for name, (t, dtype, shape) in want.items():
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(
+                f"the int4 kernel's {name} must be a contiguous {dtype} CPU tensor of shape {shape} for K = {k}, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the int4 kernel writes bfloat16 or float32, not {out_dtype}")
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (integers 0..15, K a multiple of :data:`GROUP`) in the kernel's layout:
+    [N, K/2] uint8, each group's 16 bytes holding element j in the low nibble and j + 16 in the high."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"4-bit packing needs the inputs in whole groups of {GROUP}, got K = {k}")
+    q = codes.to(torch.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def int4_mm_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (float64 sums): the test oracle. [M, N] float64."""
+    m, k = x.shape
+    g = k // GROUP
+    xf = x.float().reshape(m, g, GROUP)
+    amax = xf.abs().amax(-1)  # [M, G]
+    # 127 / amax in float32 as the kernel divides (a Python number over a tensor multiplies by a reciprocal)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    p = torch.round(xf * inv[..., None])  # int8 codes, ties to even
+    dx = (amax / 127.0).double()  # [M, G]
+    c = codes.reshape(codes.shape[0], g, GROUP // 2)
+    q = torch.cat((c & 0x0F, c >> 4), dim=2).double()  # [N, G, 32]: element j low, j + 16 high
+    dots = torch.einsum("mgj,ngj->mng", p.double(), q)  # exact integers
+    scaled = (dots * dx[:, None, :] * scales.double()[None]).sum(-1)
+    return scaled + (dx * p.double().sum(-1)) @ lows.double().T
+
+
+def int4_kernel() -> tuple[Int4Kernel | None, str]:
+    """The kernel (built and loaded once per process), or None and why it is not there."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                _loaded = _load()
+            except Exception as e:  # anything at all: the caller keeps torch's kernel
+                log.debug("kvrag: int4 kernel not available", exc_info=True)
+                _loaded = None, f"{type(e).__name__}: {e}"
+        return _loaded
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_file() -> Path:
+    from kvrag.config import default_cache_dir
+
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(), platform.machine().encode()):
+        key.update(part + b"\0")
+    return default_cache_dir() / "kernels" / f"int4_cpu-{key.hexdigest()[:24]}.so"
+
+
+def _load() -> tuple[Int4Kernel | None, str]:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"built only on x86-64 Linux (this is {platform.system()} {platform.machine()})"
+    target = _library_file()
+    if not target.is_file():
+        why = _compile(target)
+        if why is not None:
+            return None, why
+    lib = ctypes.CDLL(str(target))
+    lib.kvrag_int4_isa.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvrag_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.kvrag_int4_mm.restype = ctypes.c_int
+    isas = ISAS if lib.kvrag_int4_isa() == 2 else ISAS[1:]
+    return Int4Kernel(lib, isas, target), f"kvrag's int4×int8 kernel ({isas[0]})"
+
+
+def _compile(target: Path) -> str | None:
+    """Build the library into ``target`` (atomically); None, or why it could not."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        return "no C++ compiler found (g++, c++ or clang++; or set CXX)"
+    root = Path(torch.__file__).parent
+    openmp = "OpenMP" in torch.__config__.parallel_info().split("parallel backend:")[-1]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".int4_cpu-", suffix=".so")
+    os.close(fd)
+    cmd = [
+        cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off",
+        *(["-fopenmp"] if openmp else []),
+        "-I", str(root / "include"), str(_SOURCE), "-o", tmp,
+        "-L", str(root / "lib"), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}",
+    ]  # fmt: skip
+    log.warning("kvrag: compiling the int4 CPU kernel once for this machine (a few seconds): %s", target.name)
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["?"]
+            return f"the int4 kernel did not compile ({lines[0].strip()[:200]})"
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the int4 kernel did not compile ({type(e).__name__}: {e})"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("kvrag: int4 CPU kernel compiled in %.1f s", time.perf_counter() - t0)
+    return None
