@@ -36,6 +36,9 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int kRowsAtOnce = 4;  // input rows sharing one unpacked weight block (accumulators in registers)
+// Bytes of codes prefetched ahead of the ones being read (rows lie end to end): one core's hardware
+// prefetcher alone left the LM head's stream at ~12-18 GB/s against ~25 with this (1 thread, shared).
+constexpr int64_t kAhead = 4096;
 
 enum Isa { kAuto = 0, kAvx2 = 1, kVnni = 2 };
 
@@ -147,6 +150,7 @@ inline void row_avx2(const uint8_t* w, const uint16_t* scale, const uint16_t* lo
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.full / 2; b++) {
+    if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + b * 32 + kAhead), _MM_HINT_T0);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
     const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     int32_t s2;
@@ -176,6 +180,7 @@ inline void row_vnni(const uint8_t* w, const uint16_t* scale, const uint16_t* lo
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.full / 4; b++) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * 64 + kAhead), _MM_HINT_T0);
     const __m512i v = _mm512_loadu_si512(w + b * 64);
     const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
     const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b * 4)));
@@ -227,6 +232,8 @@ int kvrag_int4_mm(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
       const uint8_t* w = codes + j * (k / 2);
       const uint16_t* s = scale + j * groups;
       const uint16_t* l = low + j * groups;
+      _mm_prefetch(reinterpret_cast<const char*>(s + kAhead / 8), _MM_HINT_T0);  // their streams: 1/8 as fast
+      _mm_prefetch(reinterpret_cast<const char*>(l + kAhead / 8), _MM_HINT_T0);
       for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
         const int64_t rows = m - r0 < kRowsAtOnce ? m - r0 : kRowsAtOnce;
         switch (rows) {
