@@ -94,8 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="1: CPU time of the thread; more: wall time")
     p.add_argument("--settings", default="", help='EngineConfig settings as JSON, e.g. \'{"weights": "int8"}\'')
+    p.add_argument(
+        "--int4-kernel",
+        choices=("auto", "torch"),
+        default="auto",
+        help="int4 decode weights: kvrag's own kernel where it builds (auto), or torch's (the A/B of issue 61)",
+    )
     p.add_argument("--out", default=None, help="a directory for decode_step.json")
     a = p.parse_args(argv)
+    if a.int4_kernel == "torch":  # this process only: the decoder then builds torch's int4 layout
+        from kvrag.engine.model import quantized
+
+        quantized.int4_kernel = lambda: (None, "set aside by --int4-kernel torch")
     model = resolve_model(a.model)
     result = profile_step(model, a.keys, a.steps, a.threads, json.loads(a.settings) if a.settings else {})
     print(result["decoder"])

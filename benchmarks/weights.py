@@ -2,12 +2,14 @@
 
     python -m benchmarks weights --model qwen2.5-coder-1.5b --dataset ../shared/data/musique_dev.json \\
         --n 20 --formats plain,int8,int4 --out DIR
+    python -m benchmarks weights ... --formats plain,int4,int4@torch   # kvrag's int4 kernel vs torch's
 
 Each question's RAG prompt (its first ``--top-k`` passages, chat template) is prefilled once and kept
 as an exact prefix; each format then reuses it (the same KV and first token, nearly free) and answers
 greedily with the decode step's weights in that format. Reported per
 format: decode tokens per second after the RAG prompt, answers identical to the plain weights', and
-F1 / exact match against the gold answers; plus each format's bytes and build time.
+F1 / exact match against the gold answers; plus each format's bytes and build time. ``int4@torch`` is
+``int4`` on torch's kernel where kvrag's own builds (the two side by side on the same prompts).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ __all__ = ["main"]
 
 def run(a: argparse.Namespace) -> dict:
     from kvrag import Engine
-    from kvrag.engine.model.batch import Decoder
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     model = resolve_model(a.model, Path(a.cache_dir) if a.cache_dir else None)
@@ -37,7 +38,7 @@ def run(a: argparse.Namespace) -> dict:
     decoders = {}
     for fmt in formats:
         t0 = time.perf_counter()
-        decoders[fmt] = Decoder(engine.adapter, engine.config.decode_group, weights=fmt)
+        decoders[fmt] = _decoder(engine, fmt)
         decoders[fmt].built_s = time.perf_counter() - t0
         print(f"{fmt}: {decoders[fmt].description}", flush=True)
     fmt_prompt = PromptFormat(engine.tokenizer)
@@ -81,6 +82,24 @@ def run(a: argparse.Namespace) -> dict:
         for f in formats
     }
     return {"settings": vars(a), "engine": engine.info().to_dict(), "rows": rows, "summary": summary}
+
+
+def _decoder(engine, fmt: str):
+    """The decoder of ``fmt``; ``int4@torch``: int4 with kvrag's own kernel set aside while it is built."""
+    from kvrag.engine.model import quantized
+    from kvrag.engine.model.batch import Decoder
+
+    weights, _, kernel = fmt.partition("@")
+    if kernel not in ("", "torch") or (kernel and weights != "int4"):
+        raise SystemExit(f"unknown format {fmt!r} (int4@torch is the one variant)")
+    if not kernel:
+        return Decoder(engine.adapter, engine.config.decode_group, weights=weights)
+    own = quantized.int4_kernel
+    quantized.int4_kernel = lambda: (None, "set aside by int4@torch")
+    try:
+        return Decoder(engine.adapter, engine.config.decode_group, weights=weights)
+    finally:
+        quantized.int4_kernel = own
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: Version of the cached decode weights' layout (:func:`cache_file`).
-CACHE_VERSION = 2
+CACHE_VERSION = 1
 
 #: Weight formats of the decode step besides the compute dtype's own.
 QUANTIZED_FORMATS = ("int8", "int4")
