@@ -6,8 +6,9 @@
 Random weights of each shape (the decode step's fused products: Q/K/V, O, gate/up, down, the LM
 head), the three products interleaved in one process (each rep runs all three in turn), medians in
 ms and GB/s of the weights each reads (kvrag's: 4-bit codes plus fp16 scale and low per 32; torch's:
-its packed codes plus bf16 scale and zero; bf16: 2 bytes a weight). Timings on a shared machine are
-noisy: compare the ratios, and say so beside any figure.
+its packed codes plus bf16 scale and zero; bf16: 2 bytes a weight). With ``--threads 1`` times are the
+thread's CPU time (``time.thread_time``: a shared machine's time slicing does not inflate them); with
+more, wall time. Timings on a shared machine are noisy: compare the ratios, and say so beside any figure.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ SHAPES = {
 }
 
 
-def _time(fn, reps: int) -> list[float]:
+def _time(fn, reps: int, clock=time.perf_counter) -> list[float]:
     out = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     return out
 
 
@@ -58,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvrag's int4 kernel is not available here: {why}", file=sys.stderr)
         return 2
     isa = a.isa or kernel.isa
-    print(f"{why}; path {isa}; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {a.reps}")
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    print(
+        f"{why}; path {isa}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f" ({clock.__name__}); medians of {a.reps}"
+    )
     print(f"{'shape':>8} {'N x K':>13} {'M':>3} | {'kvrag ms':>9} {'GB/s':>6} | {'torch int4':>10} {'GB/s':>6} |"
           f" {'bf16 ms':>8} {'GB/s':>6} | torch/kvrag")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             times = {key: [] for key in fns}
             for _ in range(a.reps):  # interleaved: each rep runs all three
                 for key, fn in fns.items():
-                    times[key] += _time(fn, 1)
+                    times[key] += _time(fn, 1, clock)
             med = {key: statistics.median(t) for key, t in times.items()}
             gbs = {"kvrag": ours_bytes / med["kvrag"] / 1e9, "torch": torch_bytes / med["torch"] / 1e9}
             gbs["bf16"] = w.nbytes / med["bf16"] / 1e9

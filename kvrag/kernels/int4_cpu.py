@@ -73,19 +73,28 @@ class Int4Kernel:
         lows: torch.Tensor,
         out_dtype: torch.dtype = torch.bfloat16,
         isa: str | None = None,
+        checked: bool = False,
     ) -> torch.Tensor:
         """``x`` [M, K] (bfloat16) times the weight packed by :func:`pack_int4` (``codes`` [N, K/2]
         uint8, ``scales``/``lows`` [N, K/32] float16): [M, N] in ``out_dtype`` (bfloat16 or float32).
 
-        ``isa``: one of :attr:`isas` (tests force the AVX2 path); None: the widest.
+        ``isa``: one of :attr:`isas` (tests force the AVX2 path); None: the widest. ``checked``: the
+        weight tensors were checked once already (:meth:`check`: a decode step's ~100 calls skip it).
         Raises ValueError on shapes or dtypes the layout cannot take."""
-        _check(x, codes, scales, lows, out_dtype)
+        if not checked:
+            self.check(codes, scales, lows, x.shape[-1] if x.dim() == 2 else 0)
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"the int4 kernel takes x as a 2-D bfloat16 CPU tensor, got {tuple(x.shape)} {x.dtype}")
+        m, k = x.shape
+        n = codes.shape[0]
+        if k != codes.shape[1] * 2:
+            raise ValueError(f"the int4 kernel's weights take K = {codes.shape[1] * 2} inputs, got x of K = {k}")
+        if out_dtype is not torch.bfloat16 and out_dtype is not torch.float32:
+            raise ValueError(f"the int4 kernel writes bfloat16 or float32, not {out_dtype}")
         which = self.isa if isa is None else isa
         if which not in self.isas:
             raise ValueError(f"the int4 kernel was built without the {isa!r} path here (it has {', '.join(self.isas)})")
         x = x.contiguous()
-        m, k = x.shape
-        n = codes.shape[0]
         y = torch.empty(m, n, dtype=out_dtype)
         rc = self.lib.kvrag_int4_mm(
             x.data_ptr(),
@@ -96,32 +105,29 @@ class Int4Kernel:
             lows.data_ptr(),
             n,
             y.data_ptr(),
-            int(out_dtype == torch.float32),
+            int(out_dtype is torch.float32),
             _ISA_CODE[which],
         )
-        if rc != 0:  # _check refuses these first; a mismatch between the two is a bug here
+        if rc != 0:  # the checks above refuse these first; a mismatch between the two is a bug here
             raise RuntimeError(f"kvrag's int4 kernel refused the call (code {rc})")
         return y
 
-
-def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, out_dtype) -> None:
-    """One clear error for anything the layout cannot take."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"the int4 kernel takes x as a 2-D bfloat16 CPU tensor, got {tuple(x.shape)} {x.dtype}")
-    k = x.shape[1]
-    if k == 0 or k % GROUP:
-        raise ValueError(f"the int4 kernel needs the inputs in whole groups of {GROUP}, got K = {k}")
-    n = codes.shape[0] if codes.dim() == 2 else -1
-    want = {"codes": (codes, torch.uint8, (n, k // 2)), "scales": (scales, torch.float16, (n, k // GROUP))}
-    want["lows"] = (lows, torch.float16, (n, k // GROUP))
-    for name, (t, dtype, shape) in want.items():
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(
-                f"the int4 kernel's {name} must be a contiguous {dtype} CPU tensor of shape {shape} for K = {k}, "
-                f"got {tuple(t.shape)} {t.dtype}"
-            )
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"the int4 kernel writes bfloat16 or float32, not {out_dtype}")
+    @staticmethod
+    def check(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, k: int | None = None) -> None:
+        """One clear error (ValueError) for packed weights the kernel cannot take (``k``: the inputs
+        they must take; None: as many as ``codes`` holds)."""
+        k = codes.shape[1] * 2 if k is None and codes.dim() == 2 else (k or 0)
+        if k == 0 or k % GROUP:
+            raise ValueError(f"the int4 kernel needs the inputs in whole groups of {GROUP}, got K = {k}")
+        n = codes.shape[0] if codes.dim() == 2 else -1
+        want = {"codes": (codes, torch.uint8, (n, k // 2)), "scales": (scales, torch.float16, (n, k // GROUP))}
+        want["lows"] = (lows, torch.float16, (n, k // GROUP))
+        for name, (t, dtype, shape) in want.items():
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(
+                    f"the int4 kernel's {name} must be a contiguous {dtype} CPU tensor of shape {shape} for K = {k}, "
+                    f"got {tuple(t.shape)} {t.dtype}"
+                )
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

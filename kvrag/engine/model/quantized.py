@@ -171,10 +171,12 @@ class Int4x8Linear:
             lows.append(low.squeeze(-1).half())
         self.codes, self.scales, self.lows = torch.cat(codes), torch.cat(scales), torch.cat(lows)
         self.bias, self.out_features, self.kernel = bias, int(n), kernel
+        kernel.check(self.codes, self.scales, self.lows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.kernel.mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.codes, self.scales, self.lows)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = self.kernel.mm(x2, self.codes, self.scales, self.lows, checked=True)  # checked once when made
         y = y.reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -189,6 +191,7 @@ class Int4x8Linear:
         self = cls.__new__(cls)
         self.codes, self.scales, self.lows = t["codes"], t["scales"], t["lows"]
         self.bias, self.out_features, self.kernel = bias, int(t["codes"].shape[0]), kernel
+        kernel.check(self.codes, self.scales, self.lows)  # a cache file's tensors: refused here, then built again
         return self
 
     @property
