@@ -34,6 +34,7 @@ from kvrag.engine.model.packed import DecodeWeights
 from kvrag.engine.model.quantized import QUANTIZED_FORMATS, QuantizedWeights
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.kernels import attention
+from kvrag.kernels.row_attention_cpu import row_kernel
 
 __all__ = ["DecodeRow", "Decoder", "decode_step"]
 
@@ -84,7 +85,7 @@ class Decoder:
         kind = "quantized" if self.unpadded else "packed"
         self.description = (
             f"{kind}: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
-        )
+        ) + _row_attention(adapter)
 
     def step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits [len(rows), V] (float32)."""
@@ -145,6 +146,15 @@ def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q
             window=window,
             span=(r.pos, r.pos),
         )
+
+
+def _row_attention(adapter: ModelAdapter) -> str:
+    """How a bfloat16 CPU decode row attends (built here, at the engine's start, if it is to be built:
+    a few seconds once per machine), as a clause of :attr:`Decoder.description`."""
+    if adapter.device.type != "cpu" or adapter.dtype != torch.bfloat16:
+        return ""
+    kernel, why = row_kernel()
+    return "; rows attend through " + ("kvrag's row kernel" if kernel is not None else f"fused SDPA ({why})")
 
 
 def _finish(rows: Sequence[DecodeRow]) -> None:
