@@ -154,7 +154,7 @@ def _cpu_row(q, q_pos, k, v, scale: float, window: int | None, span) -> torch.Te
     if not row_supported(q, k, v):
         return None
     kernel, _ = row_kernel()
-    return None if kernel is None else kernel.attend(q, k, v, scale)
+    return None if kernel is None else kernel.run(q, k, v, scale)
 
 
 def _contiguous_tail(

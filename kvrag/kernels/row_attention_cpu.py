@@ -52,6 +52,11 @@ class RowKernel:
                 f"of 16 up to {MAX_DIM}, H / Hkv up to {MAX_GROUPS}, S >= 1, the last dimension contiguous; got "
                 f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
             )
+        return self.run(q, k, v, scale)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """:meth:`attend` without the check, for tensors :func:`row_supported` has passed (a decode
+        step calls it per row and layer, after the dispatch checked)."""
         heads, d = q.shape[0], q.shape[2]
         kv_heads, s = k.shape[0], k.shape[1]
         groups = heads // kv_heads

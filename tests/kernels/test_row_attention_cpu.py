@@ -81,8 +81,8 @@ def test_attention_sends_bfloat16_decode_rows_to_the_kernel_and_the_rest_to_the_
     k, v = rand(2, 50, 16, seed=7), rand(2, 50, 16, seed=8)
     q = rand(4, 1, 16, seed=9)
     calls = []
-    real = type(kernel).attend
-    monkeypatch.setattr(type(kernel), "attend", lambda self, *a: calls.append(a[1].shape[1]) or real(self, *a))
+    real = type(kernel).run
+    monkeypatch.setattr(type(kernel), "run", lambda self, *a: calls.append(a[1].shape[1]) or real(self, *a))
     pos = torch.tensor([49])
     assert torch.equal(K.attention(q, pos, k, v, 0.25, span=(49, 49)), kernel.attend(q, k, v, 0.25))
     assert torch.equal(K.attention(q, pos, k, v, 0.25, window=9), kernel.attend(q, k[:, 41:], v[:, 41:], 0.25))
