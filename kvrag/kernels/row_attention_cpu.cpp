@@ -4,9 +4,9 @@
 //   kvrag_row_scores: scores[h, g, s] = scale * sum_d q[h, g, d] k[h, s, d], in float32 (exact bf16 products,
 //                     float32 sums), each key read once for the G queries;
 //   kvrag_row_values: out[h, g, d] = sum_s p[h, g, s] v[h, s, d], float32 weights and sums, rounded once.
-// PyTorch's fused CPU attention does the same arithmetic in blocks of 512 keys through small matrix products
-// whose fixed costs dominate for G rows (a decode step): 2.2x this kernel's time on SmolLM2's shapes, 1.7x on
-// the Qwen2.5-1.5B's (docs/journal/real-models.md). Its work is split into (KV head, 256-key block) pieces over
+// PyTorch's fused CPU attention does the same arithmetic as small matrix products per block of 512 keys,
+// slow for G rows (a decode step): 2.2x this kernel's time on SmolLM2's shapes, 1.7x on the Qwen2.5-1.5B's
+// (docs/journal/real-models.md). Its work is split into (KV head, 256-key block) pieces over
 // torch's intra-op pool (at::parallel_for), so 3 KV heads keep 2 threads busy; the blocks' value sums are added
 // in block order afterwards, so a row's result does not depend on the thread count or on other rows.
 //
