@@ -149,8 +149,8 @@ def _cpu_row(q, q_pos, k, v, scale: float, window: int | None, span) -> torch.Te
     pos = span[0] if span is not None else int(q_pos[0])
     if pos != k.shape[1] - 1:
         return None
-    lo = 0 if window is None or pos < window else pos - window + 1
-    k, v = k[:, lo:], v[:, lo:]
+    if window is not None and pos >= window:  # a sliding-window layer: its last `window` keys
+        k, v = k[:, pos - window + 1 :], v[:, pos - window + 1 :]
     if not row_supported(q, k, v):
         return None
     kernel, _ = row_kernel()
