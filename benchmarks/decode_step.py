@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks decode-step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (fetched), a path, or bundled")
     p.add_argument("--keys", type=int, default=3600, help="cached positions before the step")
+    p.add_argument(
+        "--attention", default="auto", choices=("auto", "reference"),
+        help="reference: decode rows through PyTorch's fused attention, not kvrag's row kernel (A/B)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="1: CPU time of the thread; more: wall time")
     p.add_argument("--settings", default="", help='EngineConfig settings as JSON, e.g. \'{"weights": "int8"}\'')
@@ -107,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
         quantized.int4_kernel = lambda: (None, "set aside by --int4-kernel torch")
     model = resolve_model(a.model)
-    result = profile_step(model, a.keys, a.steps, a.threads, json.loads(a.settings) if a.settings else {})
-    print(result["decoder"])
+    from kvrag.kernels import use_backend
+
+    with use_backend(a.attention):
+        result = profile_step(model, a.keys, a.steps, a.threads, json.loads(a.settings) if a.settings else {})
+    print(result["decoder"] + ("" if a.attention == "auto" else f" [set aside: --attention {a.attention}]"))
     for name, (med, low) in result["parts_ms"].items():
         print(f"{name:15s} median {med:8.2f} ms   min {low:8.2f} ms")
     print(f"{'rest':15s} median {result['rest_ms']:8.2f} ms (the step less its parts)")

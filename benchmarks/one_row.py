@@ -15,8 +15,10 @@ Methods: ``sdpa`` (PyTorch's fused attention, its own backend choice, ``enable_g
 (one backend pinned with ``torch.nn.attention.sdpa_kernel``; skipped where it refuses the call),
 ``products`` (two matmuls and a softmax in the inputs' dtype, each KV head's queries as one block),
 ``products32`` (the same in float32, the inputs converted: kvrag's decode path before its ``folded``),
-``folded`` (each KV head's queries as query rows of one fused call: kvrag's decode path). The error of
-each against a float64 reference is printed beside its time.
+``folded`` (each KV head's queries as query rows of one fused call: kvrag's decode path where its row
+kernel is not built), ``kernel`` (kvrag's C++ row kernel, :mod:`kvrag.kernels.row_attention_cpu`: a
+bfloat16 row on a CPU; skipped elsewhere). The error of each against a float64 reference is printed
+beside its time.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.kernels.reference import one_row
+from kvrag.kernels.row_attention_cpu import row_kernel
 
 __all__ = ["main", "METHODS"]
 
@@ -107,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     methods = dict(METHODS)
+    kernel, why = row_kernel() if device.type == "cpu" and dtype == torch.bfloat16 else (None, "not a bf16 CPU row")
+    if kernel is not None:
+        methods["kernel"] = kernel.attend
+    else:
+        print(f"kvrag's row kernel: not run ({why})", flush=True)
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -1,7 +1,8 @@
 """Kernels for the fusion hot spots, dispatched by device.
 
 CUDA tensors go to the Triton kernels (``triton_rope``, ``triton_attention``, ``triton_deviation``)
-when Triton is installed; everything else to the PyTorch references in
+when Triton is installed; a bfloat16 decode row on a CPU to kvrag's C++ row kernel where it builds
+(:mod:`kvrag.kernels.row_attention_cpu`); everything else to the PyTorch references in
 :mod:`kvrag.kernels.reference`. Triton is imported lazily, on the first CUDA call, and only by
 this package: ``import kvrag`` works without Triton or a GPU. Top-k stays ``torch.topk`` on every
 device (a Triton top-k would not beat it at these sizes).
@@ -27,6 +28,7 @@ from kvrag.kernels.reference import (
     signed_sin,
     topk_ref,
 )
+from kvrag.kernels.row_attention_cpu import row_kernel, row_supported
 
 __all__ = [
     "rope_rotate",
@@ -42,8 +44,9 @@ __all__ = [
 ]
 
 #: ``auto``: Triton for CUDA tensors when importable (attention: for rows scattered through the keys;
-#: a contiguous tail, a prefill or a decode step, goes to PyTorch's fused attention), else the
-#: reference; ``reference`` and ``triton`` force one path (tests and benchmarks).
+#: a contiguous tail, a prefill or a decode step, goes to PyTorch's fused attention); a bfloat16
+#: decode row on a CPU to kvrag's row kernel where it is built (:mod:`kvrag.kernels.row_attention_cpu`);
+#: else the reference; ``reference`` and ``triton`` force one path (tests and benchmarks).
 BACKENDS = ("auto", "reference", "triton")
 
 _backend = "auto"
@@ -132,7 +135,26 @@ def attention(
             from kvrag.kernels.triton_attention import attention_triton
 
             return attention_triton(q, q_pos, k, v, scale, window=window, span=span)
+    elif _backend == "auto" and q.shape[1] == 1 and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        out = _cpu_row(q, q_pos, k, v, scale, window, span)
+        if out is not None:
+            return out
     return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span)
+
+
+def _cpu_row(q, q_pos, k, v, scale: float, window: int | None, span) -> torch.Tensor | None:
+    """A decode row (the keys' last position) on a CPU through kvrag's row kernel
+    (:mod:`kvrag.kernels.row_attention_cpu`; a sliding-window layer's last ``window`` keys), or None
+    where it does not apply or is not built here: the reference's fused attention then."""
+    pos = span[0] if span is not None else int(q_pos[0])
+    if pos != k.shape[1] - 1:
+        return None
+    if window is not None and pos >= window:  # a sliding-window layer: its last `window` keys
+        k, v = k[:, pos - window + 1 :], v[:, pos - window + 1 :]
+    if not row_supported(q, k, v):
+        return None
+    kernel, _ = row_kernel()
+    return None if kernel is None else kernel.run(q, k, v, scale)
 
 
 def _contiguous_tail(

@@ -12,29 +12,23 @@ AVX2 converts it in one instruction (F16C), and a 4-bit group's scale and low li
 range (both are clamped to it; a scale under float16's smallest subnormal rounds to 0 and leaves
 the group at its low end: its weights were equal to within that scale).
 
-The kernel is compiled at first use with the system's C++ compiler (``-O3 -march=native``, a few
-seconds: a plain shared library that includes only ``<ATen/Parallel.h>``, called through ``ctypes``,
-rather than a torch extension, which takes about a minute) and kept under kvrag's cache directory,
-keyed by the source, the CPU's flags and torch's version. Where it cannot be built (no compiler, a CPU
-without AVX2), :func:`int4_kernel` returns None and why; callers keep torch's kernel.
+The kernel is compiled at first use (:func:`kvrag.kernels.native.load_library`: the system's C++
+compiler, ``-O3 -march=native``, a few seconds, kept under kvrag's cache directory). Where it cannot
+be built (no compiler, a CPU without AVX2), :func:`int4_kernel` returns None and why; callers keep
+torch's kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvrag.kernels.native import load_library
 
 log = logging.getLogger(__name__)
 
@@ -170,70 +164,13 @@ def int4_kernel() -> tuple[Int4Kernel | None, str]:
         return _loaded
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _library_file() -> Path:
-    from kvrag.config import default_cache_dir
-
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(), platform.machine().encode()):
-        key.update(part + b"\0")
-    return default_cache_dir() / "kernels" / f"int4_cpu-{key.hexdigest()[:24]}.so"
-
-
 def _load() -> tuple[Int4Kernel | None, str]:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"built only on x86-64 Linux (this is {platform.system()} {platform.machine()})"
-    target = _library_file()
-    if not target.is_file():
-        why = _compile(target)
-        if why is not None:
-            return None, why
-    lib = ctypes.CDLL(str(target))
+    lib, why = load_library(_SOURCE)
+    if lib is None:
+        return None, why
     lib.kvrag_int4_isa.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvrag_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.kvrag_int4_mm.restype = ctypes.c_int
     isas = ISAS if lib.kvrag_int4_isa() == 2 else ISAS[1:]
-    return Int4Kernel(lib, isas, target), f"kvrag's int4×int8 kernel ({isas[0]})"
-
-
-def _compile(target: Path) -> str | None:
-    """Build the library into ``target`` (atomically); None, or why it could not."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        return "no C++ compiler found (g++, c++ or clang++; or set CXX)"
-    root = Path(torch.__file__).parent
-    openmp = "OpenMP" in torch.__config__.parallel_info().split("parallel backend:")[-1]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".int4_cpu-", suffix=".so")
-    os.close(fd)
-    cmd = [
-        cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off",
-        *(["-fopenmp"] if openmp else []),
-        "-I", str(root / "include"), str(_SOURCE), "-o", tmp,
-        "-L", str(root / "lib"), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}",
-    ]  # fmt: skip
-    log.warning("kvrag: compiling the int4 CPU kernel once for this machine (a few seconds): %s", target.name)
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["?"]
-            return f"the int4 kernel did not compile ({lines[0].strip()[:200]})"
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"the int4 kernel did not compile ({type(e).__name__}: {e})"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("kvrag: int4 CPU kernel compiled in %.1f s", time.perf_counter() - t0)
-    return None
+    return Int4Kernel(lib, isas, Path(lib._name)), f"kvrag's int4×int8 kernel ({isas[0]})"

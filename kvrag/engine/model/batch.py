@@ -34,6 +34,7 @@ from kvrag.engine.model.packed import DecodeWeights
 from kvrag.engine.model.quantized import QUANTIZED_FORMATS, QuantizedWeights
 from kvrag.engine.model.runner import KVBuffer
 from kvrag.kernels import attention
+from kvrag.kernels.row_attention_cpu import row_kernel
 
 __all__ = ["DecodeRow", "Decoder", "decode_step"]
 
@@ -84,7 +85,7 @@ class Decoder:
         kind = "quantized" if self.unpadded else "packed"
         self.description = (
             f"{kind}: {why} (built in {self.build_s:.2f} s)" if self.weights is not None else f"plain: {why}"
-        )
+        ) + _row_attention(adapter)
 
     def step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits [len(rows), V] (float32)."""
@@ -122,29 +123,42 @@ def _inputs(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) -> tup
     return ids, pos
 
 
-def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v, out: torch.Tensor) -> None:
-    """Write each row's k/v [Hkv, G, D] at its position of its buffer and its attention over
-    [0, pos] into ``out`` [H, G, D] (padding rows stay as they are).
+def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q, k, v) -> torch.Tensor:
+    """Write each row's k/v [Hkv, G, D] at its position of its buffer; return the rows' attention over
+    [0, pos] [H, G, D] (padding rows: zeros).
 
     Every row's k/v is written first (a row reads only its own prefix, so later rows' writes do not
-    reach it). Each row attends straight over its buffer, in the buffer's dtype
-    (:func:`~kvrag.kernels.reference.one_row`: each KV head's queries folded into one fused call).
+    reach it). Each row attends straight over its buffer, in the buffer's dtype (:func:`kvrag.kernels.attention`:
+    kvrag's row kernel for a bfloat16 row on a CPU, else :func:`~kvrag.kernels.reference.one_row`).
     """
     window = adapter.windows[layer]  # a sliding-window layer's size, or None
     for i, r in enumerate(rows):
         r.buf.k[layer][:, r.pos] = k[:, i]
         r.buf.v[layer][:, r.pos] = v[:, i]
-    for i, r in enumerate(rows):
-        end = r.pos + 1
-        out[:, i : i + 1] = attention(  # the row's position from the host: no wait for the device
+    out = [
+        attention(  # the row's position from the host: no wait for the device
             q[:, i : i + 1],
             pos[i : i + 1],
-            r.buf.k[layer][:, :end],
-            r.buf.v[layer][:, :end],
+            r.buf.k[layer][:, : r.pos + 1],
+            r.buf.v[layer][:, : r.pos + 1],
             adapter.scale,
             window=window,
             span=(r.pos, r.pos),
         )
+        for i, r in enumerate(rows)
+    ]
+    if len(rows) < q.shape[1]:  # padding rows attend to nothing
+        out.append(q.new_zeros(q.shape[0], q.shape[1] - len(rows), q.shape[2]))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+def _row_attention(adapter: ModelAdapter) -> str:
+    """How a bfloat16 CPU decode row attends (built here, at the engine's start, if it is to be built:
+    a few seconds once per machine), as a clause of :attr:`Decoder.description`."""
+    if adapter.device.type != "cpu" or adapter.dtype != torch.bfloat16:
+        return ""
+    kernel, why = row_kernel()
+    return "; rows attend through " + ("kvrag's row kernel" if kernel is not None else f"fused SDPA ({why})")
 
 
 def _finish(rows: Sequence[DecodeRow]) -> None:
@@ -161,8 +175,7 @@ def _decode_group(adapter: ModelAdapter, rows: Sequence[DecodeRow], group: int) 
         cos, sin = rope.layer(layer)
         k = adapter.apply_rope(k, cos, sin)
         q = adapter.apply_rope(q, cos, sin)
-        att = torch.zeros_like(q)  # padding rows attend to nothing
-        _attend(adapter, layer, rows, pos, q, k, v, att)
+        att = _attend(adapter, layer, rows, pos, q, k, v)  # [H, G, D]
         h = adapter.finish_layer(layer, h, att)
     _finish(rows)
     return adapter.logits(h)[: len(rows)]  # the LM head on every row too: its result depends on the row count
@@ -203,8 +216,7 @@ def _packed_group(
             q = q * cos + q.roll(half, -1) * sin
             k = k * cos + k.roll(half, -1) * sin
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
-        att = torch.zeros_like(q)  # [H, G, D]; padding rows attend to nothing
-        _attend(adapter, layer, rows, pos, q, k, v, att)
+        att = _attend(adapter, layer, rows, pos, q, k, v)  # [H, G, D]
         a = p.o(att.transpose(0, 1).reshape(group, heads * dim))
         if w.ln_attn_out is not None:
             a = adapter.rms_norm(a, w.ln_attn_out)
