@@ -293,13 +293,9 @@ class WriteBack:
                 continue
             cap = res.chunk_captures.get(use.index)
             # a chunk computed here is a variant computed behind this prompt's chunks; exact if it
-            # was missed and everything before it was exact (the knowledge tree's path), and, with
-            # ``deterministic``, computed in its fixed slices (a blend's pass is not: the refresh below
-            # computes it so, else an exact repeat would recompute its slices while its stats said exact)
+            # was missed and everything before it was exact (the knowledge tree's path)
             context = use.context if cap is not None else ()
-            exact = None
-            if cap is not None and not use.hit and use.start + use.length <= exact_end:
-                exact = use.digest if cap.slices is not None or not self.config.deterministic else None
+            exact = use.digest if cap is not None and not use.hit and use.start + use.length <= exact_end else None
             job = (use.key, context, exact)
             if exact is not None:
                 written_exact.add(use.index)

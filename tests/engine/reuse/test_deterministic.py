@@ -65,27 +65,3 @@ def test_an_exact_prefix_is_reused_up_to_the_last_slice_boundary_below_its_end(t
         assert g.stats.computed_tokens == g.stats.prompt_tokens - (g.stats.prefix_tokens // SLICE) * SLICE
         assert torch.equal(last_logits(engine, docs, "prefix"), last_logits(engine, docs, "full"))
         assert g.token_ids == engine.generate(docs, PREFIX, SUFFIX, mode="full").token_ids
-
-
-def test_an_exact_repeat_after_a_blend_computes_nothing(tiny_model, tiny_tokenizer):
-    """``make demo``'s "Q2 again": a prompt blended once (its first document new, the others seen behind
-    another question), then computed exactly while the engine was idle, comes back. The new document's
-    KV, computed in the blend's one pass (not in slices), was written back as exact: the repeat
-    recomputed its slices while its stats said every token was reused exactly. It is kept as a blended
-    variant now and the idle-time refresh computes it in slices with the others: the repeat computes
-    nothing, and says so, with the full prefill's tokens."""
-    with make(as_dtype(tiny_model, "bfloat16"), tiny_tokenizer) as engine:
-        docs = make_docs(4, seed=81)
-        engine.generate(docs[:3], PREFIX, "another question? " + SUFFIX)
-        engine.flush()
-        again_docs = [docs[3], docs[0], docs[1]]
-        full = engine.generate(again_docs, PREFIX, SUFFIX, mode="full")  # the demo's full-prefill line first:
-        # each document counted twice, the sequence reaches CRAFT's promotion (its refresh is allowed)
-        first = engine.generate(again_docs, PREFIX, SUFFIX)
-        assert first.stats.path == "blend" and [c.source for c in first.stats.chunks] == ["computed", "store", "store"]
-        engine.flush()  # the write-back, then the refresh of the blended sequence (the whole prompt, exactly)
-        again = engine.generate(again_docs, PREFIX, SUFFIX)
-        s = again.stats
-        assert [c.source for c in s.chunks] == ["tree"] * 3 and s.recomputed_tokens == 0
-        assert s.computed_tokens == 0 and s.exact_tokens == s.prompt_tokens
-        assert again.token_ids == full.token_ids
