@@ -395,6 +395,24 @@ def test_one_row_folds_each_kv_heads_queries_and_stays_within_rounding(window, d
     torch.testing.assert_close(got.double(), truth, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_after_cached_keys_merge_two_fused_calls_within_rounding(dtype):
+    """Rows after cached keys (an exact prefix, a deterministic prefill's slice): a maskless call over
+    the keys before them and a causal one over their own, merged by their log-sum-exp, within the
+    output's rounding of a float64 softmax (bf16: 1e-2; float32: 1e-5), the same bits every call."""
+    s, t, d = 300, 40, 16
+    q, k, v = (rand(*shape, seed=seed).to(dtype) for shape, seed in (((6, t, d), 31), ((2, s, d), 32), ((2, s, d), 33)))
+    q_pos = torch.arange(s - t, s)
+    kk, vv = k.double().repeat_interleave(3, dim=0), v.double().repeat_interleave(3, dim=0)
+    scores = (q.double() @ kk.transpose(1, 2)) * 0.25
+    truth = torch.softmax(scores.masked_fill(torch.arange(s)[None, :] > q_pos[:, None], float("-inf")), dim=-1) @ vv
+    got = R.attention_ref(q, q_pos, k, v, 0.25)
+    assert got.dtype == dtype and got.shape == q.shape and torch.equal(got, R.tail_attention(q, k, v, 0.25))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), truth, rtol=tol, atol=tol)
+    assert torch.equal(R.attention_ref(q, q_pos, k, v, 0.25), got)
+
+
 def test_auto_backend_keeps_contiguous_rows_on_fused_attention():
     """On a GPU, ``auto`` sends only scattered rows to the Triton attention: a prefill or a decode
     step (the keys' last rows, global layer) goes to PyTorch's fused attention, which is faster there."""

@@ -38,6 +38,9 @@ class PrefillResult:
     taps: dict[int, Tap] = field(default_factory=dict)  # segment index -> the tap holding its sampled queries
     measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
     tail: KVCapture | None = None  # the prompt's tail computed exactly, kept with ``last_hidden``
+    #: a prefill in fixed slices: the ``[start, end)`` of the slices whose cached KV it used (the
+    #: others it computed whole, exact KV there included); None: it used every cached span the plan placed
+    reused_slices: list[tuple[int, int]] | None = None
 
 
 def _held(adapter: ModelAdapter, plan: Plan, capacity: int) -> PrefillResult:
@@ -174,8 +177,9 @@ def _sliced(
     n, size = plan.num_tokens, options.slice_tokens
     spans = plan.prefix_records + plan.exact_records  # no blended records on this path
     slices = plan_slices(n, size, [(s, canonical_end(r, s, size)) for s, r in spans])
-    if all(reused for _, _, reused in slices):  # the prompt held whole (its tail kept with its hidden state)
-        return _held(adapter, plan, capacity)
+    reused = [(a, b) for a, b, r in slices if r]
+    if len(reused) == len(slices):  # the prompt held whole (its tail kept with its hidden state)
+        return dataclasses.replace(_held(adapter, plan, capacity), reused_slices=reused)
     buf = KVBuffer(adapter, capacity)
     trace = Trace()
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
@@ -189,7 +193,6 @@ def _sliced(
     captures = [c for c in (capture, *chunk_caps.values(), tail) if c is not None]
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
-    reused = [(a, b) for a, b, r in slices if r]
     source = None
     if reused:
         source = SpanSource(adapter, spans, adapter.rope(torch.arange(n, device=adapter.device)), n, within=reused)
@@ -199,7 +202,7 @@ def _sliced(
     )  # fmt: skip
     last = h if h is not None else _tail_hidden(adapter, plan)
     kept_taps = dict.fromkeys(chunk_caps, tap)
-    return PrefillResult(buf, last, trace, 0, computed, capture, chunk_caps, kept_taps, tail=tail)
+    return PrefillResult(buf, last, trace, 0, computed, capture, chunk_caps, kept_taps, tail=tail, reused_slices=reused)
 
 
 def _run_slices(
@@ -257,6 +260,10 @@ def generation_stats(
     n = plan.num_tokens
     full_work = n * n_layers
     blended = sum(r.num_tokens for _, r in plan.chunk_records)
+    exact, prefix = plan.exact_tokens, plan.prefix_len
+    if res.reused_slices is not None:  # what ran: the cached KV of the slices reused, not all the plan found
+        exact = sum(b - a for a, b in res.reused_slices)
+        prefix = sum(max(0, min(b, prefix) - a) for a, b in res.reused_slices)
     return GenerationStats(
         mode=plan.mode,
         path=plan.path,
@@ -265,9 +272,9 @@ def generation_stats(
         auto=budget.auto,
         selection=budget.selection if plan.path == "blend" else "",
         prompt_tokens=n,
-        cached_tokens=plan.cached_tokens,
-        prefix_tokens=plan.prefix_len,
-        exact_tokens=plan.exact_tokens,
+        cached_tokens=exact + blended,
+        prefix_tokens=prefix,
+        exact_tokens=exact,
         recomputed_tokens=res.recomputed_tokens,
         computed_tokens=res.computed_tokens,
         compute_fraction=res.trace.token_layers / full_work if full_work else 0.0,

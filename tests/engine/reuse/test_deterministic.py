@@ -32,6 +32,8 @@ def test_exact_reuse_gives_the_full_prefills_tokens_and_logits_bit_for_bit(tiny_
         s = again.stats
         assert [c.source for c in s.chunks] == ["tree"] * 3 and s.recomputed_tokens == 0
         assert 0 < s.computed_tokens < s.prompt_tokens - SLICE  # whole slices reused
+        assert s.exact_tokens + s.computed_tokens == s.prompt_tokens  # the stats say what ran: whole slices
+        assert s.cached_tokens == s.exact_tokens  # nothing blended
         assert again.token_ids == engine.generate(docs, PREFIX, SUFFIX, mode="full").token_ids
 
 
