@@ -119,6 +119,8 @@ def attention(
     masks: dict | None = None,
     window: int | None = None,
     span: tuple[int, int] | None = None,
+    split_tail: bool = False,
+    decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query rows q [H, Tq, D] at positions q_pos over k/v [Hkv, S, D].
 
@@ -127,6 +129,9 @@ def attention(
     with the same ``q_pos`` and ``window`` (the Triton kernel needs none).
     ``span``: ``(q_pos[0], q_pos[-1])`` as Python ints, when the caller knows them: on a GPU, reading
     them from ``q_pos`` waits for every queued kernel (a decode step's rows know their positions).
+    ``split_tail``: see :func:`~kvrag.kernels.reference.attention_ref` (a deterministic prefill's slices).
+    ``decode``: a decode step's row (bfloat16, CPU): kvrag's row kernel where it is built. A prefill's
+    last row keeps the reference's fused attention, whose bits are transformers' (the gate's ratio 1.0).
     """
     if _triton_for(q):
         if span is None and _backend == "auto" and window is None and q.shape[1]:
@@ -135,11 +140,11 @@ def attention(
             from kvrag.kernels.triton_attention import attention_triton
 
             return attention_triton(q, q_pos, k, v, scale, window=window, span=span)
-    elif _backend == "auto" and q.shape[1] == 1 and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    elif decode and _backend == "auto" and q.shape[1] == 1 and q.device.type == "cpu" and q.dtype == torch.bfloat16:
         out = _cpu_row(q, q_pos, k, v, scale, window, span)
         if out is not None:
             return out
-    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span)
+    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span, split_tail=split_tail)
 
 
 def _cpu_row(q, q_pos, k, v, scale: float, window: int | None, span) -> torch.Tensor | None:

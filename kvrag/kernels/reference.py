@@ -84,6 +84,7 @@ def attention_ref(
     masks: dict[int, tuple[int, torch.Tensor]] | None = None,
     window: int | None = None,
     span: tuple[int, int] | None = None,
+    split_tail: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query rows at given positions over a full KV sequence.
 
@@ -101,6 +102,9 @@ def attention_ref(
             (each block then reads at most ``window + block`` keys); None for global attention.
         span: ``(q_pos[0], q_pos[-1])`` as Python ints when the caller knows them (not read from
             ``q_pos``: on a GPU that read waits for the queued kernels).
+        split_tail: rows at the end of the keys after cached ones go through :func:`tail_attention`
+            on a CPU (a deterministic prefill's slices); otherwise they take the paths that give one
+            pass's bits where those apply (ratio 1.0 and a prefix hit equal the full prefill).
 
     Returns:
         [H, Tq, D]; row i attends to keys 0..q_pos[i] (the last ``window`` of them with a window).
@@ -119,7 +123,7 @@ def attention_ref(
             )[0]
         if tq == 1:
             return one_row(q, k, v, scale)
-        if q.device.type == "cpu":
+        if split_tail and q.device.type == "cpu":
             return tail_attention(q, k, v, scale)
         if first <= tq:  # a short cached prefix before the rows: pad the queries to a square causal
             # call (its fast path skips masked blocks); wastes first^2/2 of work, less than masking

@@ -77,20 +77,23 @@ def test_a_rows_result_depends_on_its_inputs_only(kernel):
 def test_attention_sends_bfloat16_decode_rows_to_the_kernel_and_the_rest_to_the_reference(kernel, monkeypatch):
     """``attention`` (auto) takes the kernel for a bf16 decode row on a global layer and on a sliding-window
     layer (its last ``window`` keys); float32 rows, rows that are not the keys' last position, and the
-    ``reference`` backend keep the reference's fused attention."""
+    ``reference`` backend keep the reference's fused attention; so does a prefill's last row (not ``decode``)."""
     k, v = rand(2, 50, 16, seed=7), rand(2, 50, 16, seed=8)
     q = rand(4, 1, 16, seed=9)
     calls = []
     real = type(kernel).run
     monkeypatch.setattr(type(kernel), "run", lambda self, *a: calls.append(a[1].shape[1]) or real(self, *a))
     pos = torch.tensor([49])
-    assert torch.equal(K.attention(q, pos, k, v, 0.25, span=(49, 49)), kernel.attend(q, k, v, 0.25))
-    assert torch.equal(K.attention(q, pos, k, v, 0.25, window=9), kernel.attend(q, k[:, 41:], v[:, 41:], 0.25))
+    assert torch.equal(K.attention(q, pos, k, v, 0.25, span=(49, 49), decode=True), kernel.attend(q, k, v, 0.25))
+    assert torch.equal(
+        K.attention(q, pos, k, v, 0.25, window=9, decode=True), kernel.attend(q, k[:, 41:], v[:, 41:], 0.25)
+    )
     assert calls == [50, 50, 9, 9]
-    K.attention(q.float(), pos, k.float(), v.float(), 0.25)
-    K.attention(q, torch.tensor([30]), k, v, 0.25)
+    K.attention(q.float(), pos, k.float(), v.float(), 0.25, decode=True)
+    K.attention(q, torch.tensor([30]), k, v, 0.25, decode=True)
+    K.attention(q, pos, k, v, 0.25)  # a prefill's last row
     with K.use_backend("reference"):
-        K.attention(q, pos, k, v, 0.25)
+        K.attention(q, pos, k, v, 0.25, decode=True)
     assert calls == [50, 50, 9, 9]
 
 

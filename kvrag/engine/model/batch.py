@@ -144,6 +144,7 @@ def _attend(adapter: ModelAdapter, layer: int, rows: Sequence[DecodeRow], pos, q
             adapter.scale,
             window=window,
             span=(r.pos, r.pos),
+            decode=True,
         )
         for i, r in enumerate(rows)
     ]

@@ -187,6 +187,7 @@ def forward(
     layers: tuple[int, int] | None = None,
     last_row_only: bool = False,
     pause: Callable[[], None] | None = None,
+    split_tail: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layers for the rows ``ids`` [R] at positions ``pos`` [R] (strictly increasing).
 
@@ -202,6 +203,8 @@ def forward(
         layers: (first, stop) the layers run; all of them by default.
         last_row_only: on the model's last layer compute every row's KV but only the last row's
             output (a prefill needs only the last token's logits; nothing reads the other rows').
+        split_tail: rows after cached keys attend as two fused calls merged by log-sum-exp
+            (:func:`~kvrag.kernels.reference.tail_attention`: a deterministic prefill's slices).
         pause: called after each layer's attention and after its MLP: the engine thread runs other
             requests' decode steps there (:mod:`kvrag.engine.serving.worker`); it may raise to end the pass.
 
@@ -242,7 +245,9 @@ def forward(
             q, h, q_pos, masks, span = q[:, -1:], h[-1:], pos[-1:], {}, (rows.last, rows.last)
         window = adapter.windows[layer]
         kv = buf.k[layer, :, :seq_len], buf.v[layer, :, :seq_len]
-        out = attention(q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window, span=span)
+        out = attention(
+            q, q_pos, *kv, adapter.scale, masks.setdefault(window, {}), window=window, span=span, split_tail=split_tail
+        )
         if pause is not None:
             pause()
         h = adapter.finish_layer(layer, h, out)

@@ -228,7 +228,7 @@ def _run_slices(
         # only the prompt's last row needs the last layer's output; each slice still writes all its KV
         h, _ = forward(
             adapter, buf, ids[a:b], pos, b, source=source, capture=capture, taps=taps, trace=trace,
-            last_row_only=True, pause=pause,
+            last_row_only=True, pause=pause, split_tail=True,
         )  # fmt: skip
         computed += b - a
     if slices and slices[-1][2]:
