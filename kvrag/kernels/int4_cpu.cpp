@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,13 +44,7 @@ constexpr int64_t kAhead = 4096;
 
 enum Isa { kAuto = 0, kAvx2 = 1, kVnni = 2 };
 
-inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using kvrag::to_bf16;
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

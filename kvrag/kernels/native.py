@@ -3,9 +3,10 @@
 A kernel's source includes only ``<ATen/Parallel.h>`` from torch (its work goes to torch's own
 intra-op pool), so it compiles in seconds with the system's C++ compiler (``-O3 -march=native``)
 instead of the minute a torch extension takes. The library is kept under kvrag's cache directory,
-keyed by the source, the CPU's flags, torch's version and the machine, and built again only when
-one of them changes. Where it cannot be built (not x86-64 Linux, no compiler, a CPU without the
-instructions the source needs), :func:`load_library` says why and the caller keeps PyTorch's path.
+keyed by the source and the shared headers beside it (``bf16.h``), the CPU's flags, torch's version
+and the machine, and built again only when one of them changes. Where it cannot be built (not
+x86-64 Linux, no compiler, a CPU without the instructions the source needs), :func:`load_library`
+says why and the caller keeps PyTorch's path.
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ def _library_file(source: Path) -> Path:
     from kvrag.config import default_cache_dir
 
     key = hashlib.sha256()
-    for part in (source.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(), platform.machine().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # the shared helpers it includes
+    for part in (
+        source.read_bytes(),
+        *headers,
+        _cpu_flags().encode(),
+        torch.__version__.encode(),
+        platform.machine().encode(),
+    ):
         key.update(part + b"\0")
     return default_cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:24]}.so"
 

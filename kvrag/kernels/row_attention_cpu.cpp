@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -34,13 +36,7 @@ inline __m512 load_bf16(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact: 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using kvrag::to_bf16;
 
 // keys [s0, s1) of one KV head: the key's D/16 vectors stay in registers for the G queries
 template <int C>

@@ -126,5 +126,8 @@ def test_a_build_that_fails_returns_why_and_raises_nothing(monkeypatch, tmp_path
 def test_the_source_ships_with_the_package():
     from importlib.resources import files
 
-    assert files("kvrag.kernels").joinpath("int4_cpu.cpp").is_file()
-    assert '"kvrag.kernels" = ["*.cpp"]' in open(int4_cpu.Path(__file__).parents[2] / "pyproject.toml").read()
+    assert (
+        files("kvrag.kernels").joinpath("int4_cpu.cpp").is_file()
+        and files("kvrag.kernels").joinpath("bf16.h").is_file()
+    )
+    assert '"kvrag.kernels" = ["*.cpp", "*.h"]' in open(int4_cpu.Path(__file__).parents[2] / "pyproject.toml").read()
