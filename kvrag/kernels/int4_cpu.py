@@ -21,16 +21,12 @@ torch's kernel.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvrag.kernels.native import load_library
-
-log = logging.getLogger(__name__)
+from kvrag.kernels.native import load_library, load_once
 
 __all__ = ["GROUP", "ISAS", "Int4Kernel", "int4_kernel", "pack_int4", "int4_mm_ref"]
 
@@ -42,8 +38,6 @@ ISAS = ("avx512-vnni", "avx2")
 _ISA_CODE = {"avx512-vnni": 2, "avx2": 1}
 
 _SOURCE = Path(__file__).with_name("int4_cpu.cpp")
-_lock = threading.Lock()
-_loaded: tuple[Int4Kernel | None, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,15 +147,7 @@ def int4_mm_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lows
 
 def int4_kernel() -> tuple[Int4Kernel | None, str]:
     """The kernel (built and loaded once per process), or None and why it is not there."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _loaded = _load()
-            except Exception as e:  # anything at all: the caller keeps torch's kernel
-                log.debug("kvrag: int4 kernel not available", exc_info=True)
-                _loaded = None, f"{type(e).__name__}: {e}"
-        return _loaded
+    return load_once(_SOURCE, _load)
 
 
 def _load() -> tuple[Int4Kernel | None, str]:

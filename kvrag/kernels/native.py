@@ -19,14 +19,35 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_library"]
+__all__ = ["load_library", "load_once"]
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_loaded: dict[Path, tuple] = {}  # source -> (kernel or None, why): one build and bind per process
+
+
+def load_once(source: Path, make: Callable[[], tuple[T | None, str]]) -> tuple[T | None, str]:
+    """``make()`` (which builds ``source`` with :func:`load_library` and binds its functions) run once
+    per process and remembered: the kernel, or None and why it is not there. Any exception ``make``
+    raises becomes the reason (the caller keeps PyTorch's path)."""
+    with _lock:
+        if source not in _loaded:
+            try:
+                _loaded[source] = make()
+            except Exception as e:  # anything at all: the caller falls back
+                log.debug("kvrag: %s not available", source.name, exc_info=True)
+                _loaded[source] = None, f"{type(e).__name__}: {e}"
+        return _loaded[source]
 
 
 def load_library(source: Path) -> tuple[ctypes.CDLL | None, str]:

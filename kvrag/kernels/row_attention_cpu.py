@@ -16,22 +16,16 @@ fused attention.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvrag.kernels.native import load_library
-
-log = logging.getLogger(__name__)
+from kvrag.kernels.native import load_library, load_once
 
 __all__ = ["RowKernel", "row_kernel", "row_supported"]
 
 _SOURCE = Path(__file__).with_name("row_attention_cpu.cpp")
-_lock = threading.Lock()
-_loaded: tuple[RowKernel | None, str] | None = None
 
 #: The kernel's limits: query heads per KV head, and the head width (a multiple of 16).
 MAX_GROUPS, MAX_DIM = 16, 256
@@ -98,20 +92,15 @@ def row_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def row_kernel() -> tuple[RowKernel | None, str]:
     """The kernel (built and loaded once per process), or None and why it is not there."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                lib, why = load_library(_SOURCE)
-                if lib is not None:
-                    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                    lib.kvrag_row_scores.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
-                    lib.kvrag_row_values.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, ptr]
-                    lib.kvrag_row_scores.restype = lib.kvrag_row_values.restype = ctypes.c_int
-                    _loaded = RowKernel(lib), "kvrag's row attention kernel (AVX-512)"
-                else:
-                    _loaded = None, why
-            except Exception as e:  # anything at all: decode rows keep PyTorch's fused attention
-                log.debug("kvrag: row attention kernel not available", exc_info=True)
-                _loaded = None, f"{type(e).__name__}: {e}"
-        return _loaded
+    return load_once(_SOURCE, _load)
+
+
+def _load() -> tuple[RowKernel | None, str]:
+    lib, why = load_library(_SOURCE)
+    if lib is None:
+        return None, why
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvrag_row_scores.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
+    lib.kvrag_row_values.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, ptr]
+    lib.kvrag_row_scores.restype = lib.kvrag_row_values.restype = ctypes.c_int
+    return RowKernel(lib), "kvrag's row attention kernel (AVX-512)"
