@@ -87,43 +87,83 @@ class KVCapture:
 
     ``values_in``: the buffer a pass computing every row of the range writes (a full prefill). V
     carries no RoPE, so the buffer holds exactly what a copy would; :attr:`v` is then read from it
-    when first asked (after the request's first token: write-back), not copied inside the pass."""
+    when first asked (after the request's first token: write-back), not copied inside the pass.
 
-    def __init__(self, adapter: ModelAdapter, start: int, end: int, *, values_in: KVBuffer | None = None) -> None:
-        shape = (adapter.n_layers, adapter.n_kv_heads, end - start, adapter.head_dim)
+    ``extra_end``: positions [end, extra_end) are kept too, by the same copies (the text after a
+    chunk, up to the next one: :meth:`part` gives it, :attr:`k` and :attr:`v` do not), so a pass
+    keeps them without an operation more per layer."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        start: int,
+        end: int,
+        *,
+        values_in: KVBuffer | None = None,
+        extra_end: int | None = None,
+    ) -> None:
         self.start, self.end = start, end
-        self.k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self.extra_end = end if extra_end is None else max(end, extra_end)
+        shape = (adapter.n_layers, adapter.n_kv_heads, self.extra_end - start, adapter.head_dim)
+        self._k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self._values_in = values_in
         self._v = None if values_in is not None else torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) of [start, end) once split off
         self._rows: torch.Tensor | None = None  # the scattered rows last looked at, and which of them are kept
         self._sel: torch.Tensor | None = None
         #: (slice size, end): a prefill in fixed slices computed it, its KV below ``end`` what any such
         #: prefill computes there (:mod:`kvrag.engine.reuse.slices`); None: a pass of another shape
         self.slices: tuple[int, int] | None = None
 
+    def _values(self) -> torch.Tensor:
+        """[L, Hkv, extra_end - start, D]: every kept value (a view of the pass's buffer, if given one)."""
+        return self._v if self._v is not None else self._values_in.v[:, :, self.start : self.extra_end]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """[L, Hkv, end - start, D]: the keys (without RoPE)."""
+        if self.extra_end == self.end:
+            return self._k
+        return self._split()[0]
+
     @property
     def v(self) -> torch.Tensor:
         """[L, Hkv, end - start, D]: the values (read from the pass's buffer the first time, if given one)."""
-        if self._v is None:
-            self._v = self._values_in.v[:, :, self.start : self.end].clone()
-            self._values_in = None
-        return self._v
+        if self.extra_end == self.end:
+            if self._v is None:  # read from the pass's buffer once
+                self._v, self._values_in = self._values().clone(), None
+            return self._v
+        return self._split()[1]
+
+    def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._parts is None:
+            n = self.end - self.start
+            self._parts = (self._k[:, :, :n].clone(), self._values()[:, :, :n].clone())
+        return self._parts
+
+    def part(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [L, Hkv, b - a, D] of kept positions [a, b) (within [start, extra_end)), copied."""
+        if not self.start <= a <= b <= self.extra_end:
+            raise ValueError(f"[{a}, {b}) is not within the captured [{self.start}, {self.extra_end})")
+        i, j = a - self.start, b - self.start
+        return self._k[:, :, i:j].clone(), self._values()[:, :, i:j].clone()
 
     def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
         """Keep the captured positions' K/V of one layer; ``rows``: the host's facts about ``pos``."""
+        start, end = self.start, self.extra_end
         if rows.contiguous:  # rows are positions [first, last]: slice, no masks
-            a, b = max(self.start, rows.first), min(self.end, rows.last + 1)
+            a, b = max(start, rows.first), min(end, rows.last + 1)
             if a < b:
-                self.k[layer, :, a - self.start : b - self.start] = k[:, a - rows.first : b - rows.first]
+                self._k[layer, :, a - start : b - start] = k[:, a - rows.first : b - rows.first]
                 if self._v is not None:
-                    self._v[layer, :, a - self.start : b - self.start] = v[:, a - rows.first : b - rows.first]
+                    self._v[layer, :, a - start : b - start] = v[:, a - rows.first : b - rows.first]
             return
         if self._rows is not pos:  # the same rows in every layer until a selector drops some: look once
-            sel = (pos >= self.start) & (pos < self.end)
+            sel = (pos >= start) & (pos < end)
             self._rows, self._sel = pos, (None if not bool(sel.any()) else sel)
         if self._sel is not None:
-            idx = pos[self._sel] - self.start
-            self.k[layer][:, idx] = k[:, self._sel]
+            idx = pos[self._sel] - start
+            self._k[layer][:, idx] = k[:, self._sel]
             if self._v is not None:
                 self._v[layer][:, idx] = v[:, self._sel]
 

@@ -38,6 +38,9 @@ class PrefillResult:
     taps: dict[int, Tap] = field(default_factory=dict)  # segment index -> the tap holding its sampled queries
     measured: dict = field(default_factory=dict)  # what the blend strategy measured (BlendPass.measured)
     tail: KVCapture | None = None  # the prompt's tail computed exactly, kept with ``last_hidden``
+    #: segment index -> the capture holding that text between chunks, computed exactly
+    #: (:meth:`~kvrag.engine.model.runner.KVCapture.part` of the segment's positions)
+    gaps: dict[int, KVCapture] = field(default_factory=dict)
     #: a prefill in fixed slices: the ``[start, end)`` of the slices whose cached KV it used (the
     #: others it computed whole, exact KV there included); None: it used every cached span the plan placed
     reused_slices: list[tuple[int, int]] | None = None
@@ -61,15 +64,17 @@ def _tail_hidden(adapter: ModelAdapter, plan: Plan) -> torch.Tensor:
 
 def _captures(
     adapter: ModelAdapter, plan: Plan, options: PrefillOptions, buf: KVBuffer | None = None
-) -> tuple[KVCapture | None, dict, KVCapture | None]:
-    """The prefix-cache capture (its reused partial block copied in), the missed chunks' captures, and
-    the tail's (computed exactly: nothing blended before it). ``buf``: the buffer of a pass that
-    computes every row (a full prefill); the chunks' values are read from it after the first token
-    instead of copied inside the pass.
+) -> tuple[KVCapture | None, dict, KVCapture | None, dict]:
+    """The prefix-cache capture (its reused partial block copied in), the missed chunks' captures, the
+    tail's (computed exactly: nothing blended before it) and the text between chunks computed exactly
+    (segment index -> its capture). ``buf``: the buffer of a pass that computes every row (a full
+    prefill); the chunks' values are read from it after the first token instead of copied inside the
+    pass.
 
     One capture per range: merging them into one cost more (measured: a capture past glibc's mmap
     threshold, ~32 MB, is mapped afresh and page-faults on every request; chunk-sized ones reuse
-    the heap)."""
+    the heap). The text after a captured chunk, up to the next chunk, rides on that chunk's capture
+    (the same copies); only text after KV placed from the cache gets its own."""
     capture = None
     if options.capture_end > plan.prefix_len:
         cap_start = plan.prefix_len - plan.prefix_len % options.capture_block
@@ -79,16 +84,46 @@ def _captures(
             a = cap_start - start
             capture.k[:, :, : plan.prefix_len - cap_start] = rec.k[:, :, a:].to(adapter.dtype)
             capture.v[:, :, : plan.prefix_len - cap_start] = rec.v[:, :, a:].to(adapter.dtype)
-    chunk_caps = {}
     cached_spans = [(s, s + r.num_tokens) for s, r in plan.exact_records + plan.chunk_records]
+
+    def computed(seg) -> bool:  # computed whole by this pass
+        return seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans)
+
+    # text between chunks is kept where the pass is exact (nothing blended) and the tail is kept too
+    exact_gaps = options.capture_tail and not plan.chunk_records
+    segments = plan.segments
+
+    def gaps_after(i: int) -> list[int]:  # the run of text segments after segment i kept with it
+        run = []
+        for j in range(i + 1, len(segments)):
+            if not (exact_gaps and j in plan.gap_digests and computed(segments[j])):
+                break
+            run.append(j)
+        return run
+
+    chunk_caps, gap_caps = {}, {}
     for i in options.capture_chunks:  # only chunks computed whole, on every layer
-        seg = plan.segments[i]
-        if seg.start >= plan.prefix_len and not any(a < seg.end and seg.start < b for a, b in cached_spans):
-            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end, values_in=buf)
+        seg = segments[i]
+        if computed(seg):
+            run = gaps_after(i)
+            end = segments[run[-1]].end if run else seg.end
+            chunk_caps[i] = KVCapture(adapter, seg.start, seg.end, values_in=buf, extra_end=end)
+            gap_caps.update(dict.fromkeys(run, chunk_caps[i]))
+    if exact_gaps:  # text after KV placed from the cache (or a chunk not kept): a capture of its own
+        for i in plan.gap_digests:
+            if i not in gap_caps and computed(segments[i]):
+                run = [i, *gaps_after(i)]
+                cap = KVCapture(adapter, segments[i].start, segments[run[-1]].end, values_in=buf)
+                gap_caps.update(dict.fromkeys(run, cap))
     tail = None
     if options.capture_tail and plan.tail is None and not plan.chunk_records:
         tail = KVCapture(adapter, plan.tail_start(), plan.num_tokens)
-    return capture, chunk_caps, tail
+    return capture, chunk_caps, tail, gap_caps
+
+
+def _distinct(*captures: KVCapture | None) -> list[KVCapture]:
+    """The captures given, each once (text between chunks shares its chunk's), Nones left out."""
+    return list({id(c): c for c in captures if c is not None}.values())
 
 
 def prefill(
@@ -117,8 +152,8 @@ def prefill(
     all_pos = torch.arange(n, device=adapter.device)
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
     whole = plan.is_full or not plan.cached_spans()  # one pass computes every row
-    capture, chunk_caps, tail = _captures(adapter, plan, options, buf if whole else None)
-    captures = [c for c in (capture, *chunk_caps.values(), tail) if c is not None]
+    capture, chunk_caps, tail, gaps = _captures(adapter, plan, options, buf if whole else None)
+    captures = _distinct(capture, *chunk_caps.values(), *gaps.values(), tail)
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     taps = [tap] if tap is not None else []
@@ -127,7 +162,8 @@ def prefill(
         h, _ = forward(
             adapter, buf, ids, all_pos, n, capture=captures, taps=taps, trace=trace, last_row_only=True, pause=pause
         )
-        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, dict.fromkeys(chunk_caps, tap), tail=tail)
+        taps_of = dict.fromkeys(chunk_caps, tap)
+        return PrefillResult(buf, h[-1:], trace, 0, n, capture, chunk_caps, taps_of, tail=tail, gaps=gaps)
 
     source = SpanSource(adapter, plan.cached_spans(), adapter.rope(all_pos), n)
     candidates = span_mask(n, plan.blended_spans(), adapter.device)  # [N] blended chunk KV: may be recomputed
@@ -166,7 +202,7 @@ def prefill(
     computed = int(pos.numel())
     recomputed = int(candidates[pos].sum())
     last = h[-1:] if plan.tail is None else _tail_hidden(adapter, plan)  # the tail's rows were not computed
-    return PrefillResult(buf, last, trace, recomputed, computed, capture, chunk_caps, kept_taps, measured, tail)
+    return PrefillResult(buf, last, trace, recomputed, computed, capture, chunk_caps, kept_taps, measured, tail, gaps)
 
 
 def _sliced(
@@ -183,14 +219,13 @@ def _sliced(
     buf = KVBuffer(adapter, capacity)
     trace = Trace()
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
-    capture, chunk_caps, tail = _captures(adapter, plan, options)
+    capture, chunk_caps, tail, gaps = _captures(adapter, plan, options)
     canonical = n - n % size  # the end of the prompt's last full slice
-    for cap in (capture, *chunk_caps.values()):
-        if cap is not None:
-            cap.slices = (size, canonical)
+    for cap in _distinct(capture, *chunk_caps.values(), *gaps.values()):
+        cap.slices = (size, canonical)
     if tail is not None:  # only this prompt again reuses its tail: its last slice has the same shape then
         tail.slices = (size, n)
-    captures = [c for c in (capture, *chunk_caps.values(), tail) if c is not None]
+    captures = _distinct(capture, *chunk_caps.values(), *gaps.values(), tail)
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     source = None
@@ -202,7 +237,9 @@ def _sliced(
     )  # fmt: skip
     last = h if h is not None else _tail_hidden(adapter, plan)
     kept_taps = dict.fromkeys(chunk_caps, tap)
-    return PrefillResult(buf, last, trace, 0, computed, capture, chunk_caps, kept_taps, tail=tail, reused_slices=reused)
+    return PrefillResult(
+        buf, last, trace, 0, computed, capture, chunk_caps, kept_taps, tail=tail, gaps=gaps, reused_slices=reused
+    )
 
 
 def _run_slices(

@@ -69,6 +69,9 @@ class Plan:
     #: (start, record), also in ``exact_records``; only text between chunks not cached is computed
     tail: tuple[int, KVRecord] | None = None
     tail_digest: str | None = None  # what names the tail's KV: every token before it (None: no tail)
+    #: text between chunks (a separator, a source's number) that exact KV may precede: segment index ->
+    #: the digest of every token before it, which names its KV (``kind="gap"``, held like the tail)
+    gap_digests: dict[int, str] = field(default_factory=dict)
     path: str = field(init=False)
     reason: str = ""
 
@@ -156,10 +159,15 @@ class Plan:
     def check_tail(self) -> None:
         """Drop the held tail unless what comes before it still gets exact KV (a conversation's turn
         put blended runs of its own KV in the plan since, or its prefix reaches into the tail): its
-        positions are computed then."""
+        positions are computed then. Held text between chunks past blended KV, or inside the
+        prefix, is dropped alike."""
         if self.tail is not None and (self.chunk_records or self.tail not in self.exact_records):
             self.exact_records = [sr for sr in self.exact_records if sr is not self.tail]
             self.tail = None
+        blended = min((s for s, _ in self.chunk_records), default=self.num_tokens)
+        self.exact_records = [
+            (s, r) for s, r in self.exact_records if r.kind != "gap" or self.prefix_len <= s < blended
+        ]
 
     def first_chunk_start(self) -> int:
         return min((s.start for s in self.segments if s.kind == "chunk"), default=self.num_tokens)
@@ -257,8 +265,11 @@ class Planner:
                 plan.prefix_records = plan.prefix_records[:bad]
         exact = ExactDigest(plan.ids)
         before: list[str] = []  # content ids of the chunks so far
+        first_chunk = plan.first_chunk_start()
         for i, s in enumerate(segments):
             if s.kind != "chunk":
+                if use_prefix and plan.prefix_len <= s.start and first_chunk < s.start and s.end <= tail_start:
+                    self._gap(plan, i, s, exact, quiet)
                 continue
             key = self.chunk_key(s.ids, namespace)
             use = ChunkUse(i, s.start, len(s.ids), key, False, "computed", context=tuple(before))
@@ -298,3 +309,13 @@ class Planner:
                     plan.tail = (tail_start, rec)
                     plan.exact_records.append(plan.tail)
         return plan
+
+    def _gap(self, plan: Plan, i: int, s: Segment, exact: ExactDigest, quiet: bool) -> None:
+        """Text between chunks: named by every token before it; its KV held exactly is reused when
+        nothing before it is blended (a prompt asked again places it instead of computing it)."""
+        digest = plan.gap_digests[i] = exact.at(s.start)
+        if plan.chunk_records:
+            return
+        rec = self.prefix_cache.lookup_tail(digest, list(s.ids), namespace=plan.namespace, quiet=quiet, kind="gap")
+        if rec is not None and rec.kv_shape == self.kv_shape:
+            plan.exact_records.append((s.start, rec))

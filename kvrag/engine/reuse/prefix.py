@@ -9,9 +9,9 @@ same positions, so the reused KV is exactly what was computed.
 
 A prompt's **tail** (what follows its last document chunk: the question, the assistant header) is
 kept apart, named by every token before it, with the hidden state of the prompt's last token: a
-prompt asked again whose KV before the tail is exact (prefix blocks, exact chunk variants, text
-between chunks computed again) computes nothing more, and its first token comes from the same
-hidden state as the first time.
+prompt asked again whose KV before the tail is exact (prefix blocks, exact chunk variants, the
+text between chunks: kept alike, ``kind="gap"``, named by every token before it) computes nothing
+more, and its first token comes from the same hidden state as the first time.
 """
 
 from __future__ import annotations
@@ -120,22 +120,44 @@ class PrefixCache:
             written += self._put(key, parent, tokens, k, v, pos - start, slices)
         return written
 
-    def tail_key(self, before: str, tokens: list[int], namespace: str) -> StoreKey:
-        """Where a tail's KV is stored: behind the tokens whose digest is ``before``
-        (:class:`~kvrag.engine.reuse.variants.ExactDigest`), in a tenant's chain."""
-        h = hashlib.sha256(b"kvrag-tail\0" + bytes.fromhex(self._root(namespace)) + before.encode())
+    def tail_key(self, before: str, tokens: list[int], namespace: str, kind: str = "tail") -> StoreKey:
+        """Where a tail's (or, ``kind="gap"``, text between chunks') KV is stored: behind the tokens
+        whose digest is ``before`` (:class:`~kvrag.engine.reuse.variants.ExactDigest`), in a tenant's chain."""
+        h = hashlib.sha256(f"kvrag-{kind}\0".encode() + bytes.fromhex(self._root(namespace)) + before.encode())
         h.update(token_bytes(tokens))
         return StoreKey(namespace, h.hexdigest())
 
-    def lookup_tail(self, before: str, tokens: list[int], *, namespace: str, quiet: bool = False) -> KVRecord | None:
-        """The tail ``tokens`` held behind ``before`` with its last hidden state, or None."""
-        key = self.tail_key(before, tokens, namespace)
+    def lookup_tail(
+        self, before: str, tokens: list[int], *, namespace: str, quiet: bool = False, kind: str = "tail"
+    ) -> KVRecord | None:
+        """The tail ``tokens`` held behind ``before`` with its last hidden state (``kind="gap"``: text
+        between chunks, no hidden state), or None."""
+        key = self.tail_key(before, tokens, namespace, kind)
         if not self.store.contains(key):  # a request's tail is new more often than not: no miss counted
             return None
         rec = (self.store.peek if quiet else self.store.get)(key, tokens)
-        if rec is None or rec.kind != "tail" or "last_hidden" not in rec.stats:
+        if rec is None or rec.kind != kind or (kind == "tail" and "last_hidden" not in rec.stats):
             return None
         return rec
+
+    def insert_gap(
+        self,
+        before: str,
+        tokens: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        namespace: str,
+        slices: tuple[int, int] | None = None,
+    ) -> int:
+        """Keep the pre-RoPE KV ``k``/``v`` [L, Hkv, T, D] of text between chunks, computed exactly
+        behind ``before`` (``slices``: as :meth:`insert`'s). Returns the number of new records (0 or 1)."""
+        key = self.tail_key(before, tokens, namespace, "gap")
+        if self.store.contains(key):
+            return 0
+        meta = {"before": before} if slices is None else mark({"before": before}, *slices)
+        rec = KVRecord(token_ids=torch.tensor(tokens), k=k, v=v, kind="gap", context="exact", meta=meta)
+        return int(self.store.put(key, rec))
 
     def insert_tail(
         self,

@@ -37,6 +37,7 @@ order).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -280,6 +281,7 @@ class WriteBack:
             )
             prefix_end = capture.end if kept_prefix else 0
         self._keep_tail(plan, res)
+        self._keep_gaps(plan, res)
         exact_end = plan.exact_end()
         spans = [ContextSpan(u.start, u.start + u.length, context_id(plan.segments[u.index].ids)) for u in plan.chunks]
         ranges = [(s.start, s.end) for s in spans]  # the first chunk measured measures them all (one pass)
@@ -347,6 +349,19 @@ class WriteBack:
             ),
             _nbytes(tail.k, tail.v, hidden),
         )
+
+    def _keep_gaps(self, plan: Plan, res) -> None:
+        """Keep the text between chunks computed exactly (``Plan.gap_digests``): a prompt asked again
+        places it instead of computing a few rows over cached KV (which rounds otherwise)."""
+        insert = self.planner.prefix_cache.insert_gap
+        for i, cap in res.gaps.items():
+            before = plan.gap_digests.get(i)
+            if before is None:
+                continue
+            seg = plan.segments[i]
+            k, v = cap.part(seg.start, seg.end)  # copied here: the request's buffer moves on
+            job = functools.partial(insert, before, list(seg.ids), k, v, namespace=plan.namespace, slices=cap.slices)
+            self._submit(job, _nbytes(k, v))
 
     def _submit(self, job: Callable[[], None], nbytes: int) -> bool:
         """Queue a job on the background thread; False if the bounded queue dropped it (counted)."""
@@ -444,6 +459,7 @@ class WriteBack:
                 return
             self.refresh_counts["runs"] += 1
             self._keep_tail(plan, res)
+            self._keep_gaps(plan, res)
             texts = {
                 u.index: [plan.segments[c.index].text for c in plan.chunks[: n + 1]] for n, u in enumerate(plan.chunks)
             }

@@ -65,3 +65,18 @@ def test_an_exact_prefix_is_reused_up_to_the_last_slice_boundary_below_its_end(t
         assert g.stats.computed_tokens == g.stats.prompt_tokens - (g.stats.prefix_tokens // SLICE) * SLICE
         assert torch.equal(last_logits(engine, docs, "prefix"), last_logits(engine, docs, "full"))
         assert g.token_ids == engine.generate(docs, PREFIX, SUFFIX, mode="full").token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_text_between_chunks_is_reused_in_whole_slices_too(tiny_model, tiny_tokenizer, dtype):
+    """Text between the documents is kept exactly with the slices' mark: the same prompt again reuses
+    every slice (nothing computed) and answers as the full prefill does."""
+    with make(as_dtype(tiny_model, dtype), tiny_tokenizer) as engine:
+        docs = make_docs(3, seed=73)
+        engine.register(docs)
+        prompt = PREFIX + "\n--\n".join(docs) + "\n" + SUFFIX
+        first = engine.generate(prompt=prompt)
+        engine.flush()
+        again = engine.generate(prompt=prompt)
+        assert again.stats.computed_tokens == 0 and again.stats.exact_tokens == again.stats.prompt_tokens
+        assert again.token_ids == first.token_ids == engine.generate(prompt=prompt, mode="full").token_ids

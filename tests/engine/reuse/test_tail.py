@@ -80,21 +80,47 @@ def test_the_tail_survives_the_disk_tier(tiny_model, tiny_tokenizer, tmp_path):
         assert again.stats.computed_tokens == 0 and again.token_ids == first.token_ids
 
 
-def test_text_between_chunks_is_computed_again_and_the_tail_still_held(tiny_model, tiny_tokenizer):
-    """A prompt with text between its documents (registered, found in ``prompt=``): that text is
-    computed again (exactly, behind exact KV), the tail is not."""
-    engine = make(tiny_model, tiny_tokenizer)
+def _separated(engine: Engine, docs: list[str]) -> str:
+    engine.register(docs)
+    return PREFIX + "\n--\n".join(docs) + "\n" + SUFFIX
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_text_between_chunks_is_held_like_the_tail(tiny_model, tiny_tokenizer, dtype):
+    """A prompt with text between its documents (registered, found in ``prompt=``): that text is kept
+    exactly too (``kind="gap"``, named by every token before it), so the prompt again computes
+    nothing, and its answer is the full prefill's token for token, in bf16 too (a few rows computed
+    over cached KV would round otherwise)."""
+    engine = make(as_dtype(tiny_model, dtype), tiny_tokenizer)
     with engine:
-        docs = make_docs(3, seed=65)
-        engine.register(docs)
-        prompt = PREFIX + "\n--\n".join(docs) + "\n" + SUFFIX
+        prompt = _separated(engine, make_docs(3, seed=65))
         first = engine.generate(prompt=prompt)
         engine.flush()
         again = engine.generate(prompt=prompt)
         engine.flush()
-        tail = again.stats.prompt_tokens - engine.count_tokens("\n" + SUFFIX)
-        assert 0 < again.stats.computed_tokens <= 2 * engine.count_tokens("\n--\n") < tail
+        s = again.stats
+        assert s.computed_tokens == 0 and s.exact_tokens == s.prompt_tokens and s.chunk_hits == 3
         assert again.token_ids == first.token_ids == engine.generate(prompt=prompt, mode="full").token_ids
+
+
+def test_text_between_chunks_after_blended_kv_is_computed(tiny_model, tiny_tokenizer):
+    """Text after a blended chunk was computed behind approximate KV: not reused as exact. Once the
+    refresh has computed the prompt exactly, it is held, and the prompt again computes nothing."""
+    engine = make(as_dtype(tiny_model, "bfloat16"), tiny_tokenizer)
+    with engine:
+        docs = make_docs(3, seed=67)
+        prompt = _separated(engine, docs)
+        engine.warm(docs[::-1])
+        blended = engine.generate(prompt=prompt)
+        assert blended.stats.path == "blend" and blended.stats.computed_tokens > 0
+        engine.flush()  # the refresh: the whole prompt exactly, the text between chunks and the tail kept
+        again = engine.generate(prompt=prompt)
+        engine.flush()
+        assert again.stats.computed_tokens == 0
+        assert again.token_ids == engine.generate(prompt=prompt, mode="full").token_ids
+        other = "\n==\n".join(docs)  # other separators: new text, computed; the chunks still exact
+        changed = engine.generate(prompt=PREFIX + other + "\n" + SUFFIX)
+        assert 0 < changed.stats.computed_tokens < changed.stats.prompt_tokens
 
 
 def test_a_held_tail_gives_way_to_a_conversations_own_kv(tiny_model, tiny_tokenizer):
