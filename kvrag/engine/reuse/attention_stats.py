@@ -68,6 +68,9 @@ class Tap:
         if self._match is None:
             return
         where, rows = self._match
+        if self.q[layer] is None and where.numel() == self.positions.numel():  # all here (one pass): one gather
+            self.q[layer] = q.index_select(1, rows)
+            return
         if self.q[layer] is None:
             self.q[layer] = q.new_zeros((q.shape[0], self.positions.numel(), q.shape[2]))
         self.q[layer][:, where] = q[:, rows]
