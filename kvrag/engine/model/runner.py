@@ -105,7 +105,15 @@ class KVCapture:
         self.start, self.end = start, end
         self.extra_end = end if extra_end is None else max(end, extra_end)
         shape = (adapter.n_layers, adapter.n_kv_heads, self.extra_end - start, adapter.head_dim)
-        self._k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        # keys copied inside a full prefill are kept token-major [L, T, Hkv, D], the layout the K
+        # projection writes (a head-major copy of it is a strided gather, ~2x slower), and turned
+        # head-major when first read (after the first token)
+        self._token_major = values_in is not None
+        if self._token_major:
+            shape_tm = (adapter.n_layers, self.extra_end - start, adapter.n_kv_heads, adapter.head_dim)
+            self._k = torch.empty(shape_tm, dtype=adapter.dtype, device=adapter.device)
+        else:
+            self._k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self._values_in = values_in
         self._v = None if values_in is not None else torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) of [start, end) once split off
@@ -119,11 +127,17 @@ class KVCapture:
         """[L, Hkv, extra_end - start, D]: every kept value (a view of the pass's buffer, if given one)."""
         return self._v if self._v is not None else self._values_in.v[:, :, self.start : self.extra_end]
 
+    def _keys(self) -> torch.Tensor:
+        """[L, Hkv, extra_end - start, D]: every kept key (made head-major once, if kept token-major)."""
+        if self._token_major:
+            self._k, self._token_major = self._k.transpose(1, 2).contiguous(), False
+        return self._k
+
     @property
     def k(self) -> torch.Tensor:
         """[L, Hkv, end - start, D]: the keys (without RoPE)."""
         if self.extra_end == self.end:
-            return self._k
+            return self._keys()
         return self._split()[0]
 
     @property
@@ -138,7 +152,7 @@ class KVCapture:
     def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._parts is None:
             n = self.end - self.start
-            self._parts = (self._k[:, :, :n].clone(), self._values()[:, :, :n].clone())
+            self._parts = (self._keys()[:, :, :n].clone(), self._values()[:, :, :n].clone())
         return self._parts
 
     def part(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,15 +160,18 @@ class KVCapture:
         if not self.start <= a <= b <= self.extra_end:
             raise ValueError(f"[{a}, {b}) is not within the captured [{self.start}, {self.extra_end})")
         i, j = a - self.start, b - self.start
-        return self._k[:, :, i:j].clone(), self._values()[:, :, i:j].clone()
+        return self._keys()[:, :, i:j].clone(), self._values()[:, :, i:j].clone()
 
     def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
         """Keep the captured positions' K/V of one layer; ``rows``: the host's facts about ``pos``."""
         start, end = self.start, self.extra_end
+        # kept token-major: the rows [R, Hkv, D] go to [T, Hkv, D]; else [Hkv, R, D] to [Hkv, T, D]
+        keys, k_rows = (self._k[layer], k.transpose(0, 1)) if self._token_major else (self._k[layer], k)
+        at = 0 if self._token_major else 1  # the positions' dimension
         if rows.contiguous:  # rows are positions [first, last]: slice, no masks
             a, b = max(start, rows.first), min(end, rows.last + 1)
             if a < b:
-                self._k[layer, :, a - start : b - start] = k[:, a - rows.first : b - rows.first]
+                keys.narrow(at, a - start, b - a).copy_(k_rows.narrow(at, a - rows.first, b - a))
                 if self._v is not None:
                     self._v[layer, :, a - start : b - start] = v[:, a - rows.first : b - rows.first]
             return
@@ -163,7 +180,10 @@ class KVCapture:
             self._rows, self._sel = pos, (None if not bool(sel.any()) else sel)
         if self._sel is not None:
             idx = pos[self._sel] - start
-            self._k[layer][:, idx] = k[:, self._sel]
+            if self._token_major:
+                keys[idx] = k_rows[self._sel]
+            else:
+                keys[:, idx] = k[:, self._sel]
             if self._v is not None:
                 self._v[layer][:, idx] = v[:, self._sel]
 
