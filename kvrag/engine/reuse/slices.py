@@ -22,7 +22,7 @@ import torch
 
 from kvrag.engine.store.base import KVRecord
 
-__all__ = ["META_KEY", "mark", "canonical_end", "plan_slices"]
+__all__ = ["META_KEY", "mark", "marked", "canonical_end", "plan_slices"]
 
 #: The record meta field holding ``[slice_tokens, end]``: its KV at positions below ``end`` is what a
 #: prefill in slices of ``slice_tokens`` computes there.
@@ -34,13 +34,22 @@ def mark(meta: dict, slice_tokens: int, end: int) -> dict:
     return {**meta, META_KEY: [int(slice_tokens), int(end)]}
 
 
+def marked(meta: dict | None, slice_tokens: int) -> bool:
+    """Whether a record's ``meta`` carries the mark of KV computed in slices of ``slice_tokens``.
+
+    Exact KV without it (a blend's one pass computed it, or an engine without ``deterministic``)
+    holds the right tokens but not a sliced prefill's bits: under ``deterministic`` the planner
+    treats it as not held, so what computes it again in slices keeps it in its place."""
+    found = (meta or {}).get(META_KEY)
+    return isinstance(found, (list, tuple)) and len(found) == 2 and found[0] == slice_tokens
+
+
 def canonical_end(rec: KVRecord, start: int, slice_tokens: int) -> int:
     """The end of the positions of ``rec`` (placed at ``start``) whose KV a prefill in slices of
     ``slice_tokens`` would compute bit for bit (``start`` if none: unmarked, or another size)."""
-    marked = rec.meta.get(META_KEY)
-    if not isinstance(marked, (list, tuple)) or len(marked) != 2 or marked[0] != slice_tokens:
+    if not marked(rec.meta, slice_tokens):
         return start
-    return max(start, min(start + rec.num_tokens, int(marked[1])))
+    return max(start, min(start + rec.num_tokens, int(rec.meta[META_KEY][1])))
 
 
 def plan_slices(n: int, slice_tokens: int, canonical: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:

@@ -80,3 +80,42 @@ def test_text_between_chunks_is_reused_in_whole_slices_too(tiny_model, tiny_toke
         again = engine.generate(prompt=prompt)
         assert again.stats.computed_tokens == 0 and again.stats.exact_tokens == again.stats.prompt_tokens
         assert again.token_ids == first.token_ids == engine.generate(prompt=prompt, mode="full").token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_blended_prompt_asked_again_after_its_refresh_reuses_its_slices(tiny_model, tiny_tokenizer, dtype):
+    """Issue 60's "again" bug: a document a blend's one pass computed (missed, everything before it
+    exact) was kept exact without the slice mark, the refresh skipped it, and the same prompt again
+    recomputed its slices while its plan said exact. The refresh now recomputes such KV in slices."""
+    with make(as_dtype(tiny_model, dtype), tiny_tokenizer, promotion_threshold=1) as engine:
+        docs = make_docs(4, seed=75)
+        engine.generate(docs[:2], PREFIX, SUFFIX)  # docs 0 and 1 computed exactly behind each other
+        engine.flush()
+        prompt = [docs[2], docs[1], docs[0]]  # doc 2 computed in the blend's one pass; 1 and 0 blended
+        first = engine.generate(prompt, PREFIX, SUFFIX)
+        assert [c.source for c in first.stats.chunks] == ["computed", "store", "store"]
+        engine.flush()  # the idle-time refresh computes the prompt exactly, in slices
+        again = engine.generate(prompt, PREFIX, SUFFIX)
+        s = again.stats
+        assert [c.source for c in s.chunks] == ["tree"] * 3 and s.recomputed_tokens == 0
+        assert s.computed_tokens == 0 and s.exact_tokens == s.prompt_tokens  # every slice reused: the tail held
+        assert again.token_ids == engine.generate(prompt, PREFIX, SUFFIX, mode="full").token_ids
+        assert torch.equal(last_logits(engine, prompt, "blend"), last_logits(engine, prompt, "full"))
+        other = engine.generate(prompt, PREFIX, "tell me, " + SUFFIX)  # another question: only its last slices
+        tail = len(tiny_tokenizer("tell me, " + SUFFIX, add_special_tokens=False)["input_ids"])
+        assert 0 < other.stats.computed_tokens <= tail + SLICE
+        assert other.token_ids == engine.generate(prompt, PREFIX, "tell me, " + SUFFIX, mode="full").token_ids
+
+
+def test_the_refresh_keeps_again_in_slices_the_lead_a_blend_kept(tiny_model, tiny_tokenizer):
+    """A cold blend (every document warmed in other company) keeps the lead's prefix blocks from its
+    one pass, unmarked: the planner takes them for not held, and the refresh keeps them in slices."""
+    with make(as_dtype(tiny_model, "bfloat16"), tiny_tokenizer, promotion_threshold=1) as engine:
+        docs = make_docs(3, seed=77)
+        engine.warm(docs[::-1])
+        first = engine.generate(docs, PREFIX, SUFFIX)
+        assert [c.source for c in first.stats.chunks] == ["store"] * 3 and first.stats.prefix_tokens == 0
+        engine.flush()
+        again = engine.generate(docs, PREFIX, SUFFIX)
+        assert again.stats.computed_tokens == 0 and again.stats.prefix_tokens > 0
+        assert again.token_ids == engine.generate(docs, PREFIX, SUFFIX, mode="full").token_ids
