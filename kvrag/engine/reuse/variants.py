@@ -349,7 +349,8 @@ class StoredVariants:
         if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
             self._indexed(key, key)
             slot = variant_slot(key, context, exact)
-            if self.store.contains(slot):
+            first_exact = exact is not None and any(v.key == key and v.exact == exact for v in self.index.variants(key))
+            if self.store.contains(slot) or first_exact:  # kept once: the first variant may be that exact one
                 return False
             if speculative and not self.room(key):
                 return False  # a variant kept ahead of need never pushes out one a request kept
