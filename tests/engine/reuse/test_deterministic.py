@@ -176,6 +176,9 @@ def test_the_same_prompt_again_reuses_its_last_partial_slice(tiny_model, tiny_to
         engine.flush()
         again = engine.generate(docs, PREFIX, "?")
         assert again.stats.computed_tokens == 0 and again.token_ids == first.token_ids
+        assert torch.equal(
+            last_logits(engine, docs, "blend", suffix="?"), last_logits(engine, docs, "full", suffix="?")
+        )
         longer = engine.generate(docs, PREFIX, "? " * SLICE)  # the same chunks, the slice there of another shape
         assert longer.stats.computed_tokens >= n % SLICE
         assert longer.token_ids == engine.generate(docs, PREFIX, "? " * SLICE, mode="full").token_ids
