@@ -37,13 +37,15 @@ def prompt_ids(engine, chunks, prefix=PREFIX, suffix=SUFFIX, *, bos: tuple[int, 
     return torch.tensor(ids, dtype=torch.long)
 
 
-def last_logits(engine, chunks, mode, ratio=None, selection=None):
+def last_logits(engine, chunks, mode, ratio=None, selection=None, suffix=SUFFIX):
     """The prompt's last-token logits [V] after a prefill in ``mode`` (the engine's own request path)."""
     from kvrag import RequestOptions
 
     options = RequestOptions(max_new_tokens=0, mode=mode, recompute_ratio=ratio, selection=selection)
-    req = engine.requests.build(chunks=chunks, prefix=PREFIX, suffix=SUFFIX, options=options)
-    assert torch.equal(req.ids, prompt_ids(engine, chunks)), "kvrag's prompt differs from the tokenizer's"
+    req = engine.requests.build(chunks=chunks, prefix=PREFIX, suffix=suffix, options=options)
+    assert torch.equal(req.ids, prompt_ids(engine, chunks, suffix=suffix)), (
+        "kvrag's prompt differs from the tokenizer's"
+    )
     _, _, res = engine.prefiller.run(req, capacity=req.num_tokens)
     return engine.adapter.logits(res.last_hidden)[0]
 

@@ -119,9 +119,10 @@ class KVCapture:
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) of [start, end) once split off
         self._rows: torch.Tensor | None = None  # the scattered rows last looked at, and which of them are kept
         self._sel: torch.Tensor | None = None
-        #: (slice size, end): a prefill in fixed slices computed it, its KV below ``end`` what any such
-        #: prefill computes there (:mod:`kvrag.engine.reuse.slices`); None: a pass of another shape
-        self.slices: tuple[int, int] | None = None
+        #: (slice size, end, total): a prefill in fixed slices of a ``total``-token prompt computed it, its
+        #: KV below ``end`` what any such prefill computes there, below ``total`` what one of a prompt that
+        #: long does (:mod:`kvrag.engine.reuse.slices`); None: a pass of another shape
+        self.slices: tuple[int, ...] | None = None
 
     def _values(self) -> torch.Tensor:
         """[L, Hkv, extra_end - start, D]: every kept value (a view of the pass's buffer, if given one)."""

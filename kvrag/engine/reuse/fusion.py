@@ -212,7 +212,7 @@ def _sliced(
     when cached KV computed so covers it, else computed whole: the full prefill's bits."""
     n, size = plan.num_tokens, options.slice_tokens
     spans = plan.prefix_records + plan.exact_records  # no blended records on this path
-    slices = plan_slices(n, size, [(s, canonical_end(r, s, size)) for s, r in spans])
+    slices = plan_slices(n, size, [(s, canonical_end(r, s, size, n)) for s, r in spans])
     reused = [(a, b) for a, b, r in slices if r]
     if len(reused) == len(slices):  # the prompt held whole (its tail kept with its hidden state)
         return dataclasses.replace(_held(adapter, plan, capacity), reused_slices=reused)
@@ -220,11 +220,9 @@ def _sliced(
     trace = Trace()
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
     capture, chunk_caps, tail, gaps = _captures(adapter, plan, options)
-    canonical = n - n % size  # the end of the prompt's last full slice
-    for cap in _distinct(capture, *chunk_caps.values(), *gaps.values()):
-        cap.slices = (size, canonical)
-    if tail is not None:  # only this prompt again reuses its tail: its last slice has the same shape then
-        tail.slices = (size, n)
+    canonical = n - n % size  # the end of the prompt's last full slice: past it, what a prompt this long computes
+    for cap in _distinct(capture, *chunk_caps.values(), *gaps.values(), tail):
+        cap.slices = (size, canonical, n)
     captures = _distinct(capture, *chunk_caps.values(), *gaps.values(), tail)
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None

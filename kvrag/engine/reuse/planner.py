@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvrag.engine.reuse.prefix import PrefixCache
 from kvrag.engine.reuse.segments import Segment, prompt_ids
+from kvrag.engine.reuse.slices import marked
 from kvrag.engine.reuse.variants import ExactDigest, StoredVariants, context_id, fix_overhead, prefix_overlap
 from kvrag.engine.store.base import KVRecord, StoreKey, chunk_key
 
@@ -190,6 +191,10 @@ class Planner:
             another kind of context never mix).
         kv_shape: (layers, KV heads, head dim) of the model: a prefix record of another shape ends
             the reused prefix (chunk records are judged by ``variants``).
+        slice_tokens: > 0 (``EngineConfig.deterministic``): exact KV is reused only if computed in
+            slices of this size (:func:`~kvrag.engine.reuse.slices.marked`); other exact KV (a blend's
+            one pass computed it) is treated as not held, so what computes it again (a request's
+            prefill in slices, the refresh) keeps it marked in its place.
     """
 
     def __init__(
@@ -201,6 +206,7 @@ class Planner:
         namespace: str,
         context_label: str,
         kv_shape: tuple[int, int, int],
+        slice_tokens: int = 0,
     ) -> None:
         self.variants = variants
         self.prefix_cache = prefix_cache
@@ -208,6 +214,7 @@ class Planner:
         self.namespace = namespace
         self.context_label = context_label
         self.kv_shape = tuple(kv_shape)
+        self.slice_tokens = slice_tokens
 
     def chunk_key(self, ids: list[int], namespace: str | None = None) -> StoreKey:
         """Key of a chunk's KV for a tenant (default: the engine's namespace)."""
@@ -256,7 +263,12 @@ class Planner:
         tail_start = plan.tail_start()
         if use_prefix:
             plan.prefix_len, plan.prefix_records = self.prefix_cache.lookup(
-                plan.ids, plan.boundaries, min(limit, tail_start), namespace=namespace, quiet=quiet
+                plan.ids,
+                plan.boundaries,
+                min(limit, tail_start),
+                namespace=namespace,
+                quiet=quiet,
+                slice_tokens=self.slice_tokens,
             )
             # a record of another shape (only a forged one) ends the prefix where it starts
             bad = next((i for i, (_, r) in enumerate(plan.prefix_records) if r.kv_shape != self.kv_shape), None)
@@ -287,12 +299,13 @@ class Planner:
                 info, rec = self.variants.exact(key, s.ids, use.digest)
             else:
                 info, rec = self.variants.best(key, s.ids, use.context, use.digest, quiet=quiet)
-            if rec is None:
-                continue
+            exact_here = info is not None and info.exact is not None and info.exact == use.digest
+            if rec is None or (exact_here and self.slice_tokens and not marked(rec.meta, self.slice_tokens)):
+                continue  # not held (exact KV not computed in slices counts as not held: see slice_tokens)
             use.hit, use.found, use.tier = True, True, rec.tier
             use.fix = fix_overhead(info, use.context, use.digest)
             use.overlap = prefix_overlap(info, use.context)
-            if info.exact is not None and info.exact == use.digest:
+            if exact_here:
                 use.source = "tree"
                 plan.exact_records.append((s.start, rec))
             else:
@@ -304,7 +317,9 @@ class Planner:
             plan.tail_digest = exact.at(tail_start)
             if not plan.chunk_records:  # what comes before the tail is exact: cached so, or computed
                 tokens = plan.ids[tail_start:]
-                rec = self.prefix_cache.lookup_tail(plan.tail_digest, tokens, namespace=namespace, quiet=quiet)
+                rec = self.prefix_cache.lookup_tail(
+                    plan.tail_digest, tokens, namespace=namespace, quiet=quiet, slice_tokens=self.slice_tokens
+                )
                 if rec is not None and rec.kv_shape == self.kv_shape:
                     plan.tail = (tail_start, rec)
                     plan.exact_records.append(plan.tail)
@@ -316,6 +331,8 @@ class Planner:
         digest = plan.gap_digests[i] = exact.at(s.start)
         if plan.chunk_records:
             return
-        rec = self.prefix_cache.lookup_tail(digest, list(s.ids), namespace=plan.namespace, quiet=quiet, kind="gap")
+        rec = self.prefix_cache.lookup_tail(
+            digest, list(s.ids), namespace=plan.namespace, quiet=quiet, kind="gap", slice_tokens=self.slice_tokens
+        )
         if rec is not None and rec.kv_shape == self.kv_shape:
             plan.exact_records.append((s.start, rec))

@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from kvrag.engine.reuse.slices import mark
+from kvrag.engine.reuse.slices import mark, marked
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, token_bytes
 
 __all__ = ["PrefixCache"]
@@ -45,10 +45,19 @@ class PrefixCache:
         return h.hexdigest()
 
     def lookup(
-        self, ids: list[int], boundaries: list[int], limit: int, *, namespace: str, quiet: bool = False
+        self,
+        ids: list[int],
+        boundaries: list[int],
+        limit: int,
+        *,
+        namespace: str,
+        quiet: bool = False,
+        slice_tokens: int = 0,
     ) -> tuple[int, list[tuple[int, KVRecord]]]:
         """Longest cached exact prefix of ``ids``, at most ``limit`` tokens (``quiet``: looks, not
-        uses: :meth:`~kvrag.engine.store.base.KVStore.peek`).
+        uses: :meth:`~kvrag.engine.store.base.KVStore.peek`). ``slice_tokens`` > 0 (``deterministic``):
+        the prefix ends at the first block not computed in slices of that size
+        (:func:`~kvrag.engine.reuse.slices.marked`).
 
         Returns:
             (length, [(start, record), ...]) with records covering [0, length) in order.
@@ -60,7 +69,7 @@ class PrefixCache:
             tokens = ids[pos : pos + self.block]
             digest = self._child(parent, tokens)
             rec = fetch(StoreKey(namespace, digest), tokens)
-            if rec is None or rec.meta.get("parent") != parent:
+            if rec is None or rec.meta.get("parent") != parent or not _fits(rec, slice_tokens):
                 break
             found.append((pos, rec))
             parent, pos = digest, pos + self.block
@@ -69,7 +78,7 @@ class PrefixCache:
             tokens = ids[pos:b]
             digest = self._child(parent, tokens)
             rec = fetch(StoreKey(namespace, digest), tokens)
-            if rec is not None and rec.meta.get("parent") == parent:
+            if rec is not None and rec.meta.get("parent") == parent and _fits(rec, slice_tokens):
                 found.append((pos, rec))
                 pos = b
                 break
@@ -96,9 +105,10 @@ class PrefixCache:
         boundaries: list[int],
         *,
         namespace: str,
-        slices: tuple[int, int] | None = None,
+        slices: tuple[int, ...] | None = None,
     ) -> int:
-        """Store blocks of the exact prefix [0, end) that are not stored yet.
+        """Store blocks of the exact prefix [0, end) that are not stored yet (or stored without the
+        mark of ``slices``: replaced).
 
         ``k``/``v`` [L, Hkv, end - start, D] hold the pre-RoPE KV of positions [start, end); blocks
         before ``start`` are assumed stored (they were reused). ``slices``: the capture's
@@ -128,15 +138,24 @@ class PrefixCache:
         return StoreKey(namespace, h.hexdigest())
 
     def lookup_tail(
-        self, before: str, tokens: list[int], *, namespace: str, quiet: bool = False, kind: str = "tail"
+        self,
+        before: str,
+        tokens: list[int],
+        *,
+        namespace: str,
+        quiet: bool = False,
+        kind: str = "tail",
+        slice_tokens: int = 0,
     ) -> KVRecord | None:
         """The tail ``tokens`` held behind ``before`` with its last hidden state (``kind="gap"``: text
-        between chunks, no hidden state), or None."""
+        between chunks, no hidden state), or None (``slice_tokens``: as :meth:`lookup`'s)."""
         key = self.tail_key(before, tokens, namespace, kind)
         if not self.store.contains(key):  # a request's tail is new more often than not: no miss counted
             return None
         rec = (self.store.peek if quiet else self.store.get)(key, tokens)
         if rec is None or rec.kind != kind or (kind == "tail" and "last_hidden" not in rec.stats):
+            return None
+        if not _fits(rec, slice_tokens):
             return None
         return rec
 
@@ -148,12 +167,13 @@ class PrefixCache:
         v: torch.Tensor,
         *,
         namespace: str,
-        slices: tuple[int, int] | None = None,
+        slices: tuple[int, ...] | None = None,
     ) -> int:
         """Keep the pre-RoPE KV ``k``/``v`` [L, Hkv, T, D] of text between chunks, computed exactly
-        behind ``before`` (``slices``: as :meth:`insert`'s). Returns the number of new records (0 or 1)."""
+        behind ``before`` (``slices``: as :meth:`insert`'s, text held without their mark replaced). Returns
+        the number of new records (0 or 1)."""
         key = self.tail_key(before, tokens, namespace, "gap")
-        if self.store.contains(key):
+        if not self._replaces(key, slices):
             return 0
         meta = {"before": before} if slices is None else mark({"before": before}, *slices)
         rec = KVRecord(token_ids=torch.tensor(tokens), k=k, v=v, kind="gap", context="exact", meta=meta)
@@ -168,13 +188,13 @@ class PrefixCache:
         last_hidden: torch.Tensor,
         *,
         namespace: str,
-        slices: tuple[int, int] | None = None,
+        slices: tuple[int, ...] | None = None,
     ) -> int:
         """Keep a tail's pre-RoPE KV ``k``/``v`` [L, Hkv, T, D], computed exactly behind ``before``, and
-        the prompt's last hidden state [1, E] (``slices``: as :meth:`insert`'s). Returns the number of
-        new records (0 or 1)."""
+        the prompt's last hidden state [1, E] (``slices``: as :meth:`insert`'s, a tail held without
+        their mark replaced). Returns the number of new records (0 or 1)."""
         key = self.tail_key(before, tokens, namespace)
-        if self.store.contains(key):
+        if not self._replaces(key, slices):
             return 0
         rec = KVRecord(
             token_ids=torch.tensor(tokens),
@@ -187,8 +207,18 @@ class PrefixCache:
         )
         return int(self.store.put(key, rec))
 
+    def _replaces(self, key: StoreKey, slices: tuple[int, ...] | None) -> bool:
+        """Whether a record computed so (``slices``) goes under ``key``: nothing is there, or what is
+        there was not computed in slices of that size (it is removed: this one replaces it)."""
+        if not self.store.contains(key):
+            return True
+        if slices is None or marked(self.store.meta(key), slices[0]):
+            return False
+        self.store.remove(key)
+        return True
+
     def _put(self, key: StoreKey, parent: str, tokens: list[int], k, v, offset: int, slices=None) -> int:
-        if self.store.contains(key):
+        if not self._replaces(key, slices):
             return 0
         n = len(tokens)
         rec = KVRecord(
@@ -200,3 +230,8 @@ class PrefixCache:
             meta={"parent": parent} if slices is None else mark({"parent": parent}, *slices),
         )
         return int(self.store.put(key, rec))
+
+
+def _fits(rec: KVRecord, slice_tokens: int) -> bool:
+    """Whether a record's KV may be reused exactly: always, or (``slice_tokens`` > 0) computed in such slices."""
+    return not slice_tokens or marked(rec.meta, slice_tokens)

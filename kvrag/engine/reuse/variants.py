@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrag.engine.reuse.slices import META_KEY, marked
 from kvrag.engine.store.base import KVRecord, KVStore, StoreKey, token_bytes
 
 __all__ = [
@@ -335,16 +336,21 @@ class StoredVariants:
         attention statistics, when measured) so the variant can be scored again from the record.
         ``speculative``: kept ahead of any request for it: not kept when the chunk is at the cap (it
         pushes out no variant), and the store's ``put`` gives it no room a request's entry holds and
-        evicts it first until it is used.
+        evicts it first until it is used. An exact record computed in fixed slices (its meta marked:
+        :mod:`kvrag.engine.reuse.slices`) replaces the variant exact behind the same tokens kept
+        without that mark.
         """
         record.meta = {**record.meta, "context": list(context)}
         if exact is not None:
             record.meta["exact"] = exact
+            if META_KEY in record.meta:
+                self._drop_unmarked(key, exact, record.meta[META_KEY][0])
         slot = key
         if self.store.contains(key):  # the chunk has a first variant: make sure the index knows it
             self._indexed(key, key)
             slot = variant_slot(key, context, exact)
-            if self.store.contains(slot):
+            first_exact = exact is not None and any(v.key == key and v.exact == exact for v in self.index.variants(key))
+            if self.store.contains(slot) or first_exact:  # kept once: the first variant may be that exact one
                 return False
             if speculative and not self.room(key):
                 return False  # a variant kept ahead of need never pushes out one a request kept
@@ -353,6 +359,21 @@ class StoredVariants:
         for old in self.index.add(key, VariantInfo.from_record(slot, record)):
             self.store.remove(old)
         return True
+
+    def _drop_unmarked(self, key: StoreKey, exact: str, slice_tokens: int) -> None:
+        """Remove the chunk's variants exact behind the tokens ``exact`` names that were not computed in
+        slices of ``slice_tokens`` (a variant so computed takes their place)."""
+        if self.store.contains(key):
+            self._indexed(key, key)
+        for info in self.index.variants(key):
+            if info.exact == exact and not marked(self.store.meta(info.key), slice_tokens):
+                self.store.remove(info.key)
+                self.index.drop(key, info.key)
+
+    def holds_exact(self, key: StoreKey, exact: str) -> bool:
+        """Whether the index knows a variant of the chunk exact behind the tokens ``exact`` names (a
+        variant computed there again replaces it: it needs no room)."""
+        return any(v.exact == exact for v in self.index.variants(key))
 
     def _indexed(self, key: StoreKey, slot: StoreKey) -> bool:
         """Whether the index knows variant ``slot`` of the chunk whose own key is ``key``; one the

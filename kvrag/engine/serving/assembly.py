@@ -127,6 +127,7 @@ def assemble(
         namespace=config.namespace,
         context_label=context_label(config.chunk_context, sink_ids),
         kv_shape=kv_shape,
+        slice_tokens=config.deterministic_slice_tokens if config.deterministic else 0,
     )
     computer = ChunkComputer(adapter, prompt_tokenizer.tokenize, sink_ids, config.chunk_context, context_window)
     documents = DocumentFinder(namespace=config.namespace)

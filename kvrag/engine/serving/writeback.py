@@ -262,24 +262,7 @@ class WriteBack:
     def schedule(self, plan: Plan, res) -> None:
         """After the first token: keep the exact prefix blocks and the KV of chunks seen first; refresh
         a blended chunk sequence (``tree_refresh``)."""
-        capture = res.capture
-        prefix_end = 0
-        if capture is not None:
-            prompt_ids, bounds, namespace = plan.ids, plan.boundaries, plan.namespace
-            kept_prefix = self._submit(
-                lambda: self.planner.prefix_cache.insert(
-                    prompt_ids,
-                    capture.k,
-                    capture.v,
-                    capture.start,
-                    capture.end,
-                    bounds,
-                    namespace=namespace,
-                    slices=capture.slices,
-                ),
-                _nbytes(capture.k, capture.v),
-            )
-            prefix_end = capture.end if kept_prefix else 0
+        prefix_end = self._keep_prefix(plan, res.capture)
         self._keep_tail(plan, res)
         self._keep_gaps(plan, res)
         exact_end = plan.exact_end()
@@ -289,6 +272,9 @@ class WriteBack:
         if self._computed is not None:  # the order their KV was first computed in (frequency order's ties)
             self._computed(plan.namespace, [plan.segments[u.index].text for u in plan.chunks if u.index in kept])
         written_exact = set()
+        # exact KV a pass not in fixed slices computed: with ``deterministic`` the planner takes it for
+        # not held (kvrag.engine.reuse.slices.marked) until the refresh computes it again in slices
+        unsliced = set()
         keys, keys_held = None, False  # the keys measured chunks need: one copy for all, counted once
         for n, use in enumerate(plan.chunks):
             if use.index not in kept:
@@ -301,6 +287,8 @@ class WriteBack:
             job = (use.key, context, exact)
             if exact is not None:
                 written_exact.add(use.index)
+                if self.planner.slice_tokens and cap.slices is None:
+                    unsliced.add(use.index)
             if job in self._pending:
                 continue
             ids = list(plan.segments[use.index].ids)
@@ -320,7 +308,7 @@ class WriteBack:
                 self._pending.discard(job)
                 written_exact.discard(use.index)
         self._tell_stored(plan, written_exact, prefix_end)
-        self._schedule_refresh(plan, written_exact)
+        self._schedule_refresh(plan, written_exact - unsliced, unsliced)
 
     def _tell_stored(self, plan: Plan, written_exact: set[int], prefix_end: int) -> None:
         """Tell the access table the request's leading run of chunks held exactly from now on: reused
@@ -335,6 +323,26 @@ class WriteBack:
             run.append(plan.segments[u.index].text)
         if run:
             self._stored(plan.namespace, run)
+
+    def _keep_prefix(self, plan: Plan, capture: KVCapture | None) -> int:
+        """Keep the exact prefix blocks a prefill captured; the end of the prefix kept (0: none)."""
+        if capture is None:
+            return 0
+        prompt_ids, bounds, namespace = plan.ids, plan.boundaries, plan.namespace
+        kept = self._submit(
+            lambda: self.planner.prefix_cache.insert(
+                prompt_ids,
+                capture.k,
+                capture.v,
+                capture.start,
+                capture.end,
+                bounds,
+                namespace=namespace,
+                slices=capture.slices,
+            ),
+            _nbytes(capture.k, capture.v),
+        )
+        return capture.end if kept else 0
 
     def _keep_tail(self, plan: Plan, res) -> None:
         """Keep the prompt's tail computed exactly, with its last hidden state (``Plan.tail``)."""
@@ -377,8 +385,10 @@ class WriteBack:
 
     # -- the knowledge tree's refresh -----------------------------------------------------------------
 
-    def _schedule_refresh(self, plan: Plan, written_exact: set[int]) -> None:
-        """Post background work that computes a blended request's chunk sequence exactly."""
+    def _schedule_refresh(self, plan: Plan, written_exact: set[int], unsliced: set[int]) -> None:
+        """Post background work that computes a blended request's chunk sequence exactly (``unsliced``:
+        chunks written exact from a pass not in fixed slices, computed again in slices, past the
+        promotion gate: they are kept exact already)."""
         if not (self.config.tree_refresh and self.keeps(plan) and plan.chunk_records):
             return
         # chunks whose KV here was not exact and will not be stored exact by the write-back above
@@ -392,7 +402,7 @@ class WriteBack:
         ]
         if targets and self._promoted is not None:  # CRAFT: only the leading run of recurring chunks
             lead = self._promoted(plan.namespace, [plan.segments[u.index].text for u in plan.chunks])
-            allowed = {u.index for u in plan.chunks[:lead]}
+            allowed = {u.index for u in plan.chunks[:lead]} | unsliced
             kept = [u for u in targets if u.index in allowed]
             self.refresh_counts["unpromoted"] += len(targets) - len(kept)
             targets = kept
@@ -427,7 +437,8 @@ class WriteBack:
         """On the engine thread: compute ``segments`` exactly (reusing only exact KV) and keep the targets."""
         again, t0 = False, time.perf_counter()
         try:
-            room = [u for u in targets if self.variants.room(u.key)]
+            # a chunk kept exact here without the slices' mark is replaced in place: it needs no room
+            room = [u for u in targets if self.variants.room(u.key) or self.variants.holds_exact(u.key, u.digest)]
             self.refresh_counts["at_cap"] += len(targets) - len(room)
             if not room:  # kept ahead of need, a refreshed variant would push out none: not computed
                 return
@@ -445,9 +456,13 @@ class WriteBack:
             targets = [u for u in targets if u.index in computed]  # not those stored exact meanwhile
             if not targets:
                 return
+            lead = 0  # deterministic: the lead's prefix blocks a blend's pass kept unmarked, kept again in slices
+            if self.planner.slice_tokens and self.config.prefix_cache:
+                lead = min(plan.first_chunk_start(), plan.tail_start())
             options = PrefillOptions.from_config(
                 self.config,
                 self.computer.adapter.n_layers,
+                capture_end=lead,
                 capture_chunks=tuple(u.index for u in targets),
                 capture_tail=plan.tail_digest is not None,
             )
@@ -458,6 +473,7 @@ class WriteBack:
                 self.refresh_counts["preempted" if again else "dropped"] += 1
                 return
             self.refresh_counts["runs"] += 1
+            self._keep_prefix(plan, res.capture)
             self._keep_tail(plan, res)
             self._keep_gaps(plan, res)
             texts = {
