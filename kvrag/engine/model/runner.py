@@ -85,9 +85,13 @@ class QueryTap(Protocol):
 class KVCapture:
     """Keeps the fresh pre-RoPE K and V of positions [start, end) as they are computed.
 
+    Kept token-major ([L, T, Hkv, D]: the layout the K and V projections write, so each layer's
+    copy is contiguous; a head-major copy of it is a strided gather, ~2-4x slower) and turned
+    head-major ([L, Hkv, T, D], what records hold) when first read: after the request's first token.
+
     ``values_in``: the buffer a pass computing every row of the range writes (a full prefill). V
     carries no RoPE, so the buffer holds exactly what a copy would; :attr:`v` is then read from it
-    when first asked (after the request's first token: write-back), not copied inside the pass.
+    when first asked (write-back), not copied inside the pass.
 
     ``extra_end``: positions [end, extra_end) are kept too, by the same copies (the text after a
     chunk, up to the next one: :meth:`part` gives it, :attr:`k` and :attr:`v` do not), so a pass
@@ -104,35 +108,33 @@ class KVCapture:
     ) -> None:
         self.start, self.end = start, end
         self.extra_end = end if extra_end is None else max(end, extra_end)
-        shape = (adapter.n_layers, adapter.n_kv_heads, self.extra_end - start, adapter.head_dim)
-        # keys copied inside a full prefill are kept token-major [L, T, Hkv, D], the layout the K
-        # projection writes (a head-major copy of it is a strided gather, ~2x slower), and turned
-        # head-major when first read (after the first token)
-        self._token_major = values_in is not None
-        if self._token_major:
-            shape_tm = (adapter.n_layers, self.extra_end - start, adapter.n_kv_heads, adapter.head_dim)
-            self._k = torch.empty(shape_tm, dtype=adapter.dtype, device=adapter.device)
-        else:
-            self._k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        shape = (adapter.n_layers, self.extra_end - start, adapter.n_kv_heads, adapter.head_dim)  # token-major
+        self._k = torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
         self._values_in = values_in
         self._v = None if values_in is not None else torch.empty(shape, dtype=adapter.dtype, device=adapter.device)
+        self._k_tm, self._v_tm = True, values_in is None  # still token-major
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) of [start, end) once split off
         self._rows: torch.Tensor | None = None  # the scattered rows last looked at, and which of them are kept
         self._sel: torch.Tensor | None = None
-        #: (slice size, end, total): a prefill in fixed slices of a ``total``-token prompt computed it, its
-        #: KV below ``end`` what any such prefill computes there, below ``total`` what one of a prompt that
-        #: long does (:mod:`kvrag.engine.reuse.slices`); None: a pass of another shape
+        #: (slice size, end[, prompt length]): a prefill in fixed slices computed it, its KV below
+        #: ``end`` what any such prefill computes there (:mod:`kvrag.engine.reuse.slices`); None: a
+        #: pass of another shape
         self.slices: tuple[int, ...] | None = None
 
-    def _values(self) -> torch.Tensor:
-        """[L, Hkv, extra_end - start, D]: every kept value (a view of the pass's buffer, if given one)."""
-        return self._v if self._v is not None else self._values_in.v[:, :, self.start : self.extra_end]
-
     def _keys(self) -> torch.Tensor:
-        """[L, Hkv, extra_end - start, D]: every kept key (made head-major once, if kept token-major)."""
-        if self._token_major:
-            self._k, self._token_major = self._k.transpose(1, 2).contiguous(), False
+        """[L, Hkv, extra_end - start, D]: every kept key (made head-major once)."""
+        if self._k_tm:
+            self._k, self._k_tm = self._k.transpose(1, 2).contiguous(), False
         return self._k
+
+    def _values(self) -> torch.Tensor:
+        """[L, Hkv, extra_end - start, D]: every kept value (made head-major once; a view of the
+        pass's buffer, if given one)."""
+        if self._v is None:
+            return self._values_in.v[:, :, self.start : self.extra_end]
+        if self._v_tm:
+            self._v, self._v_tm = self._v.transpose(1, 2).contiguous(), False
+        return self._v
 
     @property
     def k(self) -> torch.Tensor:
@@ -147,7 +149,7 @@ class KVCapture:
         if self.extra_end == self.end:
             if self._v is None:  # read from the pass's buffer once
                 self._v, self._values_in = self._values().clone(), None
-            return self._v
+            return self._values()
         return self._split()[1]
 
     def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,27 +168,42 @@ class KVCapture:
     def take(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
         """Keep the captured positions' K/V of one layer; ``rows``: the host's facts about ``pos``."""
         start, end = self.start, self.extra_end
-        # kept token-major: the rows [R, Hkv, D] go to [T, Hkv, D]; else [Hkv, R, D] to [Hkv, T, D]
-        keys, k_rows = (self._k[layer], k.transpose(0, 1)) if self._token_major else (self._k[layer], k)
-        at = 0 if self._token_major else 1  # the positions' dimension
+        # token-major: the rows [R, Hkv, D] go to [T, Hkv, D]; head-major (read already): [Hkv, R, D] to [Hkv, T, D]
+        kept = [(self._k[layer], k.transpose(0, 1) if self._k_tm else k, 0 if self._k_tm else 1)]
+        if self._v is not None:
+            kept.append((self._v[layer], v.transpose(0, 1) if self._v_tm else v, 0 if self._v_tm else 1))
         if rows.contiguous:  # rows are positions [first, last]: slice, no masks
             a, b = max(start, rows.first), min(end, rows.last + 1)
             if a < b:
-                keys.narrow(at, a - start, b - a).copy_(k_rows.narrow(at, a - rows.first, b - a))
-                if self._v is not None:
-                    self._v[layer, :, a - start : b - start] = v[:, a - rows.first : b - rows.first]
+                for dst, src, dim in kept:
+                    _serial_copy(dst, dim, a - start, src, a - rows.first, b - a)
             return
         if self._rows is not pos:  # the same rows in every layer until a selector drops some: look once
             sel = (pos >= start) & (pos < end)
             self._rows, self._sel = pos, (None if not bool(sel.any()) else sel)
         if self._sel is not None:
             idx = pos[self._sel] - start
-            if self._token_major:
-                keys[idx] = k_rows[self._sel]
-            else:
-                keys[:, idx] = k[:, self._sel]
-            if self._v is not None:
-                self._v[layer][:, idx] = v[:, self._sel]
+            for dst, src, dim in kept:
+                if dim == 0:
+                    dst[idx] = src[self._sel]
+                else:
+                    dst[:, idx] = src[:, self._sel]
+
+
+#: Elements a copy runs on one thread (torch's intra-op grain size: a larger copy is split over the
+#: pool, and a few-row copy inside a prefill then waits ~50 us on the other threads, measured: 4x
+#: the copy itself; a capture takes a few such copies per layer).
+_SERIAL_ELEMENTS = 32768
+
+
+def _serial_copy(dst: torch.Tensor, dim: int, at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+    """``dst.narrow(dim, at, n).copy_(src.narrow(dim, src_at, n))``, in pieces small enough to run
+    on the calling thread alone."""
+    per_row = dst.numel() // max(1, dst.shape[dim])
+    step = max(1, (_SERIAL_ELEMENTS - 1) // max(1, per_row))
+    for i in range(0, n, step):
+        m = min(step, n - i)
+        dst.narrow(dim, at + i, m).copy_(src.narrow(dim, src_at + i, m))
 
 
 @dataclass(frozen=True, slots=True)
