@@ -146,7 +146,11 @@ def main() -> None:
         f"answer drift {drift(engine, prompt_chain, q2, answers[(q2, 'full prefill')]):.3f} nats/token"
     )
     identical = msg.content == answers[(q2, "full prefill")]
-    how = "in bf16, bit for bit only with deterministic=True" if engine.info().dtype == "bfloat16" else "float32"
+    how = (
+        "bf16: bit for bit by construction only with deterministic=True"
+        if engine.info().dtype == "bfloat16"
+        else "float32"
+    )
     print(f"  identical to the full prefill's answer: {identical} ({how})")
 
 
