@@ -67,7 +67,7 @@ class Plan:
     exact_records: list[tuple[int, KVRecord]] = field(default_factory=list)  # (start, record) of exact variants
     chunks: list[ChunkUse] = field(default_factory=list)
     #: the prompt's tail (what follows its last chunk) held exactly with its last token's hidden state:
-    #: (start, record), also in ``exact_records``; only text between chunks not cached is computed
+    #: (start, record), also in ``exact_records``; text between chunks not held (``gap_digests``) is computed
     tail: tuple[int, KVRecord] | None = None
     tail_digest: str | None = None  # what names the tail's KV: every token before it (None: no tail)
     #: text between chunks (a separator, a source's number) that exact KV may precede: segment index ->
@@ -240,9 +240,9 @@ class Planner:
         ``source="tree"``; another is blended, ``source="store"``). The prompt's last token is never
         reused: its logits start decoding, except where the prompt's **tail** (what follows its last
         chunk, the question) is held exactly, behind exactly the tokens before it, with the hidden
-        state of its last token: a prompt seen before whose KV before the tail is exact (reused
-        exactly, or text between chunks computed) computes nothing more (the exact prefix stops at
-        the tail, where its record starts).
+        state of its last token; text between chunks is held alike (``kind="gap"``, no hidden state)
+        where nothing before it is blended: a prompt seen before whose KV before the tail is exact
+        computes nothing more (the exact prefix stops at the tail, where its record starts).
 
         ``exact_only`` (with ``mode="prefix"``) also reuses exact chunk variants, and nothing blended:
         its prefill computes exactly what a full prefill does (the knowledge tree's refresh). Its
