@@ -282,7 +282,9 @@ def test_a_restarted_engine_finds_the_warms_second_variants(tiny_model, tiny_tok
         again.close()
 
 
-def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(tiny_model, tiny_tokenizer, tmp_path):
+def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
     docs = make_docs(4, seed=9)
     eng = engine(tiny_model, tiny_tokenizer, tmp_path, loading_controller=True)
     eng.warm(docs)
@@ -293,6 +295,10 @@ def test_loading_controller_raises_the_ratio_only_when_loading_is_slow(tiny_mode
     assert fast.stats.recompute_ratio == 0.15 and [c.tier for c in fast.stats.chunks] == ["disk"] * 4
     eng.store.memory.clear()
     eng.store.meter.add(1, 10**6)  # now a very slow one: recompute everything while waiting
+    # and slow indeed: the tiny records would otherwise be read in whole before the prefill decides
+    # (nothing left to load: nothing to hide under), as the planner's lookups take their time
+    read = serial.Entry.read_layer_parts
+    monkeypatch.setattr(serial.Entry, "read_layer_parts", lambda *a: (time.sleep(0.01), read(*a))[1])
     slow = eng.generate(docs, PREFIX, SUFFIX, recompute_ratio=0.15)
     assert slow.stats.recompute_ratio > 0.15 and eng.costs.loading.last["t_load"] > 0
     eng.close()
