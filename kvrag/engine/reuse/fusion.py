@@ -221,9 +221,9 @@ def _sliced(
     ids = torch.tensor(plan.ids, dtype=torch.long, device=adapter.device)  # [N]
     capture, chunk_caps, tail, gaps = _captures(adapter, plan, options)
     canonical = n - n % size  # the end of the prompt's last full slice: past it, what a prompt this long computes
-    for cap in _distinct(capture, *chunk_caps.values(), *gaps.values(), tail):
-        cap.slices = (size, canonical, n)
     captures = _distinct(capture, *chunk_caps.values(), *gaps.values(), tail)
+    for cap in captures:
+        cap.slices = (size, canonical, n)
     middles = [m for c in chunk_caps.values() for m in block_middles(c.start, c.end, STATS_STRIDE)]
     tap = Tap(sorted(middles), adapter.n_layers) if middles else None
     source = None

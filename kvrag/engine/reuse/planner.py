@@ -316,11 +316,8 @@ class Planner:
         if use_prefix and tail_start < plan.num_tokens:
             plan.tail_digest = exact.at(tail_start)
             if not plan.chunk_records:  # what comes before the tail is exact: cached so, or computed
-                tokens = plan.ids[tail_start:]
-                rec = self.prefix_cache.lookup_tail(
-                    plan.tail_digest, tokens, namespace=namespace, quiet=quiet, slice_tokens=self.slice_tokens
-                )
-                if rec is not None and rec.kv_shape == self.kv_shape:
+                rec = self._held_behind(plan, plan.tail_digest, plan.ids[tail_start:], "tail", quiet)
+                if rec is not None:
                     plan.tail = (tail_start, rec)
                     plan.exact_records.append(plan.tail)
         return plan
@@ -331,8 +328,14 @@ class Planner:
         digest = plan.gap_digests[i] = exact.at(s.start)
         if plan.chunk_records:
             return
-        rec = self.prefix_cache.lookup_tail(
-            digest, list(s.ids), namespace=plan.namespace, quiet=quiet, kind="gap", slice_tokens=self.slice_tokens
-        )
-        if rec is not None and rec.kv_shape == self.kv_shape:
+        rec = self._held_behind(plan, digest, list(s.ids), "gap", quiet)
+        if rec is not None:
             plan.exact_records.append((s.start, rec))
+
+    def _held_behind(self, plan: Plan, before: str, tokens: list[int], kind: str, quiet: bool) -> KVRecord | None:
+        """The ``kind`` record (a tail, text between chunks) held for ``tokens`` behind ``before``, if
+        its KV has the model's shape."""
+        rec = self.prefix_cache.lookup_tail(
+            before, tokens, namespace=plan.namespace, quiet=quiet, kind=kind, slice_tokens=self.slice_tokens
+        )
+        return rec if rec is not None and rec.kv_shape == self.kv_shape else None

@@ -172,12 +172,7 @@ class PrefixCache:
         """Keep the pre-RoPE KV ``k``/``v`` [L, Hkv, T, D] of text between chunks, computed exactly
         behind ``before`` (``slices``: as :meth:`insert`'s, text held without their mark replaced). Returns
         the number of new records (0 or 1)."""
-        key = self.tail_key(before, tokens, namespace, "gap")
-        if not self._replaces(key, slices):
-            return 0
-        meta = {"before": before} if slices is None else mark({"before": before}, *slices)
-        rec = KVRecord(token_ids=torch.tensor(tokens), k=k, v=v, kind="gap", context="exact", meta=meta)
-        return int(self.store.put(key, rec))
+        return self._insert_behind("gap", before, tokens, k, v, namespace, slices, {})
 
     def insert_tail(
         self,
@@ -193,18 +188,16 @@ class PrefixCache:
         """Keep a tail's pre-RoPE KV ``k``/``v`` [L, Hkv, T, D], computed exactly behind ``before``, and
         the prompt's last hidden state [1, E] (``slices``: as :meth:`insert`'s, a tail held without
         their mark replaced). Returns the number of new records (0 or 1)."""
-        key = self.tail_key(before, tokens, namespace)
+        stats = {"last_hidden": last_hidden.float()}
+        return self._insert_behind("tail", before, tokens, k, v, namespace, slices, stats)
+
+    def _insert_behind(self, kind: str, before: str, tokens: list[int], k, v, namespace: str, slices, stats) -> int:
+        """Keep a ``kind`` record (a tail, text between chunks) named by ``before`` and its ``tokens``."""
+        key = self.tail_key(before, tokens, namespace, kind)
         if not self._replaces(key, slices):
             return 0
-        rec = KVRecord(
-            token_ids=torch.tensor(tokens),
-            k=k,
-            v=v,
-            kind="tail",
-            context="exact",
-            meta={"before": before} if slices is None else mark({"before": before}, *slices),
-            stats={"last_hidden": last_hidden.float()},
-        )
+        meta = {"before": before} if slices is None else mark({"before": before}, *slices)
+        rec = KVRecord(token_ids=torch.tensor(tokens), k=k, v=v, kind=kind, context="exact", meta=meta, stats=stats)
         return int(self.store.put(key, rec))
 
     def _replaces(self, key: StoreKey, slices: tuple[int, ...] | None) -> bool:
