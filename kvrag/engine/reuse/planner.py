@@ -278,10 +278,13 @@ class Planner:
         exact = ExactDigest(plan.ids)
         before: list[str] = []  # content ids of the chunks so far
         first_chunk = plan.first_chunk_start()
+        held_to = plan.prefix_len  # [0, held_to) gets exact KV from the cache, so far
         for i, s in enumerate(segments):
             if s.kind != "chunk":
                 if use_prefix and plan.prefix_len <= s.start and first_chunk < s.start and s.end <= tail_start:
-                    self._gap(plan, i, s, exact, quiet)
+                    plan.gap_digests[i] = exact.at(s.start)
+                    if held_to == s.start and self._gap(plan, s, plan.gap_digests[i], quiet):
+                        held_to = s.end
                 continue
             key = self.chunk_key(s.ids, namespace)
             use = ChunkUse(i, s.start, len(s.ids), key, False, "computed", context=tuple(before))
@@ -308,6 +311,8 @@ class Planner:
             if exact_here:
                 use.source = "tree"
                 plan.exact_records.append((s.start, rec))
+                if held_to == s.start:
+                    held_to = s.end
             else:
                 use.source = "store"
                 plan.chunk_records.append((s.start, rec))
@@ -315,22 +320,24 @@ class Planner:
                 self.variants.used(info, use.fix)
         if use_prefix and tail_start < plan.num_tokens:
             plan.tail_digest = exact.at(tail_start)
-            if not plan.chunk_records:  # what comes before the tail is exact: cached so, or computed
+            if not plan.chunk_records and held_to == tail_start:  # all before the tail is exact KV held
                 rec = self._held_behind(plan, plan.tail_digest, plan.ids[tail_start:], "tail", quiet)
                 if rec is not None:
                     plan.tail = (tail_start, rec)
                     plan.exact_records.append(plan.tail)
         return plan
 
-    def _gap(self, plan: Plan, i: int, s: Segment, exact: ExactDigest, quiet: bool) -> None:
-        """Text between chunks: named by every token before it; its KV held exactly is reused when
-        nothing before it is blended (a prompt asked again places it instead of computing it)."""
-        digest = plan.gap_digests[i] = exact.at(s.start)
+    def _gap(self, plan: Plan, s: Segment, digest: str, quiet: bool) -> bool:
+        """Text between chunks, named by every token before it (``digest``): its KV held exactly is
+        reused when nothing before it is blended (a prompt asked again places it instead of computing
+        it). Looked up only behind KV held exactly (the caller's check): behind a miss it would save
+        a few tokens for a store round trip. Whether it is held."""
         if plan.chunk_records:
-            return
+            return False
         rec = self._held_behind(plan, digest, list(s.ids), "gap", quiet)
         if rec is not None:
             plan.exact_records.append((s.start, rec))
+        return rec is not None
 
     def _held_behind(self, plan: Plan, before: str, tokens: list[int], kind: str, quiet: bool) -> KVRecord | None:
         """The ``kind`` record (a tail, text between chunks) held for ``tokens`` behind ``before``, if

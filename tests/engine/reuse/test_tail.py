@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvrag import Engine, SamplingParams
+from kvrag.engine.reuse.prefix import PrefixCache
 from tests.helpers import PREFIX, SUFFIX, as_dtype, make_docs
 
 
@@ -101,6 +102,33 @@ def test_text_between_chunks_is_held_like_the_tail(tiny_model, tiny_tokenizer, d
         s = again.stats
         assert s.computed_tokens == 0 and s.exact_tokens == s.prompt_tokens and s.chunk_hits == 3
         assert again.token_ids == first.token_ids == engine.generate(prompt=prompt, mode="full").token_ids
+
+
+def test_text_between_chunks_and_the_tail_are_looked_up_only_behind_held_kv(tiny_model, tiny_tokenizer, monkeypatch):
+    """A miss makes no lookup for its separators or its tail (with a remote tier each is a round
+    trip): they are looked up only where everything before them is exact KV held in the cache."""
+    looked: list[str] = []
+    real = PrefixCache.lookup_tail
+
+    def counted(self, before, tokens, **kw):
+        looked.append(kw.get("kind", "tail"))
+        return real(self, before, tokens, **kw)
+
+    monkeypatch.setattr(PrefixCache, "lookup_tail", counted)
+    engine = make(tiny_model, tiny_tokenizer)
+    with engine:
+        docs = make_docs(3, seed=68)
+        prompt = _separated(engine, docs)
+        cold = engine.generate(prompt=prompt)
+        engine.flush()
+        assert cold.stats.computed_tokens == cold.stats.prompt_tokens and looked == []
+        again = engine.generate(prompt=prompt)
+        engine.flush()
+        assert again.stats.computed_tokens == 0 and sorted(looked) == ["gap", "gap", "tail"]
+        looked.clear()
+        other = _separated(engine, [make_docs(1, seed=69)[0]] + docs[1:])  # a new first document
+        engine.generate(prompt=other)
+        assert looked == []
 
 
 def test_text_between_chunks_after_blended_kv_is_computed(tiny_model, tiny_tokenizer):
