@@ -144,7 +144,9 @@ def attention(
         out = _cpu_row(q, q_pos, k, v, scale, window, span)
         if out is not None:
             return out
-    return attention_ref(q, q_pos, k, v, scale, masks=masks, window=window, span=span, split_tail=split_tail)
+    return attention_ref(
+        q, q_pos, k, v, scale, masks=masks, window=window, span=span, split_tail=split_tail, decode=decode
+    )
 
 
 def _cpu_row(q, q_pos, k, v, scale: float, window: int | None, span) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ __all__ = [
     "contiguous_tail",
     "attention_ref",
     "tail_attention",
+    "aligned_attention",
     "kv_deviation_ref",
     "topk_ref",
     "QUERY_BLOCK",
@@ -31,6 +32,10 @@ QUERY_BLOCK = 64
 #: keys, rows in 16-token runs): equal at 71% of the positions (ratio 1.4); one causal pass 1.5x
 #: faster at 86% (a blend with one chunk cached of six), the blocks 3.7x faster at 18% (a 15% blend).
 CAUSAL_PAIRS_FACTOR = 1.4
+#: :func:`aligned_attention`: PyTorch's CPU flash attention's block of keys; and the keys from
+#: which rows take it (below, padding to a whole block costs more: a 274-token full prefill 1.08x).
+KEY_BLOCK = 512
+ALIGNED_MIN_KEYS = 1024
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -85,6 +90,7 @@ def attention_ref(
     window: int | None = None,
     span: tuple[int, int] | None = None,
     split_tail: bool = False,
+    decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query rows at given positions over a full KV sequence.
 
@@ -105,6 +111,8 @@ def attention_ref(
         split_tail: rows at the end of the keys after cached ones go through :func:`tail_attention`
             on a CPU (a deterministic prefill's slices); otherwise they take the paths that give one
             pass's bits where those apply (ratio 1.0 and a prefix hit equal the full prefill).
+        decode: a decode step's row (one row over its sequence: no padding); a prefill's rows from
+            :data:`ALIGNED_MIN_KEYS` keys on a CPU, one row too, take :func:`aligned_attention`.
 
     Returns:
         [H, Tq, D]; row i attends to keys 0..q_pos[i] (the last ``window`` of them with a window).
@@ -117,6 +125,8 @@ def attention_ref(
     if window is not None and last < window:
         window = None  # every row sees all the keys before it anyway
     if window is None and contiguous_tail(first, last, tq, s):  # plain causal attention
+        if not decode and s >= ALIGNED_MIN_KEYS and not split_tail and q.device.type == "cpu":
+            return aligned_attention(q, k, v, scale, masks)
         if tq == s:
             return F.scaled_dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
@@ -170,6 +180,65 @@ def attention_ref(
             enable_gqa=gqa,
         )[0]
     return out
+
+
+def aligned_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, masks: dict | None = None
+) -> torch.Tensor:
+    """The last ``T`` positions' rows q [H, T, D] over all of k/v [Hkv, S, D] (S >= T), causal, with
+    every row's bits a function of its position and the keys before it only: a prompt's full
+    prefill, the same prompt's rows after an exact prefix computed by another, longer or shorter,
+    prompt, and the rows of any other split give the same bits (the default engine's exact reuse is
+    identical to the full prefill; ``deterministic`` slices are the other way).
+
+    PyTorch's CPU flash attention walks the keys in blocks of :data:`KEY_BLOCK`, the last of them cut
+    at the sequence's end, and multiplies a block of queries at a time, a block of one or two rows
+    rounding unlike a larger one; both make a row's result depend on the prompt's length. Here the
+    keys are zero-padded to a whole block (masked for every row: they add exact zeros) and the
+    queries by up to 3 rows (:func:`whole_row_blocks`; their outputs dropped). Rows from the start
+    (a full prefill; a short cached prefix pads the queries at the front) take one causal call;
+    rows after a longer cached prefix one call with a mask, which takes the same blocks.
+
+    :func:`attention_ref` takes it on a CPU from :data:`ALIGNED_MIN_KEYS` keys: RAG prompts. Measured
+    on a 2-core AMD EPYC (bf16, bundled SmolLM2, a full prefill paired with one plain causal call):
+    1.015x at 3,552 tokens, 1.025x at 1,154; 1.08x at 274 and 590 (not taken there); a new question's
+    ~20 rows after cached documents +4 to +12 ms (1.06-1.13x: they read the padded keys). Bits identical
+    to the prefix of a longer pass and to the rows after any cached prefix (random inputs, bf16 and
+    float32); the linear layers' rows are the same bits in any row count there (measured).
+    """
+    tq, s = q.shape[1], k.shape[1]
+    first = s - tq
+    gqa = q.shape[0] != k.shape[0]
+    n = -(-s // KEY_BLOCK) * KEY_BLOCK
+    if n > s:
+        k, v = F.pad(k, (0, 0, 0, n - s)), F.pad(v, (0, 0, 0, n - s))
+    if first <= tq:  # one causal call from position 0: wastes first^2/2 of work, less than a mask
+        rows = whole_row_blocks(s)
+        padded = F.pad(q, (0, 0, first, rows - s))
+        out = F.scaled_dot_product_attention(
+            padded[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        return out[0, :, first:s]
+    rows = whole_row_blocks(tq)
+    masks = {} if masks is None else masks
+    mask = masks.get("aligned")
+    if mask is None or mask.dtype != q.dtype or mask.shape != (rows, n):
+        pos = torch.arange(first, first + rows, device=q.device).clamp_(max=s - 1)[:, None]
+        hidden = torch.arange(n, device=q.device)[None, :] > pos
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        masks["aligned"] = mask
+    padded = F.pad(q, (0, 0, 0, rows - tq))
+    out = F.scaled_dot_product_attention(padded[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0, :, :tq]
+
+
+def whole_row_blocks(rows: int) -> int:
+    """``rows`` or a few more, so that PyTorch's CPU flash attention cuts no block of 1-3 query rows
+    (its row blocks: 32 rows under 192 queries, 64 under 768, else 256): such a block's products round
+    unlike a larger block's (measured, bf16 and float32)."""
+    while (rows % (32 if rows < 192 else 64 if rows < 768 else 256)) in (1, 2, 3):
+        rows += 1
+    return rows
 
 
 def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

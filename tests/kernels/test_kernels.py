@@ -424,3 +424,30 @@ def test_auto_backend_keeps_contiguous_rows_on_fused_attention():
     assert not _contiguous_tail(torch.tensor([3, 9, 41]), 3, 42, None)  # a blend's scattered rows
     assert not _contiguous_tail(torch.arange(30, 40), 10, 42, None)  # not the last rows
     assert not _contiguous_tail(torch.arange(10), 10, 10, 4)  # sliding-window layer: the kernel's masks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_bits_do_not_depend_on_the_prompts_length_or_split(dtype):
+    """From :data:`~kvrag.kernels.reference.ALIGNED_MIN_KEYS` keys on a CPU, a row's attention is a
+    function of its position and the keys before it: a full pass's rows equal a shorter pass's (the
+    prefix another prompt computed) and the rows after any cached prefix (a 1-3 row tail included),
+    bit for bit; and within a float64 softmax's rounding of the truth."""
+    h, hkv, d = 6, 2, 16
+    s = 1500
+    q, k, v = (
+        rand(*shape, seed=seed).to(dtype) for shape, seed in (((h, s, d), 41), ((hkv, s, d), 42), ((hkv, s, d), 43))
+    )
+    full = R.attention_ref(q, torch.arange(s), k, v, 0.25)
+    for short in (1030, 1025, 1100):  # a shorter prompt's pass: its last blocks cut elsewhere
+        got = R.attention_ref(q[:, :short], torch.arange(short), k[:, :short], v[:, :short], 0.25)
+        assert torch.equal(got, full[:, :short]), short
+    for first in (1499, 1498, 1497, 1470, 1200, 900, 400):  # rows after cached keys
+        got = R.attention_ref(q[:, first:], torch.arange(first, s), k, v, 0.25)
+        assert torch.equal(got, full[:, first:]), first
+    kk, vv = k.double().repeat_interleave(3, dim=0), v.double().repeat_interleave(3, dim=0)
+    scores = (q.double() @ kk.transpose(1, 2)) * 0.25
+    truth = (
+        torch.softmax(scores.masked_fill(torch.arange(s)[None, :] > torch.arange(s)[:, None], float("-inf")), -1) @ vv
+    )
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(full.double(), truth, rtol=tol, atol=tol)

@@ -7,7 +7,7 @@ import pytest
 
 from kvrag import Engine, SamplingParams
 from kvrag.engine.reuse.prefix import PrefixCache
-from tests.helpers import PREFIX, SUFFIX, as_dtype, make_docs
+from tests.helpers import PREFIX, SUFFIX, as_dtype, make_docs, make_tiny_model
 
 
 def make(model, tok, **kw) -> Engine:
@@ -177,3 +177,20 @@ def test_a_held_tail_gives_way_to_a_conversations_own_kv(tiny_model, tiny_tokeni
         turn = engine.generate(prompt=p2, conversation_id="c")
         assert turn.stats.conversation_tokens > 0 and turn.stats.computed_tokens > 0
         assert turn.token_ids == engine.generate(prompt=p2, mode="full").token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_documents_stored_behind_another_question_answer_as_the_full_prefill(tiny_tokenizer, dtype):
+    """The default engine (no ``deterministic`` slices), a RAG-sized prompt (over 1,024 tokens: rows
+    attend with :func:`~kvrag.kernels.reference.aligned_attention`): documents computed exactly behind
+    one question, then asked with another, reuse the documents' KV and compute the new question over
+    it, and answer with the full prefill's tokens."""
+    model = make_tiny_model(len(tiny_tokenizer), max_position_embeddings=2048)
+    engine = make(as_dtype(model, dtype), tiny_tokenizer)
+    with engine:
+        docs = make_docs(3, words=400, seed=69)
+        ask(engine, docs, "question: who built the bridge?<|im_end|>\n<|im_start|>assistant\n")
+        got = ask(engine, docs)
+        s = got.stats
+        assert s.prompt_tokens > 1024 and s.exact_tokens > 1000 and 0 < s.computed_tokens < 60, s
+        assert got.token_ids == ask(engine, docs, mode="full").token_ids
