@@ -147,7 +147,7 @@ def main() -> None:
     )
     identical = msg.content == answers[(q2, "full prefill")]
     how = (
-        "bf16: bit for bit by construction only with deterministic=True"
+        "bf16: bit for bit by construction from 1,024-token prompts, or any with deterministic=True"
         if engine.info().dtype == "bfloat16"
         else "float32"
     )

@@ -96,7 +96,7 @@ def test_langchain_rag_shows_cached_and_full_answers_and_their_drift(tmp_path):
     ]
     # computed exactly while the engine was idle, all of it: the documents, the text between them, the question
     assert exact == prompt
-    # said either way (bit for bit by construction needs deterministic=True in bf16: docs/results.md#exact-reuse)
+    # said either way (bf16: bit for bit by construction from 1,024 tokens or with deterministic=True)
     assert lines(out, r"  identical to the full prefill's answer: (True|False) ")
 
 
