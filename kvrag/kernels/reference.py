@@ -192,7 +192,7 @@ def aligned_attention(
     identical to the full prefill; ``deterministic`` slices are the other way).
 
     PyTorch's CPU flash attention walks the keys in blocks of :data:`KEY_BLOCK`, the last of them cut
-    at the sequence's end, and multiplies a block of queries at a time, a block of one or two rows
+    at the sequence's end, and multiplies a block of queries at a time, a block of one to three rows
     rounding unlike a larger one; both make a row's result depend on the prompt's length. Here the
     keys are zero-padded to a whole block (masked for every row: they add exact zeros) and the
     queries by up to 3 rows (:func:`whole_row_blocks`; their outputs dropped). Rows from the start
