@@ -201,7 +201,7 @@ def aligned_attention(
 
     :func:`attention_ref` takes it on a CPU from :data:`ALIGNED_MIN_KEYS` keys: RAG prompts. Measured
     on a 2-core AMD EPYC (bf16, bundled SmolLM2, a full prefill paired with one plain causal call):
-    1.015x at 3,552 tokens, 1.025x at 1,154; 1.08x at 274 and 590 (not taken there); a new question's
+    1.012x at 3,552 tokens, 1.017x at 1,154; 1.08x at 274 and 590 (not taken there); a new question's
     ~20 rows after cached documents +4 to +12 ms (1.06-1.13x: they read the padded keys). Bits identical
     to the prefix of a longer pass and to the rows after any cached prefix (random inputs, bf16 and
     float32); the linear layers' rows are the same bits in any row count there (measured).
@@ -214,7 +214,7 @@ def aligned_attention(
         k, v = F.pad(k, (0, 0, 0, n - s)), F.pad(v, (0, 0, 0, n - s))
     if first <= tq:  # one causal call from position 0: wastes first^2/2 of work, less than a mask
         rows = whole_row_blocks(s)
-        padded = F.pad(q, (0, 0, first, rows - s))
+        padded = F.pad(q, (0, 0, first, rows - s)) if rows > tq else q  # a full prefill seldom needs a copy
         out = F.scaled_dot_product_attention(
             padded[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa
         )
@@ -227,7 +227,7 @@ def aligned_attention(
         hidden = torch.arange(n, device=q.device)[None, :] > pos
         mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
         masks["aligned"] = mask
-    padded = F.pad(q, (0, 0, 0, rows - tq))
+    padded = F.pad(q, (0, 0, 0, rows - tq)) if rows > tq else q
     out = F.scaled_dot_product_attention(padded[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0, :, :tq]
 

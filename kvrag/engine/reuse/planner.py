@@ -320,7 +320,7 @@ class Planner:
                 self.variants.used(info, use.fix)
         if use_prefix and tail_start < plan.num_tokens:
             plan.tail_digest = exact.at(tail_start)
-            if not plan.chunk_records and held_to == tail_start:  # all before the tail is exact KV held
+            if held_to == tail_start:  # all before the tail is exact KV held (so nothing blended)
                 rec = self._held_behind(plan, plan.tail_digest, plan.ids[tail_start:], "tail", quiet)
                 if rec is not None:
                     plan.tail = (tail_start, rec)
@@ -330,10 +330,8 @@ class Planner:
     def _gap(self, plan: Plan, s: Segment, digest: str, quiet: bool) -> bool:
         """Text between chunks, named by every token before it (``digest``): its KV held exactly is
         reused when nothing before it is blended (a prompt asked again places it instead of computing
-        it). Looked up only behind KV held exactly (the caller's check): behind a miss it would save
-        a few tokens for a store round trip. Whether it is held."""
-        if plan.chunk_records:
-            return False
+        it). Looked up only behind KV held exactly (the caller's check, so nothing before it is
+        blended): behind a miss it would save a few tokens for a store round trip. Whether it is held."""
         rec = self._held_behind(plan, digest, list(s.ids), "gap", quiet)
         if rec is not None:
             plan.exact_records.append((s.start, rec))
